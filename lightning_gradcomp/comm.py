@@ -1,0 +1,218 @@
+"""Byte-counting wrappers over ``torch.distributed`` collectives.
+
+Every collective the library issues goes through :class:`Comm`, which adds the bytes *this rank*
+puts on the wire to a :class:`CommStats`, using the standard bandwidth-optimal algorithm formulas
+(``B`` is the payload of one rank in bytes, ``W`` the world size):
+
+=====================  ==========================
+collective             bytes sent per rank
+=====================  ==========================
+all-reduce (ring)      ``2 (W - 1) / W * B``
+all-gather             ``(W - 1) * B``
+broadcast              ``B``
+all-to-all             ``(W - 1) / W * B``
+point-to-point send    ``B``
+=====================  ==========================
+
+The formulas are pure functions so tests can check counts against them without processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+__all__ = [
+    "Comm",
+    "CommStats",
+    "LayerStats",
+    "all_gather_bytes",
+    "all_reduce_bytes",
+    "all_to_all_bytes",
+    "broadcast_bytes",
+    "completed_future",
+    "p2p_bytes",
+]
+
+LayerShares = Sequence[tuple[str, int]]
+"""(layer name, number of elements of the payload that belong to that layer)."""
+
+
+def all_reduce_bytes(payload_bytes: int, world_size: int) -> float:
+    """Bytes one rank sends in a ring all-reduce of ``payload_bytes``."""
+    return 2.0 * (world_size - 1) / world_size * payload_bytes
+
+
+def all_gather_bytes(payload_bytes: int, world_size: int) -> float:
+    """Bytes one rank sends in an all-gather where every rank contributes ``payload_bytes``."""
+    return float((world_size - 1) * payload_bytes)
+
+
+def broadcast_bytes(payload_bytes: int, world_size: int) -> float:
+    """Bytes one rank sends in a pipelined broadcast of ``payload_bytes`` (0 when alone)."""
+    return float(payload_bytes) if world_size > 1 else 0.0
+
+
+def all_to_all_bytes(payload_bytes: int, world_size: int) -> float:
+    """Bytes one rank sends in an all-to-all of a ``payload_bytes`` input split into W chunks."""
+    return (world_size - 1) / world_size * payload_bytes
+
+
+def p2p_bytes(payload_bytes: int, world_size: int) -> float:
+    """Bytes sent by a point-to-point send of ``payload_bytes``."""
+    return float(payload_bytes)
+
+
+def completed_future(value: Any) -> Future:
+    """A Future that is already resolved with ``value``."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+@dataclass
+class LayerStats:
+    """Cumulative per-layer figures for one rank (bytes are summed over steps)."""
+
+    numel: int = 0
+    compressed: bool = False
+    param: Optional[float] = None
+    wire_bytes: float = 0.0
+    dense_bytes: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Dense-equivalent bytes divided by wire bytes (``inf`` if nothing was sent)."""
+        return self.dense_bytes / self.wire_bytes if self.wire_bytes else float("inf")
+
+
+@dataclass
+class CommStats:
+    """Cumulative communication figures of one rank.
+
+    Attributes:
+        wire_bytes: bytes this rank put on the wire, by the formulas in this module.
+        dense_bytes: bytes dense DDP (fp32 ring all-reduce of every bucket) would have sent.
+        steps: optimizer steps whose gradients went through the hook.
+        compressed_steps: steps at which the compressor ran (after ``start_step``).
+        collectives: number of collectives issued.
+        nonfinite_steps: buckets that held NaN/Inf on some rank and were reduced densely.
+        hook_seconds: wall time spent in the hook body and its callbacks.
+        layers: per-layer figures, keyed by parameter name.
+    """
+
+    wire_bytes: float = 0.0
+    dense_bytes: float = 0.0
+    steps: int = 0
+    compressed_steps: int = 0
+    collectives: int = 0
+    nonfinite_steps: int = 0
+    hook_seconds: float = 0.0
+    layers: dict[str, LayerStats] = field(default_factory=dict)
+
+    @property
+    def compression_ratio(self) -> float:
+        """Dense-equivalent bytes divided by wire bytes (1.0 before any traffic)."""
+        return self.dense_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+    def layer(self, name: str) -> LayerStats:
+        """The (created on demand) figures of one layer."""
+        if name not in self.layers:
+            self.layers[name] = LayerStats()
+        return self.layers[name]
+
+    def add_wire(self, nbytes: float, shares: Optional[LayerShares] = None) -> None:
+        """Count ``nbytes`` sent, attributing them to layers in proportion to ``shares``."""
+        self.wire_bytes += nbytes
+        self.collectives += 1
+        if not shares:
+            return
+        total = sum(n for _, n in shares)
+        if total <= 0:
+            return
+        for name, n in shares:
+            self.layer(name).wire_bytes += nbytes * n / total
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain, ``weights_only``-loadable representation."""
+        return {
+            "wire_bytes": self.wire_bytes,
+            "dense_bytes": self.dense_bytes,
+            "steps": self.steps,
+            "compressed_steps": self.compressed_steps,
+            "collectives": self.collectives,
+            "nonfinite_steps": self.nonfinite_steps,
+            "hook_seconds": self.hook_seconds,
+            "layers": {k: dict(vars(v)) for k, v in self.layers.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`."""
+        for key in ("wire_bytes", "dense_bytes", "steps", "compressed_steps", "collectives",
+                    "nonfinite_steps", "hook_seconds"):
+            setattr(self, key, state.get(key, getattr(self, key)))
+        self.layers = {k: LayerStats(**v) for k, v in state.get("layers", {}).items()}
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Comm:
+    """Collectives over one process group that count the bytes this rank sends.
+
+    Args:
+        group: the process group (``None``: the default group).
+        stats: where counts go (a new :class:`CommStats` when omitted).
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None) -> None:
+        self.group = group
+        self.stats = stats if stats is not None else CommStats()
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def all_reduce(self, tensor: Tensor, *, async_op: bool = False, op: Any = dist.ReduceOp.SUM,
+                   shares: Optional[LayerShares] = None) -> Optional[Future]:
+        """In-place sum (or ``op``) across ranks. With ``async_op`` returns a ``Future[Tensor]``."""
+        self.stats.add_wire(all_reduce_bytes(_nbytes(tensor), self.world_size), shares)
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        if not async_op:
+            return None
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    def all_gather(self, tensor: Tensor, *, shares: Optional[LayerShares] = None) -> Tensor:
+        """Gather equal-sized ``tensor`` from every rank; returns shape ``(W, *tensor.shape)``."""
+        self.stats.add_wire(all_gather_bytes(_nbytes(tensor), self.world_size), shares)
+        out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, tensor.contiguous().reshape(-1), group=self.group)
+        return out.view(self.world_size, *tensor.shape)
+
+    def broadcast(self, tensor: Tensor, src: int, *, shares: Optional[LayerShares] = None) -> None:
+        """In-place broadcast of ``tensor`` from group rank ``src``."""
+        self.stats.add_wire(broadcast_bytes(_nbytes(tensor), self.world_size), shares)
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+
+    def all_to_all(self, output: Tensor, tensor: Tensor, *, shares: Optional[LayerShares] = None) -> None:
+        """Exchange equal chunks: chunk ``j`` of ``tensor`` goes to rank ``j``, into ``output``."""
+        self.stats.add_wire(all_to_all_bytes(_nbytes(tensor), self.world_size), shares)
+        dist.all_to_all_single(output, tensor, group=self.group)
+
+    def exchange(self, send: Tensor, recv: Tensor, peer: int, *, async_op: bool = False,
+                 shares: Optional[LayerShares] = None) -> list[dist.Work]:
+        """Send ``send`` to and receive ``recv`` from group rank ``peer`` (both posted together)."""
+        self.stats.add_wire(p2p_bytes(_nbytes(send), self.world_size), shares)
+        global_peer = dist.get_global_rank(self.group, peer) if self.group else peer
+        ops = [dist.P2POp(dist.isend, send, global_peer, self.group),
+               dist.P2POp(dist.irecv, recv, global_peer, self.group)]
+        works = dist.batch_isend_irecv(ops)
+        if not async_op:
+            for work in works:
+                work.wait()
+        return works

@@ -1,0 +1,170 @@
+"""The compressor contract.
+
+A compressor reduces the *compressed slots* of one DDP bucket across ranks in one batched protocol.
+The hook engine hands it one flat fp32 tensor per slot (already error-compensated, ``p = m + g``,
+when the compressor uses error feedback) and gets back:
+
+* a ``Future`` resolving to the per-slot *sums over ranks divided by W* (the averaged gradient), and
+* when it uses error feedback, the per-slot residuals ``p - c`` (``c``: this rank's own compressed
+  contribution). A compressor may build the residual in ``p``'s storage: the engine owns ``p``.
+
+Rules: every collective goes through ``ctx.comm`` and is *issued from* :meth:`Compressor.reduce`
+(never from a ``Future`` callback, which deadlocks gloo with several buckets); callbacks do local
+math only. Randomness comes from :meth:`ReduceContext.generator` only.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.futures import Future
+
+from lightning_gradcomp.comm import Comm
+from lightning_gradcomp.plan import LayerSlot
+
+__all__ = ["Compressor", "ReduceContext", "Reduction", "check_number", "split_flat"]
+
+
+def check_number(name: str, value: Any, low: float, high: float, *, low_open: bool = True,
+                 integer: bool = False) -> Any:
+    """Validate a numeric argument against ``(low, high]`` (or ``[low, high]``) and return it.
+
+    Raises:
+        TypeError: ``value`` is not a number (or not an integer when ``integer``).
+        ValueError: ``value`` is outside the range; the message names ``name`` and the range.
+    """
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise TypeError(f"`{name}` must be {kind}, got {value!r}")
+    lo_ok = value > low if low_open else value >= low
+    if not (lo_ok and value <= high):
+        bracket = "(" if low_open else "["
+        raise ValueError(f"`{name}` must be in {bracket}{low}, {high}], got {value!r}")
+    return value
+
+
+@dataclass
+class ReduceContext:
+    """What a compressor may use while reducing one bucket.
+
+    Attributes:
+        comm: byte-counting collectives.
+        step: global optimizer-step counter (identical on all ranks).
+        bucket_index: DDP bucket index.
+        slots: the compressed slots, in buffer order.
+        params: per-slot compression parameter (``ratio``, ``rank``, ``bits``...), in slot order.
+        seed: the strategy's seed.
+    """
+
+    comm: Comm
+    step: int
+    bucket_index: int
+    slots: Sequence[LayerSlot]
+    params: Sequence[Any]
+    seed: int = 0
+
+    @property
+    def rank(self) -> int:
+        """This rank in the reducing group."""
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return self.comm.world_size
+
+    def generator(self, device: torch.device, *, shared: bool, salt: int = 0) -> torch.Generator:
+        """A generator seeded from ``(seed, step, bucket, rank or shared, salt)``.
+
+        ``shared=True`` gives every rank the same stream (shared indices, shared initialisation);
+        ``shared=False`` gives independent per-rank streams (stochastic rounding).
+        """
+        who = -1 if shared else self.rank
+        key = hash((self.seed, self.step, self.bucket_index, who, salt)) & 0x7FFF_FFFF_FFFF_FFFF
+        gen = torch.Generator(device=device)
+        gen.manual_seed(key)
+        return gen
+
+    def shares(self, counts: Sequence[int]) -> list[tuple[str, int]]:
+        """Attribution of a concatenated payload (``counts[i]`` elements of slot ``i``)."""
+        return [(slot.name, int(c)) for slot, c in zip(self.slots, counts)]
+
+
+@dataclass
+class Reduction:
+    """The result of :meth:`Compressor.reduce`.
+
+    Attributes:
+        averaged: resolves to one flat fp32 tensor per slot: ``(1/W) * sum_i c_i``.
+        residuals: per-slot ``p - c`` for error feedback (``None`` when unused).
+    """
+
+    averaged: Future
+    residuals: Optional[list[Tensor]] = None
+
+
+class Compressor(ABC):
+    """Base class: configuration plus optional per-layer persistent state.
+
+    Subclasses set :attr:`param_name` when they have a per-layer parameter that L-GreCo can tune,
+    and validate every constructor argument eagerly.
+    """
+
+    param_name: ClassVar[Optional[str]] = None
+    """Name of the per-layer parameter (``"ratio"``, ``"rank"``, ``"bits"``), or ``None``."""
+
+    dense: ClassVar[bool] = False
+    """True when the compressor is a plain dense all-reduce (the engine takes its fast path)."""
+
+    @property
+    def uses_error_feedback(self) -> bool:
+        """Whether the engine keeps an error-feedback memory for this compressor."""
+        return False
+
+    @property
+    def default_param(self) -> Any:
+        """The uniform per-layer parameter (``None`` when there is none)."""
+        return None if self.param_name is None else getattr(self, self.param_name)
+
+    def check_param(self, value: Any) -> Any:
+        """Validate a per-layer parameter value (overridden by compressors that have one)."""
+        return value
+
+    def accepts(self, slot: LayerSlot) -> bool:
+        """Whether this compressor wants to compress ``slot`` (after the size policy agreed)."""
+        return True
+
+    @abstractmethod
+    def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
+        """Average ``tensors`` (one flat fp32 tensor per compressed slot) across ranks."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-rank persistent state (tensors, numbers, strings only)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
+    def reset_state(self) -> None:
+        """Forget per-rank persistent state (world-size change policy)."""
+
+    def clone(self) -> "Compressor":
+        """A fresh deep copy (strategies never share compressor state)."""
+        return copy.deepcopy(self)
+
+    def extra_repr(self) -> str:
+        """Arguments shown by ``repr``."""
+        return ""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.extra_repr()})"
+
+
+def split_flat(flat: Tensor, counts: Sequence[int]) -> list[Tensor]:
+    """Split a 1-D tensor into consecutive pieces of ``counts`` elements."""
+    return list(torch.split(flat, list(counts)))

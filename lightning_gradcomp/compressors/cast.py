@@ -1,0 +1,42 @@
+"""Cast: all-reduce in 16-bit floating point (like PyTorch's fp16/bf16 compress hooks)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, split_flat
+from lightning_gradcomp.compressors.registry import register
+
+__all__ = ["Cast"]
+
+_ALLOWED = (torch.float16, torch.bfloat16)
+
+
+@register("fp16")
+@register("cast")
+class Cast(Compressor):
+    """Send compressed slots as 16-bit floats: half the bytes of fp32, no error feedback.
+
+    Values are divided by W *before* the cast (avoids fp16 overflow), then summed in ``dtype``.
+
+    Args:
+        dtype: ``torch.float16`` or ``torch.bfloat16`` (``"float16"``/``"bfloat16"`` strings accepted).
+    """
+
+    def __init__(self, dtype: "torch.dtype | str" = torch.float16) -> None:
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
+        if dtype not in _ALLOWED:
+            raise ValueError(f"`dtype` must be torch.float16 or torch.bfloat16, got {dtype!r}")
+        self.dtype: torch.dtype = dtype
+
+    def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
+        """One all-reduce of the concatenated, pre-divided 16-bit slots."""
+        counts = [t.numel() for t in tensors]
+        flat = torch.cat(tensors).div_(ctx.world_size).to(self.dtype)
+        fut = ctx.comm.all_reduce(flat, async_op=True, shares=ctx.shares(counts))
+        return Reduction(averaged=fut.then(lambda f: split_flat(f.value().to(torch.float32), counts)))
+
+    def extra_repr(self) -> str:
+        return f"dtype={self.dtype}"

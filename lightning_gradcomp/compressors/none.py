@@ -1,0 +1,25 @@
+"""NoCompression: the plain dense all-reduce (bit-identical to DDP's default)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, split_flat
+from lightning_gradcomp.compressors.registry import register
+
+__all__ = ["NoCompression"]
+
+
+@register("none")
+class NoCompression(Compressor):
+    """Dense fp32 all-reduce of every bucket; the engine pre-divides by W exactly as DDP does."""
+
+    dense = True
+
+    def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
+        """Average by one all-reduce of the concatenated slots."""
+        counts = [t.numel() for t in tensors]
+        flat = torch.cat(tensors).div_(ctx.world_size)
+        fut = ctx.comm.all_reduce(flat, async_op=True, shares=ctx.shares(counts))
+        return Reduction(averaged=fut.then(lambda f: split_flat(f.value(), counts)))

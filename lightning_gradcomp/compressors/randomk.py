@@ -1,0 +1,70 @@
+"""RandomK: shared-seed random sparsification with an all-reduce of the kept values."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
+from lightning_gradcomp.compressors.registry import register
+from lightning_gradcomp.compressors.sparse import SparseCompressor
+from lightning_gradcomp.functional.sparsify import kept_count, random_indices, scatter_dense
+
+__all__ = ["RandomK"]
+
+
+@register("randomk")
+class RandomK(SparseCompressor):
+    """Keep ``k`` random entries per layer, chosen by a generator shared by all ranks.
+
+    The support is identical everywhere, so the values are all-reduced: bytes per rank are
+    ``2 (W-1)/W * sum_l k_l * value bytes``, independent of W. No indices travel.
+
+    Args:
+        ratio: fraction of each layer's elements kept, in (0, 1].
+        unbiased: scale kept values by ``n / k`` and skip error feedback (unbiased, high variance);
+            the default keeps values unscaled and relies on error feedback.
+        value_dtype: wire dtype of the values (fp32, fp16 or bf16).
+    """
+
+    def __init__(self, ratio: float = 0.01, unbiased: bool = False,
+                 value_dtype: "torch.dtype | str" = torch.float32) -> None:
+        super().__init__(ratio, value_dtype)
+        if not isinstance(unbiased, bool):
+            raise TypeError(f"`unbiased` must be a bool, got {unbiased!r}")
+        self.unbiased = unbiased
+
+    @property
+    def uses_error_feedback(self) -> bool:
+        return not self.unbiased
+
+    def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
+        """Shared indices, one all-reduce of the concatenated values."""
+        ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
+        device = tensors[0].device
+        indices = [random_indices(t.numel(), k, ctx.generator(device, shared=True, salt=i), device)
+                   for i, (t, k) in enumerate(zip(tensors, ks))]
+        values = [t[i] for t, i in zip(tensors, indices)]
+        if self.unbiased:
+            values = [v * (t.numel() / k) for v, t, k in zip(values, tensors, ks)]
+        sent = torch.cat(values).to(self.value_dtype)
+        residuals = None
+        if self.uses_error_feedback:
+            residuals = []
+            for t, idx, v, s in zip(tensors, indices, values, split_flat(sent, ks)):
+                t[idx] = v - s.to(torch.float32)
+                residuals.append(t)
+        sent = sent.div_(ctx.world_size) if self.value_dtype != torch.float32 else sent
+        fut = ctx.comm.all_reduce(sent, async_op=True, shares=ctx.shares(ks))
+        numels = [t.numel() for t in tensors]
+        world = ctx.world_size
+        scale = 1.0 if self.value_dtype != torch.float32 else 1.0 / world
+
+        def decode(f: torch.futures.Future) -> list[Tensor]:
+            summed = f.value().to(torch.float32).mul_(scale)
+            return [scatter_dense(n, i, v) for n, i, v in zip(numels, indices, split_flat(summed, ks))]
+
+        return Reduction(averaged=fut.then(decode), residuals=residuals)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", unbiased=True" if self.unbiased else "")

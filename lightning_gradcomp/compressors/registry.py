@@ -1,0 +1,44 @@
+"""Name -> compressor factory registry (``register`` / ``create`` / ``list``)."""
+
+from __future__ import annotations
+
+import builtins
+import warnings
+from typing import Any, Callable, TypeVar
+
+from lightning_gradcomp.compressors.base import Compressor
+
+__all__ = ["create", "list", "register"]
+
+_FACTORIES: dict[str, Callable[..., Compressor]] = {}
+F = TypeVar("F", bound=Callable[..., Compressor])
+
+
+def register(name: str) -> Callable[[F], F]:
+    """Decorator registering a compressor class or factory under ``name`` (warns on overwrite)."""
+
+    def wrap(factory: F) -> F:
+        key = name.lower()
+        if key in _FACTORIES and _FACTORIES[key] is not factory:
+            warnings.warn(f"compressor name {name!r} re-registered; the previous entry is replaced")
+        _FACTORIES[key] = factory
+        return factory
+
+    return wrap
+
+
+def create(name: str, **kwargs: Any) -> Compressor:
+    """Build the compressor registered as ``name`` with ``kwargs``.
+
+    Raises:
+        KeyError: unknown name; the message lists the available names.
+    """
+    key = name.lower()
+    if key not in _FACTORIES:
+        raise KeyError(f"unknown compressor {name!r}; available: {', '.join(list())}")
+    return _FACTORIES[key](**kwargs)
+
+
+def list() -> builtins.list[str]:  # noqa: A001 - the registry API is register/create/list
+    """Sorted names of the registered compressors."""
+    return sorted(_FACTORIES)

@@ -1,0 +1,60 @@
+"""Shared pieces of the sparsifying compressors (TopK, RandomK, CLTK): ``ratio`` and wire packing."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import Compressor, check_number
+
+__all__ = ["SparseCompressor", "check_value_dtype", "pack_bytes", "unpack_bytes"]
+
+_VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_value_dtype(value_dtype: "torch.dtype | str") -> torch.dtype:
+    """Validate the wire dtype of sparse values (fp32, fp16 or bf16)."""
+    if isinstance(value_dtype, str):
+        value_dtype = getattr(torch, value_dtype.removeprefix("torch."), value_dtype)
+    if value_dtype not in _VALUE_DTYPES:
+        raise ValueError(f"`value_dtype` must be one of torch.float32, torch.float16, torch.bfloat16, "
+                         f"got {value_dtype!r}")
+    return value_dtype
+
+
+def pack_bytes(tensors: Sequence[Tensor]) -> Tensor:
+    """Concatenate tensors of any dtypes into one uint8 tensor (their raw bytes)."""
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def unpack_bytes(raw: Tensor, specs: Sequence[tuple[torch.dtype, int]]) -> list[Tensor]:
+    """Inverse of :func:`pack_bytes` for ``specs`` = ``(dtype, numel)`` per piece."""
+    out, pos = [], 0
+    for dtype, numel in specs:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        out.append(raw[pos:pos + nbytes].view(dtype))
+        pos += nbytes
+    return out
+
+
+class SparseCompressor(Compressor):
+    """A compressor keeping a fraction ``ratio`` of each layer's elements (per-layer settable)."""
+
+    param_name = "ratio"
+
+    def __init__(self, ratio: float, value_dtype: "torch.dtype | str" = torch.float32) -> None:
+        self.ratio: float = float(check_number("ratio", ratio, 0.0, 1.0))
+        self.value_dtype: torch.dtype = check_value_dtype(value_dtype)
+
+    @property
+    def uses_error_feedback(self) -> bool:
+        return True
+
+    def check_param(self, value: Any) -> float:
+        return float(check_number("ratio", value, 0.0, 1.0))
+
+    def extra_repr(self) -> str:
+        extra = "" if self.value_dtype == torch.float32 else f", value_dtype={self.value_dtype}"
+        return f"ratio={self.ratio}{extra}"

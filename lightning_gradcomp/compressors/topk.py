@@ -1,0 +1,63 @@
+"""TopK: local top-k sparsification with an all-gather of (values, int32 indices).
+
+Every rank keeps its own ``k`` largest-magnitude entries of ``p = m + g`` per layer, so supports
+differ between ranks and the payload must be all-gathered: bytes per rank grow like ``(W-1) * k``.
+This is the honest baseline that CLT-k (ScaleCom) improves on.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.comm import completed_future
+from lightning_gradcomp.compressors.base import ReduceContext, Reduction
+from lightning_gradcomp.compressors.registry import register
+from lightning_gradcomp.compressors.sparse import SparseCompressor, pack_bytes, unpack_bytes
+from lightning_gradcomp.functional.sparsify import kept_count, topk_indices
+
+__all__ = ["TopK"]
+
+
+@register("topk")
+class TopK(SparseCompressor):
+    """Local top-k with error feedback.
+
+    Wire bytes per rank: ``(W - 1) * sum_l k_l * (4 + value bytes)``.
+
+    Args:
+        ratio: fraction of each layer's elements kept, in (0, 1].
+        value_dtype: wire dtype of the kept values (fp32, fp16 or bf16).
+    """
+
+    def __init__(self, ratio: float = 0.01, value_dtype: "torch.dtype | str" = torch.float32) -> None:
+        super().__init__(ratio, value_dtype)
+
+    def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
+        """Select locally, all-gather one packed byte payload, sum the ranks' entries in rank order."""
+        ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
+        indices = [topk_indices(t, k) for t, k in zip(tensors, ks)]
+        values = torch.cat([t[i] for t, i in zip(tensors, indices)])
+        sent = values.to(self.value_dtype)
+        flat_idx = torch.cat(indices).to(torch.int32)
+        gathered = ctx.comm.all_gather(pack_bytes([sent, flat_idx]), shares=ctx.shares(ks))
+
+        residuals = []
+        pos = 0
+        for t, idx, k in zip(tensors, indices, ks):
+            t[idx] = values[pos:pos + k] - sent[pos:pos + k].to(torch.float32)  # p - c, in place
+            residuals.append(t)
+            pos += k
+
+        total = sum(ks)
+        averaged = [torch.zeros(t.numel(), dtype=torch.float32, device=t.device) for t in tensors]
+        for raw in gathered:  # rank order: identical summation on every rank
+            vals, idx = unpack_bytes(raw, [(self.value_dtype, total), (torch.int32, total)])
+            vals, idx = vals.to(torch.float32), idx.long()
+            pos = 0
+            for out, k in zip(averaged, ks):
+                out.index_add_(0, idx[pos:pos + k], vals[pos:pos + k])
+                pos += k
+        for out in averaged:
+            out.div_(ctx.world_size)
+        return Reduction(averaged=completed_future(averaged), residuals=residuals)

@@ -1,0 +1,5 @@
+"""Pure tensor math used by the compressors (no process groups, unit-testable)."""
+
+from lightning_gradcomp.functional.sparsify import kept_count, random_indices, scatter_dense, topk_indices
+
+__all__ = ["kept_count", "random_indices", "scatter_dense", "topk_indices"]

@@ -1,0 +1,34 @@
+"""Sparsification math: how many elements to keep, which ones, and scattering them back."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["kept_count", "random_indices", "scatter_dense", "topk_indices"]
+
+
+def kept_count(numel: int, ratio: float) -> int:
+    """Elements kept at ``ratio`` of ``numel``: ``round(ratio * numel)`` clipped to ``[1, numel]``."""
+    return max(1, min(numel, int(round(ratio * numel))))
+
+
+def topk_indices(x: Tensor, k: int) -> Tensor:
+    """Indices (int64, unsorted) of the ``k`` largest ``|x|`` of a flat tensor (exact)."""
+    if k >= x.numel():
+        return torch.arange(x.numel(), device=x.device)
+    return torch.topk(x.abs(), k, sorted=False).indices
+
+
+def random_indices(numel: int, k: int, generator: torch.Generator, device: torch.device) -> Tensor:
+    """``k`` distinct indices drawn uniformly from ``[0, numel)`` with ``generator`` (int64)."""
+    if k >= numel:
+        return torch.arange(numel, device=device)
+    return torch.randperm(numel, generator=generator, device=generator.device)[:k].to(device)
+
+
+def scatter_dense(numel: int, indices: Tensor, values: Tensor) -> Tensor:
+    """A zero fp32 vector of ``numel`` elements with ``values`` added at ``indices`` (duplicates add)."""
+    out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    out.index_add_(0, indices.long(), values.to(torch.float32))
+    return out

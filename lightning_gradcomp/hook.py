@@ -1,0 +1,194 @@
+"""The DDP communication hook engine: bucket -> layer plan -> dense part + compressed part -> Future.
+
+Protocol for one bucket (identical order on every rank, so ranks never deadlock):
+
+1. Before ``start_step`` (or for a dense compressor) the bucket is divided by W and all-reduced in
+   one async collective, exactly like DDP's default hook.
+2. Otherwise the bucket's layer plan splits it into dense and compressed slots. The dense slots,
+   plus one "this rank saw NaN/Inf" flag, are all-reduced in **one** collective, waited in-line.
+3. If any rank flagged a non-finite value, the compressed slots are reduced densely too, and no
+   memory or compressor state is touched (the event is counted).
+4. Otherwise the compressed slots, error-compensated (``p = m + g``) when the compressor uses error
+   feedback, go through the compressor *together*. Its collectives are issued from this hook body;
+   only the last may still be in flight when the hook returns. The memory becomes
+   ``m <- (1 - beta) m + beta (p - c)``.
+5. A ``.then()`` callback (local math only: gloo deadlocks on collectives issued from callbacks)
+   writes the averaged slots into the bucket and resolves the Future with it.
+"""
+
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes, completed_future
+from lightning_gradcomp.compressors.base import Compressor, ReduceContext
+from lightning_gradcomp.memory import ErrorFeedback
+from lightning_gradcomp.plan import BucketPlan, SlotPolicy, build_plan
+
+__all__ = ["GradCompHook", "gradcomp_comm_hook"]
+
+
+class GradCompHook:
+    """Per-rank state and logic of the compression hook.
+
+    Args:
+        compressor: the compressor (owned by this hook; not shared with other ranks' objects).
+        comm: byte-counting collectives of this rank.
+        param_names: ``id(parameter) -> qualified name``.
+        start_step: first optimizer step that is compressed (dense all-reduce before it).
+        policy: which tensors are compressed.
+        seed: base seed for the compressors' generators.
+        beta: low-pass factor of the error-feedback memory.
+        device: where restored state tensors go (the gradients' device).
+    """
+
+    def __init__(self, compressor: Compressor, comm: Comm, param_names: dict[int, str], *, start_step: int = 2,
+                 policy: Optional[SlotPolicy] = None, seed: int = 0, beta: float = 1.0,
+                 device: Optional[torch.device] = None) -> None:
+        self.compressor = compressor
+        self.comm = comm
+        self.param_names = param_names
+        self.start_step = start_step
+        self.policy = policy or SlotPolicy()
+        self.seed = seed
+        self.device = device
+        self.memory = ErrorFeedback(beta)
+        self.layer_params: dict[str, Any] = {}
+        self.step = 0
+        self._plans: dict[int, tuple[tuple[int, ...], BucketPlan]] = {}
+
+    @property
+    def stats(self) -> CommStats:
+        """This rank's cumulative communication figures."""
+        return self.comm.stats
+
+    # ------------------------------------------------------------------ plan
+    def plan_for(self, bucket: dist.GradBucket) -> BucketPlan:
+        """The (cached) layer plan of ``bucket``; rebuilt when DDP changes the bucket's layout."""
+        params = bucket.parameters()
+        key = tuple(id(p) for p in params)
+        cached = self._plans.get(bucket.index())
+        if cached is None or cached[0] != key:
+            plan = build_plan(bucket.index(), params, self.param_names, self.policy, self.compressor.accepts)
+            self._plans[bucket.index()] = (key, plan)
+            return plan
+        return cached[1]
+
+    def plans(self) -> list[BucketPlan]:
+        """Current plans of all buckets seen so far."""
+        return [plan for _, plan in self._plans.values()]
+
+    def param_of(self, name: str) -> Any:
+        """The compression parameter used for layer ``name``."""
+        return self.layer_params.get(name, self.compressor.default_param)
+
+    # ------------------------------------------------------------------ hook
+    def __call__(self, bucket: dist.GradBucket) -> Future:
+        start = time.perf_counter()
+        buf = bucket.buffer()
+        plan = self.plan_for(bucket)
+        self._count_dense_equivalent(plan, buf)
+        compressing = self.step >= self.start_step and not self.compressor.dense and bool(plan.compressed)
+        fut = self._reduce_compressed(plan, buf) if compressing else self._reduce_dense(plan, buf)
+        if bucket.is_last():
+            self.step += 1
+            self.stats.steps += 1
+            self.stats.compressed_steps += int(self.step > self.start_step and not self.compressor.dense)
+        self.stats.hook_seconds += time.perf_counter() - start
+        return fut
+
+    def _count_dense_equivalent(self, plan: BucketPlan, buf: Tensor) -> None:
+        world, size = self.comm.world_size, buf.element_size()
+        self.stats.dense_bytes += all_reduce_bytes(buf.numel() * size, world)
+        for slot in plan.slots:
+            layer = self.stats.layer(slot.name)
+            layer.numel, layer.compressed = slot.numel, slot.compressed
+            layer.param = self.param_of(slot.name) if slot.compressed else None
+            layer.dense_bytes += all_reduce_bytes(slot.numel * size, world)
+
+    def _reduce_dense(self, plan: BucketPlan, buf: Tensor) -> Future:
+        """DDP's default: divide by W first, then one async all-reduce of the whole bucket."""
+        buf.div_(self.comm.world_size)
+        fut = self.comm.all_reduce(buf, async_op=True, shares=[(s.name, s.numel) for s in plan.slots])
+        assert fut is not None
+        return fut
+
+    def _reduce_compressed(self, plan: BucketPlan, buf: Tensor) -> Future:
+        world = self.comm.world_size
+        dense, comp = plan.dense, plan.compressed
+        flag = (~torch.isfinite(buf)).any().to(buf.dtype).reshape(1)
+        head = torch.cat([*(buf[s.offset:s.end] for s in dense), flag]).div_(world)
+        self.comm.all_reduce(head, shares=[(s.name, s.numel) for s in dense])
+        for slot, piece in zip(dense, torch.split(head[:-1], [s.numel for s in dense])):
+            buf[slot.offset:slot.end].copy_(piece)
+        if bool(head[-1] != 0):
+            return self._reduce_nonfinite(plan, buf)
+
+        use_ef = self.compressor.uses_error_feedback
+        grads = [buf[s.offset:s.end] for s in comp]
+        tensors = [self.memory.compensate(s.name, g) if use_ef else g.to(torch.float32, copy=True)
+                   for s, g in zip(comp, grads)]
+        ctx = ReduceContext(self.comm, self.step, plan.index, comp, [self.param_of(s.name) for s in comp], self.seed)
+        reduction = self.compressor.reduce(tensors, ctx)
+        if use_ef:
+            if reduction.residuals is None:
+                raise RuntimeError(f"{type(self.compressor).__name__} uses error feedback but returned no residuals")
+            for slot, p, residual in zip(comp, tensors, reduction.residuals):
+                self.memory.update(slot.name, p, residual)
+
+        def write_back(fut: Future) -> Tensor:
+            start = time.perf_counter()
+            for slot, avg in zip(comp, fut.value()):
+                buf[slot.offset:slot.end].copy_(avg)
+            self.stats.hook_seconds += time.perf_counter() - start
+            return buf
+
+        return reduction.averaged.then(write_back)
+
+    def _reduce_nonfinite(self, plan: BucketPlan, buf: Tensor) -> Future:
+        """Some rank saw NaN/Inf: reduce the compressed slots densely and leave all state untouched."""
+        self.stats.nonfinite_steps += 1
+        comp = plan.compressed
+        rest = torch.cat([buf[s.offset:s.end] for s in comp]).div_(self.comm.world_size)
+        self.comm.all_reduce(rest, shares=[(s.name, s.numel) for s in comp])
+        for slot, piece in zip(comp, torch.split(rest, [s.numel for s in comp])):
+            buf[slot.offset:slot.end].copy_(piece)
+        return completed_future(buf)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: step, memories, compressor state, per-layer parameters, stats."""
+        return {
+            "step": self.step,
+            "beta": self.memory.beta,
+            "memory": self.memory.state_dict(),
+            "compressor": self.compressor.state_dict(),
+            "layer_params": dict(self.layer_params),
+            "stats": self.stats.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], per_rank: bool = True) -> None:
+        """Restore :meth:`state_dict`; with ``per_rank=False`` only the replicated parts.
+
+        Replicated parts (identical on every rank): step, beta, per-layer parameters.
+        Per-rank parts: memories, compressor state, stats.
+        """
+        self.step = int(state.get("step", 0))
+        self.memory.beta = float(state.get("beta", self.memory.beta))
+        self.layer_params = dict(state.get("layer_params", {}))
+        if per_rank:
+            self.memory.load_state_dict(state.get("memory", {}), device=self.device)
+            self.compressor.load_state_dict(state.get("compressor", {}))
+            self.stats.load_state_dict(state.get("stats", {}))
+        else:
+            self.memory.reset()
+            self.compressor.reset_state()
+
+
+def gradcomp_comm_hook(state: GradCompHook, bucket: dist.GradBucket) -> Future[Tensor]:
+    """The function registered with ``DistributedDataParallel.register_comm_hook``."""
+    return state(bucket)

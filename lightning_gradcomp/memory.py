@@ -1,0 +1,93 @@
+"""Error-feedback memory with a low-pass factor ``beta``.
+
+For each compressed layer the memory ``m`` (fp32, per rank) is added to the gradient before
+compression, ``p = m + g``, and after compression it becomes
+
+.. math::  m \\leftarrow (1 - \\beta)\\, m + \\beta\\, (p - c)
+
+where ``c`` is this rank's local compressed contribution. ``beta = 1`` is classic error feedback;
+``beta < 1`` is ScaleCom's low-pass filter. Memories are keyed by parameter name, so they survive
+DDP's bucket rebuild and are independent of the bucket layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["ErrorFeedback", "validate_beta"]
+
+
+def validate_beta(beta: float) -> float:
+    """Return ``beta`` as a float or raise ``ValueError`` unless ``0 < beta <= 1``."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (0.0 < float(beta) <= 1.0):
+        raise ValueError(f"`beta` must be a number in (0, 1], got {beta!r}")
+    return float(beta)
+
+
+class ErrorFeedback:
+    """Per-layer residual memories of one rank.
+
+    Args:
+        beta: low-pass factor in (0, 1]; settable at run time through :attr:`beta`.
+    """
+
+    def __init__(self, beta: float = 1.0) -> None:
+        self._beta = validate_beta(beta)
+        self.memories: dict[str, Tensor] = {}
+
+    @property
+    def beta(self) -> float:
+        """The low-pass factor applied at the next update."""
+        return self._beta
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        self._beta = validate_beta(value)
+
+    def compensate(self, name: str, grad: Tensor) -> Tensor:
+        """Return a new fp32 tensor ``p = m + g`` (``g`` alone before the first update)."""
+        memory = self.memories.get(name)
+        if memory is None or memory.shape != grad.shape:
+            return grad.to(torch.float32, copy=True)
+        return memory + grad
+
+    def update(self, name: str, p: Tensor, residual: Tensor) -> None:
+        """Apply ``m <- (1 - beta) m + beta * residual`` where ``residual = p - c``.
+
+        ``residual`` may be ``p``'s own storage (compressors zero the kept entries in place); with
+        ``beta = 1`` it is stored without a copy.
+        """
+        del p  # kept in the signature for readability of call sites
+        memory = self.memories.get(name)
+        if self._beta == 1.0 or memory is None or memory.shape != residual.shape:
+            self.memories[name] = residual if self._beta == 1.0 else residual.mul(self._beta)
+            return
+        memory.mul_(1.0 - self._beta).add_(residual, alpha=self._beta)
+
+    def norm(self, names: Optional[list[str]] = None) -> float:
+        """L2 norm over all (or the named) memories."""
+        keys = self.memories.keys() if names is None else [n for n in names if n in self.memories]
+        total = sum(float(self.memories[k].double().pow(2).sum()) for k in keys)
+        return math.sqrt(total)
+
+    def flat(self, names: list[str]) -> Tensor:
+        """The named memories concatenated (zeros where a memory does not exist yet)."""
+        return torch.cat([self.memories[n].reshape(-1) for n in names if n in self.memories]) \
+            if any(n in self.memories for n in names) else torch.zeros(0)
+
+    def reset(self) -> None:
+        """Drop every memory."""
+        self.memories.clear()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Copies of the memories (CPU tensors, ``weights_only``-loadable)."""
+        return {k: v.detach().cpu().clone() for k, v in self.memories.items()}
+
+    def load_state_dict(self, state: dict[str, Tensor], device: Optional[torch.device] = None) -> None:
+        """Replace the memories with ``state`` (moved to ``device`` when given)."""
+        self.memories = {k: v.to(device=device, dtype=torch.float32) if device is not None
+                         else v.to(torch.float32).clone() for k, v in state.items()}

@@ -1,0 +1,103 @@
+"""Layer plans: how one DDP bucket splits into per-parameter slots, compressed or dense."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["BucketPlan", "LayerSlot", "SlotPolicy", "build_plan"]
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    """One parameter's gradient inside a bucket buffer.
+
+    Attributes:
+        name: the parameter's qualified name (``layer.weight``).
+        offset: first element in the flat bucket buffer.
+        shape: the parameter's shape; ``numel`` elements follow ``offset``.
+        compressed: whether the compressor handles it (else it joins the dense all-reduce).
+    """
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    compressed: bool
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def end(self) -> int:
+        """One past the last element in the bucket buffer."""
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class SlotPolicy:
+    """Which tensors are compressed: ``ndim > 1`` (unless ``compress_1d``) and ``numel >= min_numel``.
+
+    Args:
+        min_numel: smallest tensor (in elements) that is compressed.
+        compress_1d: also compress vectors (biases, norm weights).
+    """
+
+    min_numel: int = 1024
+    compress_1d: bool = False
+
+    def wants(self, shape: Sequence[int]) -> bool:
+        """Whether a tensor of ``shape`` should be compressed."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        return (len(shape) > 1 or self.compress_1d) and numel >= self.min_numel
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """The slots of one bucket, in buffer order."""
+
+    index: int
+    numel: int
+    slots: tuple[LayerSlot, ...]
+
+    @property
+    def dense(self) -> tuple[LayerSlot, ...]:
+        """Slots reduced densely."""
+        return tuple(s for s in self.slots if not s.compressed)
+
+    @property
+    def compressed(self) -> tuple[LayerSlot, ...]:
+        """Slots handed to the compressor."""
+        return tuple(s for s in self.slots if s.compressed)
+
+
+def build_plan(index: int, params: Sequence[torch.Tensor], names: dict[int, str], policy: SlotPolicy,
+               accepts: Callable[[LayerSlot], bool] = lambda slot: True) -> BucketPlan:
+    """Lay out ``params`` (a bucket's parameters, in bucket order) as contiguous slots.
+
+    Args:
+        index: the bucket index.
+        params: ``bucket.parameters()``; their gradients are packed back to back in the buffer.
+        names: ``id(param) -> name``.
+        policy: the size/dimension policy.
+        accepts: the compressor's own veto (e.g. PowerSGD skips layers it cannot shrink).
+    """
+    slots = []
+    offset = 0
+    for param in params:
+        shape = tuple(param.shape)
+        name = names.get(id(param), f"bucket{index}.param{len(slots)}")
+        slot = LayerSlot(name, offset, shape, compressed=False)
+        if policy.wants(shape) and accepts(slot):
+            slot = LayerSlot(name, offset, shape, compressed=True)
+        slots.append(slot)
+        offset += slot.numel
+    return BucketPlan(index=index, numel=offset, slots=tuple(slots))

@@ -1,0 +1,206 @@
+"""GradCompStrategy: Lightning's DDPStrategy with compressed gradient reduction on every device."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_gradcomp.comm import Comm, CommStats
+from lightning_gradcomp.compressors import registry
+from lightning_gradcomp.compressors.base import Compressor, check_number
+from lightning_gradcomp.compressors.cast import Cast
+from lightning_gradcomp.compressors.none import NoCompression
+from lightning_gradcomp.compressors.randomk import RandomK
+from lightning_gradcomp.compressors.topk import TopK
+from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+from lightning_gradcomp.memory import ErrorFeedback, validate_beta
+from lightning_gradcomp.plan import SlotPolicy
+
+__all__ = ["CHECKPOINT_KEY", "GradCompStrategy"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "gradcomp"
+"""Top-level checkpoint key holding every rank's compression state."""
+
+_CHECKPOINT_VERSION = 1
+_INCOMPATIBLE = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
+
+
+class GradCompStrategy(DDPStrategy):
+    """DDP whose gradient all-reduce is replaced by a compressor, on CPU (gloo) and GPU (NCCL) alike.
+
+    Example::
+
+        trainer = Trainer(accelerator="cpu", devices=2,
+                          strategy=GradCompStrategy(compressor=TopK(ratio=0.01)))
+        trainer.fit(model)
+        trainer.strategy.comm_stats.compression_ratio   # on each rank
+
+    Args:
+        compressor: a :class:`~lightning_gradcomp.compressors.Compressor` or a registered compressor
+            name (``"topk"``...). ``None`` means :class:`NoCompression` (plain DDP numerics).
+        start_step: first optimizer step that is compressed; steps before it are all-reduced densely.
+            At least 2, because DDP rebuilds its buckets after the first step.
+        min_numel: smallest tensor (elements) that is compressed; smaller ones go dense.
+        compress_1d: also compress 1-D tensors (biases, norm weights); off by default.
+        beta: error-feedback low-pass factor in (0, 1] (1 = classic error feedback).
+        seed: base seed of the compressors' generators (shared and per-rank streams derive from it).
+        **kwargs: any :class:`~lightning.pytorch.strategies.DDPStrategy` argument, except the comm-hook
+            and model-averaging ones, which this strategy replaces.
+    """
+
+    strategy_name = "gradcomp"
+
+    def __init__(self, compressor: Union[Compressor, str, None] = None, start_step: int = 2, min_numel: int = 1024,
+                 compress_1d: bool = False, beta: float = 1.0, seed: int = 0, **kwargs: Any) -> None:
+        for name in _INCOMPATIBLE:
+            if kwargs.get(name) is not None:
+                raise ValueError(f"`{name}` cannot be combined with GradCompStrategy: it installs its own "
+                                 f"communication hook; use `compressor=` instead, or plain DDPStrategy")
+        self.compressor = _as_compressor(compressor)
+        self.start_step = int(check_number("start_step", start_step, 2, float("inf"), low_open=False, integer=True))
+        self.policy = SlotPolicy(
+            min_numel=int(check_number("min_numel", min_numel, 1, float("inf"), low_open=False, integer=True)),
+            compress_1d=_check_bool("compress_1d", compress_1d))
+        self.beta = validate_beta(beta)
+        self.seed = int(check_number("seed", seed, 0, 2**63 - 1, low_open=False, integer=True))
+        super().__init__(**kwargs)
+        self._hook: Optional[GradCompHook] = None
+        self._pending: Optional[tuple[dict[str, Any], bool]] = None
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def hook(self) -> Optional[GradCompHook]:
+        """The per-rank hook engine (``None`` before the model is wrapped, in the worker)."""
+        return self._hook
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """This rank's cumulative ``wire_bytes``, ``dense_bytes``, ``steps`` and per-layer figures."""
+        return self._hook.stats if self._hook is not None else CommStats()
+
+    @property
+    def error_feedback(self) -> Optional[ErrorFeedback]:
+        """This rank's error-feedback memory (its ``beta`` is settable at run time)."""
+        return self._hook.memory if self._hook is not None else None
+
+    def set_beta(self, beta: float) -> None:
+        """Set the memory low-pass factor from now on."""
+        self.beta = validate_beta(beta)
+        if self._hook is not None:
+            self._hook.memory.beta = self.beta
+
+    def set_layer_params(self, params: dict[str, Any]) -> None:
+        """Override the compression parameter (ratio / rank / bits) of named layers on this rank.
+
+        Every rank must receive the same dictionary (callbacks decide on one rank and broadcast).
+        """
+        checked = {name: self.compressor.check_param(value) for name, value in params.items()}
+        if self._hook is None:
+            raise RuntimeError("set_layer_params() needs the hook: call it during fit")
+        self._hook.layer_params.update(checked)
+
+    # ------------------------------------------------------------------ Lightning hooks
+    @override
+    def _register_ddp_hooks(self) -> None:
+        """Register the compression hook on every device (Lightning itself only does so on CUDA)."""
+        assert isinstance(self.model, DistributedDataParallel)
+        if self._hook is None:
+            names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+            comm = Comm(self.model.process_group, CommStats())
+            self._hook = GradCompHook(self.compressor.clone(), comm, names, start_step=self.start_step,
+                                      policy=self.policy, seed=self.seed, beta=self.beta, device=self.root_device)
+            if self._pending is not None:
+                state, per_rank = self._pending
+                self._hook.load_state_dict(state, per_rank=per_rank)
+                self._pending = None
+        self.model.register_comm_hook(self._hook, gradcomp_comm_hook)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Gather every rank's compression state into the checkpoint (must run on all ranks)."""
+        local = self._hook.state_dict() if self._hook is not None else {}
+        per_rank: list[Any] = [local]
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            per_rank = [None] * self.world_size if self.global_rank == 0 else []
+            dist.gather_object(local, per_rank if self.global_rank == 0 else None, dst=0)
+        checkpoint[CHECKPOINT_KEY] = {
+            "version": _CHECKPOINT_VERSION,
+            "compressor": type(self.compressor).__name__,
+            "world_size": self.world_size,
+            "per_rank": per_rank,
+        }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load the checkpoint and stash this rank's compression state for the hook."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._pending = self._select_state(checkpoint.get(CHECKPOINT_KEY))
+        if self._pending is not None and self._hook is not None:
+            self._hook.load_state_dict(*self._pending)
+            self._pending = None
+        return checkpoint
+
+    def _select_state(self, saved: Optional[dict[str, Any]]) -> Optional[tuple[dict[str, Any], bool]]:
+        if saved is None:
+            return None
+        if not isinstance(saved, dict) or saved.get("version") != _CHECKPOINT_VERSION or "per_rank" not in saved:
+            raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} is malformed or from an unknown version "
+                             f"(expected version {_CHECKPOINT_VERSION})")
+        ours = type(self.compressor).__name__
+        if saved["compressor"] != ours:
+            raise ValueError(f"checkpoint was written with compressor {saved['compressor']}, but this strategy "
+                             f"uses {ours}; resume with the same compressor or start a new run")
+        if saved["world_size"] != self.world_size:
+            rank_zero_warn(f"GradCompStrategy: checkpoint was written by {saved['world_size']} ranks, resuming on "
+                           f"{self.world_size}: per-rank state (error-feedback memories, compressor state) is reset; "
+                           f"the step counter and per-layer parameters are kept")
+            return saved["per_rank"][0], False
+        return saved["per_rank"][self.global_rank], True
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``gradcomp_<name>`` (+ ``_spawn``/``_fork``) names for common compressors."""
+        entries = {
+            "gradcomp_none": (NoCompression(), "DDP with the dense all-reduce (reference)"),
+            "gradcomp_fp16": (Cast(torch.float16), "DDP + 16-bit float all-reduce"),
+            "gradcomp_bf16": (Cast(torch.bfloat16), "DDP + bfloat16 all-reduce"),
+            "gradcomp_topk": (TopK(ratio=0.01), "DDP + local top-1% with error feedback (all-gather)"),
+            "gradcomp_randomk": (RandomK(ratio=0.01), "DDP + shared random-1% with error feedback"),
+        }
+        for name, (compressor, description) in entries.items():
+            register_names(strategy_registry, cls, name, description, compressor=compressor)
+
+
+def register_names(strategy_registry: Any, cls: type, name: str, description: str, **init_params: Any) -> None:
+    """Register ``name`` (popen launcher) and its ``_spawn`` and ``_fork`` variants."""
+    for suffix, method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+        strategy_registry.register(name + suffix, cls, description=description, start_method=method,
+                                   override=True, **init_params)
+
+
+def _as_compressor(compressor: Union[Compressor, str, None]) -> Compressor:
+    if compressor is None:
+        return NoCompression()
+    if isinstance(compressor, str):
+        return registry.create(compressor)
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"`compressor` must be a Compressor instance or a registered name "
+                        f"({', '.join(registry.list())}), got {compressor!r}")
+    return compressor
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool, got {value!r}")
+    return value

@@ -1,0 +1,1 @@
+"""Shared test helpers: process runners, a small model and a recording callback."""

@@ -1,0 +1,98 @@
+"""Small deterministic Lightning modules and a callback that records what every rank did."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class TinyNet(pl.LightningModule):
+    """An MLP with two compressible matrices, a small dense head and biases (regression on fixed data)."""
+
+    def __init__(self, hidden: int = 64, in_features: int = 32, samples: int = 64, batch_size: int = 8,
+                 lr: float = 0.05, freeze_first: bool = False, unused_branch: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(in_features, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
+        self.head = nn.Linear(hidden, 4)
+        self.unused = nn.Linear(hidden, hidden) if unused_branch else None
+        if freeze_first:
+            self.body[0].requires_grad_(False)
+        gen = torch.Generator().manual_seed(1)
+        self.x = torch.randn(samples, in_features, generator=gen)
+        self.y = torch.randn(samples, 4, generator=gen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=self.hparams.batch_size, shuffle=True)
+
+
+class Recorder(pl.Callback):
+    """Records flat parameters and the loss after every batch, and comm stats at the end, per rank.
+
+    Files: ``<out>/rank<r>.pt`` with ``params`` (list of flat tensors), ``losses`` and ``stats``.
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.out = Path(out)
+        self.params: list[torch.Tensor] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        self.params.append(torch.cat([p.detach().reshape(-1).clone() for p in pl_module.parameters()]))
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        stats = getattr(trainer.strategy, "comm_stats", None)
+        hook = getattr(trainer.strategy, "hook", None)
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save({"params": self.params, "losses": self.losses,
+                    "stats": stats.state_dict() if stats is not None else None,
+                    "hook_step": hook.step if hook is not None else None,
+                    "memory": hook.memory.state_dict() if hook is not None else None},
+                   self.out / f"rank{trainer.global_rank}.pt")
+
+
+def fit(strategy: Any, out: Path, *, devices: int = 2, model: Optional[pl.LightningModule] = None,
+        max_epochs: int = 1, max_steps: int = -1, callbacks: Optional[list] = None, ckpt_path: Optional[str] = None,
+        **trainer_kwargs: Any) -> list[dict[str, Any]]:
+    """Fit ``model`` (TinyNet) with ``strategy`` on ``devices`` forked CPU ranks; return each rank's record."""
+    out = Path(out)
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=max_epochs,
+                         max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[Recorder(out), *(callbacks or [])],
+                         default_root_dir=str(out), **trainer_kwargs)
+    trainer.fit(model or TinyNet(), ckpt_path=ckpt_path)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(devices)]
+
+
+def assert_replicas_identical(records: list[dict[str, Any]]) -> None:
+    """Every rank holds bit-identical parameters after every recorded batch."""
+    first = records[0]["params"]
+    assert first, "no steps were recorded"
+    for rank, rec in enumerate(records[1:], start=1):
+        assert len(rec["params"]) == len(first)
+        for step, (a, b) in enumerate(zip(first, rec["params"])):
+            assert torch.equal(a, b), f"rank {rank} differs from rank 0 after batch {step}"
+
+
+os.environ.setdefault("PL_DISABLE_FORK", "0")
