@@ -5,6 +5,7 @@ Importing the package registers the ``gradcomp_*`` strategy names with Lightning
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_gradcomp import callbacks, compressors  # noqa: F401 - import order: presets are declared there
 from lightning_gradcomp.comm import CommStats
 from lightning_gradcomp.strategy import GradCompStrategy
 

@@ -17,7 +17,8 @@ Protocol for one bucket (identical order on every rank, so ranks never deadlock)
 """
 
 import time
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,9 +28,39 @@ from torch.futures import Future
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes, completed_future
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext
 from lightning_gradcomp.memory import ErrorFeedback
-from lightning_gradcomp.plan import BucketPlan, SlotPolicy, build_plan
+from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy, build_plan
 
-__all__ = ["GradCompHook", "gradcomp_comm_hook"]
+__all__ = ["BucketRecord", "GradCompHook", "HookObserver", "gradcomp_comm_hook"]
+
+
+@dataclass
+class BucketRecord:
+    """What an observer sees of one compressed bucket reduction.
+
+    Attributes:
+        step: global optimizer step.
+        bucket_index: DDP bucket index.
+        slots: the compressed slots.
+        inputs: copies of the tensors given to the compressor (``p = m + g`` with error feedback).
+        residuals: per-slot ``p - c`` (from error feedback, or ``inputs - local`` when the
+            compressor reported its local contribution), or ``None`` when unknown.
+    """
+
+    step: int
+    bucket_index: int
+    slots: tuple[LayerSlot, ...]
+    inputs: list[Tensor]
+    residuals: Optional[list[Tensor]]
+
+
+class HookObserver(Protocol):
+    """Something that inspects compressed buckets at the steps it asks for (callbacks use this)."""
+
+    def wants(self, step: int) -> bool:
+        """Whether to record ``step`` (inputs are copied only then)."""
+
+    def __call__(self, record: BucketRecord) -> None:
+        """Receive one bucket's record (called in the hook body: local math only)."""
 
 
 class GradCompHook:
@@ -59,6 +90,7 @@ class GradCompHook:
         self.memory = ErrorFeedback(beta)
         self.layer_params: dict[str, Any] = {}
         self.step = 0
+        self.observers: list[HookObserver] = []
         self._plans: dict[int, tuple[tuple[int, ...], BucketPlan]] = {}
 
     @property
@@ -132,6 +164,8 @@ class GradCompHook:
         grads = [buf[s.offset:s.end] for s in comp]
         tensors = [self.memory.compensate(s.name, g) if use_ef else g.to(torch.float32, copy=True)
                    for s, g in zip(comp, grads)]
+        watchers = [obs for obs in self.observers if obs.wants(self.step)]
+        inputs = [t.clone() for t in tensors] if watchers else []
         ctx = ReduceContext(self.comm, self.step, plan.index, comp, [self.param_of(s.name) for s in comp], self.seed)
         reduction = self.compressor.reduce(tensors, ctx)
         if use_ef:
@@ -139,6 +173,13 @@ class GradCompHook:
                 raise RuntimeError(f"{type(self.compressor).__name__} uses error feedback but returned no residuals")
             for slot, p, residual in zip(comp, tensors, reduction.residuals):
                 self.memory.update(slot.name, p, residual)
+        if watchers:
+            residuals = reduction.residuals
+            if residuals is None and reduction.local is not None:
+                residuals = [x - c for x, c in zip(inputs, reduction.local)]
+            record = BucketRecord(self.step, plan.index, comp, inputs, residuals)
+            for obs in watchers:
+                obs(record)
 
         def write_back(fut: Future) -> Tensor:
             start = time.perf_counter()

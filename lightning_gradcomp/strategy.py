@@ -22,6 +22,7 @@ from lightning_gradcomp.compressors.topk import TopK
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta
 from lightning_gradcomp.plan import SlotPolicy
+from lightning_gradcomp.presets import PRESETS, register_preset
 
 __all__ = ["CHECKPOINT_KEY", "GradCompStrategy"]
 
@@ -170,16 +171,9 @@ class GradCompStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``gradcomp_<name>`` (+ ``_spawn``/``_fork``) names for common compressors."""
-        entries = {
-            "gradcomp_none": (NoCompression(), "DDP with the dense all-reduce (reference)"),
-            "gradcomp_fp16": (Cast(torch.float16), "DDP + 16-bit float all-reduce"),
-            "gradcomp_bf16": (Cast(torch.bfloat16), "DDP + bfloat16 all-reduce"),
-            "gradcomp_topk": (TopK(ratio=0.01), "DDP + local top-1% with error feedback (all-gather)"),
-            "gradcomp_randomk": (RandomK(ratio=0.01), "DDP + shared random-1% with error feedback"),
-        }
-        for name, (compressor, description) in entries.items():
-            register_names(strategy_registry, cls, name, description, compressor=compressor)
+        """Register every preset name (+ ``_spawn``/``_fork`` variants), see :mod:`lightning_gradcomp.presets`."""
+        for name, (description, factory) in PRESETS.items():
+            register_names(strategy_registry, cls, name, description, **factory())
 
 
 def register_names(strategy_registry: Any, cls: type, name: str, description: str, **init_params: Any) -> None:
@@ -187,6 +181,15 @@ def register_names(strategy_registry: Any, cls: type, name: str, description: st
     for suffix, method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
         strategy_registry.register(name + suffix, cls, description=description, start_method=method,
                                    override=True, **init_params)
+
+
+register_preset("gradcomp_none", "DDP with the dense all-reduce (reference)", lambda: {"compressor": NoCompression()})
+register_preset("gradcomp_fp16", "DDP + float16 all-reduce", lambda: {"compressor": Cast(torch.float16)})
+register_preset("gradcomp_bf16", "DDP + bfloat16 all-reduce", lambda: {"compressor": Cast(torch.bfloat16)})
+register_preset("gradcomp_topk", "DDP + local top-1% with error feedback (all-gather)",
+                lambda: {"compressor": TopK(ratio=0.01)})
+register_preset("gradcomp_randomk", "DDP + shared random-1% with error feedback",
+                lambda: {"compressor": RandomK(ratio=0.01)})
 
 
 def _as_compressor(compressor: Union[Compressor, str, None]) -> Compressor:

@@ -102,10 +102,13 @@ class Reduction:
     Attributes:
         averaged: resolves to one flat fp32 tensor per slot: ``(1/W) * sum_i c_i``.
         residuals: per-slot ``p - c`` for error feedback (``None`` when unused).
+        local: optionally, this rank's decoded contribution ``c`` per slot, for compressors without
+            error feedback; observers (compression-error logging) use it when present.
     """
 
     averaged: Future
     residuals: Optional[list[Tensor]] = None
+    local: Optional[list[Tensor]] = None
 
 
 class Compressor(ABC):
