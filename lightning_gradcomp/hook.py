@@ -6,8 +6,10 @@ Protocol for one bucket (identical order on every rank, so ranks never deadlock)
    one async collective, exactly like DDP's default hook.
 2. Otherwise the bucket's layer plan splits it into dense and compressed slots. The dense slots,
    plus one "this rank saw NaN/Inf" flag, are all-reduced in **one** collective, waited in-line.
-3. If any rank flagged a non-finite value, the compressed slots are reduced densely too, and no
-   memory or compressor state is touched (the event is counted).
+3. If any rank flagged a non-finite value, no memory or compressor state is touched and the event is
+   counted; with ``nonfinite="dense"`` the compressed slots are reduced densely too (what DDP would do:
+   under fp16 AMP the GradScaler then sees the Inf and skips the step), with ``nonfinite="zero"`` the
+   whole bucket's gradient becomes zero on every rank (the step adds no gradient; training goes on).
 4. Otherwise the compressed slots, error-compensated (``p = m + g``) when the compressor uses error
    feedback, go through the compressor *together*. Its collectives are issued from this hook body;
    only the last may still be in flight when the hook returns. The memory becomes
@@ -75,11 +77,12 @@ class GradCompHook:
         seed: base seed for the compressors' generators.
         beta: low-pass factor of the error-feedback memory.
         device: where restored state tensors go (the gradients' device).
+        nonfinite: ``"dense"`` or ``"zero"``: what a bucket holding NaN/Inf on some rank becomes.
     """
 
     def __init__(self, compressor: Compressor, comm: Comm, param_names: dict[int, str], *, start_step: int = 2,
                  policy: Optional[SlotPolicy] = None, seed: int = 0, beta: float = 1.0,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, nonfinite: str = "dense") -> None:
         self.compressor = compressor
         self.comm = comm
         self.param_names = param_names
@@ -87,6 +90,7 @@ class GradCompHook:
         self.policy = policy or SlotPolicy()
         self.seed = seed
         self.device = device
+        self.nonfinite = nonfinite
         self.memory = ErrorFeedback(beta)
         self.layer_params: dict[str, Any] = {}
         self.step = 0
@@ -191,8 +195,11 @@ class GradCompHook:
         return reduction.averaged.then(write_back)
 
     def _reduce_nonfinite(self, plan: BucketPlan, buf: Tensor) -> Future:
-        """Some rank saw NaN/Inf: reduce the compressed slots densely and leave all state untouched."""
+        """Some rank saw NaN/Inf: leave all state untouched; reduce densely or zero the bucket."""
         self.stats.nonfinite_steps += 1
+        if self.nonfinite == "zero":
+            buf.zero_()
+            return completed_future(buf)
         comp = plan.compressed
         rest = torch.cat([buf[s.offset:s.end] for s in comp]).div_(self.comm.world_size)
         self.comm.all_reduce(rest, shares=[(s.name, s.numel) for s in comp])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
@@ -54,6 +56,13 @@ class GradCompStrategy(DDPStrategy):
         compress_1d: also compress 1-D tensors (biases, norm weights); off by default.
         beta: error-feedback low-pass factor in (0, 1] (1 = classic error feedback).
         seed: base seed of the compressors' generators (shared and per-rank streams derive from it).
+        nonfinite: what happens to a bucket whose gradient holds NaN/Inf on some rank (memories and
+            compressor state are never updated from it): ``"dense"`` reduces it densely, as DDP would (use
+            with fp16 AMP, whose GradScaler then skips the step); ``"zero"`` zeroes it on every rank, so the
+            step contributes no gradient and training continues.
+        layerwise: a callback that tunes per-layer parameters, e.g.
+            :class:`~lightning_gradcomp.callbacks.LGreCo`; the strategy keeps a private copy and adds it to
+            the Trainer's callbacks itself (so a strategy name can bundle it).
         **kwargs: any :class:`~lightning.pytorch.strategies.DDPStrategy` argument, except the comm-hook
             and model-averaging ones, which this strategy replaces.
     """
@@ -61,7 +70,8 @@ class GradCompStrategy(DDPStrategy):
     strategy_name = "gradcomp"
 
     def __init__(self, compressor: Union[Compressor, str, None] = None, start_step: int = 2, min_numel: int = 1024,
-                 compress_1d: bool = False, beta: float = 1.0, seed: int = 0, **kwargs: Any) -> None:
+                 compress_1d: bool = False, beta: float = 1.0, seed: int = 0, nonfinite: str = "dense",
+                 layerwise: Optional[Callback] = None, **kwargs: Any) -> None:
         for name in _INCOMPATIBLE:
             if kwargs.get(name) is not None:
                 raise ValueError(f"`{name}` cannot be combined with GradCompStrategy: it installs its own "
@@ -73,6 +83,12 @@ class GradCompStrategy(DDPStrategy):
             compress_1d=_check_bool("compress_1d", compress_1d))
         self.beta = validate_beta(beta)
         self.seed = int(check_number("seed", seed, 0, 2**63 - 1, low_open=False, integer=True))
+        if nonfinite not in ("dense", "zero"):
+            raise ValueError(f"`nonfinite` must be 'dense' or 'zero', got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        if layerwise is not None and not isinstance(layerwise, Callback):
+            raise TypeError(f"`layerwise` must be a Lightning Callback such as LGreCo(...), got {layerwise!r}")
+        self.layerwise: Optional[Callback] = copy.deepcopy(layerwise)
         super().__init__(**kwargs)
         self._hook: Optional[GradCompHook] = None
         self._pending: Optional[tuple[dict[str, Any], bool]] = None
@@ -111,6 +127,18 @@ class GradCompStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ Lightning hooks
     @override
+    def connect(self, model: Any) -> None:
+        """Attach the model, and add the ``layerwise`` callback to its Trainer (once)."""
+        super().connect(model)
+        trainer = getattr(model, "_trainer", None)
+        if self.layerwise is None or trainer is None or any(cb is self.layerwise for cb in trainer.callbacks):
+            return
+        if any(type(cb) is type(self.layerwise) for cb in trainer.callbacks):
+            raise ValueError(f"GradCompStrategy(layerwise={type(self.layerwise).__name__}(...)) and a "
+                             f"{type(self.layerwise).__name__} in Trainer(callbacks=...) cannot be combined: use one")
+        trainer.callbacks.append(self.layerwise)
+
+    @override
     def _register_ddp_hooks(self) -> None:
         """Register the compression hook on every device (Lightning itself only does so on CUDA)."""
         assert isinstance(self.model, DistributedDataParallel)
@@ -118,7 +146,8 @@ class GradCompStrategy(DDPStrategy):
             names = {id(p): n for n, p in self.lightning_module.named_parameters()}
             comm = Comm(self.model.process_group, CommStats())
             self._hook = GradCompHook(self.compressor.clone(), comm, names, start_step=self.start_step,
-                                      policy=self.policy, seed=self.seed, beta=self.beta, device=self.root_device)
+                                      policy=self.policy, seed=self.seed, beta=self.beta, device=self.root_device,
+                                      nonfinite=self.nonfinite)
             if self._pending is not None:
                 state, per_rank = self._pending
                 self._hook.load_state_dict(state, per_rank=per_rank)

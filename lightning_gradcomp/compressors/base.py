@@ -11,14 +11,19 @@ when the compressor uses error feedback) and gets back:
 Rules: every collective goes through ``ctx.comm`` and is *issued from* :meth:`Compressor.reduce`
 (never from a ``Future`` callback, which deadlocks gloo with several buckets); callbacks do local
 math only. Randomness comes from :meth:`ReduceContext.generator` only.
+
+Layer semantics must not depend on how DDP groups layers into buckets: DDP re-buckets after its first
+iteration, so the first step after a resume sees a different grouping than the uninterrupted run did.
+Select, quantize and seed *per layer* (keyed by ``slot.name``); batching is for transport only.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -78,16 +83,18 @@ class ReduceContext:
         """Number of ranks."""
         return self.comm.world_size
 
-    def generator(self, device: torch.device, *, shared: bool, salt: int = 0) -> torch.Generator:
-        """A generator seeded from ``(seed, step, bucket, rank or shared, salt)``.
+    def generator(self, device: torch.device, *, shared: bool, salt: Union[int, str]) -> torch.Generator:
+        """A generator seeded from ``(seed, step, rank or "shared", salt)``, identical across runs.
 
         ``shared=True`` gives every rank the same stream (shared indices, shared initialisation);
-        ``shared=False`` gives independent per-rank streams (stochastic rounding).
+        ``shared=False`` gives independent per-rank streams (stochastic rounding). Pass the layer name
+        as ``salt`` for per-layer streams: they then do not depend on how DDP groups layers into buckets
+        (which differs in the first step after a resume), so resumed runs reproduce uninterrupted ones.
         """
-        who = -1 if shared else self.rank
-        key = hash((self.seed, self.step, self.bucket_index, who, salt)) & 0x7FFF_FFFF_FFFF_FFFF
+        who = "shared" if shared else f"rank{self.rank}"
+        key = f"{self.seed}/{self.step}/{who}/{salt}".encode()
         gen = torch.Generator(device=device)
-        gen.manual_seed(key)
+        gen.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1))
         return gen
 
     def shares(self, counts: Sequence[int]) -> list[tuple[str, int]]:

@@ -42,8 +42,8 @@ class RandomK(SparseCompressor):
         """Shared indices, one all-reduce of the concatenated values."""
         ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
         device = tensors[0].device
-        indices = [random_indices(t.numel(), k, ctx.generator(device, shared=True, salt=i), device)
-                   for i, (t, k) in enumerate(zip(tensors, ks))]
+        indices = [random_indices(t.numel(), k, ctx.generator(device, shared=True, salt=slot.name), device)
+                   for slot, t, k in zip(ctx.slots, tensors, ks)]
         values = [t[i] for t, i in zip(tensors, indices)]
         if self.unbiased:
             values = [v * (t.numel() / k) for v, t, k in zip(values, tensors, ks)]

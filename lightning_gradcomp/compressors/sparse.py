@@ -33,9 +33,10 @@ def unpack_bytes(raw: Tensor, specs: Sequence[tuple[torch.dtype, int]]) -> list[
     """Inverse of :func:`pack_bytes` for ``specs`` = ``(dtype, numel)`` per piece."""
     out, pos = [], 0
     for dtype, numel in specs:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        out.append(raw[pos:pos + nbytes].view(dtype))
-        pos += nbytes
+        size = torch.empty((), dtype=dtype).element_size()
+        piece = raw[pos:pos + numel * size]
+        out.append((piece if piece.storage_offset() % size == 0 else piece.clone()).view(dtype))  # aligned views only
+        pos += numel * size
     return out
 
 

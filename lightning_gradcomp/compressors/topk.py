@@ -40,7 +40,7 @@ class TopK(SparseCompressor):
         values = torch.cat([t[i] for t, i in zip(tensors, indices)])
         sent = values.to(self.value_dtype)
         flat_idx = torch.cat(indices).to(torch.int32)
-        gathered = ctx.comm.all_gather(pack_bytes([sent, flat_idx]), shares=ctx.shares(ks))
+        gathered = ctx.comm.all_gather(pack_bytes([flat_idx, sent]), shares=ctx.shares(ks))
 
         residuals = []
         pos = 0
@@ -52,7 +52,7 @@ class TopK(SparseCompressor):
         total = sum(ks)
         averaged = [torch.zeros(t.numel(), dtype=torch.float32, device=t.device) for t in tensors]
         for raw in gathered:  # rank order: identical summation on every rank
-            vals, idx = unpack_bytes(raw, [(self.value_dtype, total), (torch.int32, total)])
+            idx, vals = unpack_bytes(raw, [(torch.int32, total), (self.value_dtype, total)])
             vals, idx = vals.to(torch.float32), idx.long()
             pos = 0
             for out, k in zip(averaged, ks):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -26,7 +27,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        buffer = io.BytesIO()  # plain bytes: shared-memory tensors would vanish when this process exits
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
     except BaseException:  # report the failure to the parent instead of hanging it
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -48,7 +51,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
             rank, ok, value = queue.get(timeout=timeout)
             if not ok:
                 raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=10)

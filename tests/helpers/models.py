@@ -77,10 +77,11 @@ def fit(strategy: Any, out: Path, *, devices: int = 2, model: Optional[pl.Lightn
         **trainer_kwargs: Any) -> list[dict[str, Any]]:
     """Fit ``model`` (TinyNet) with ``strategy`` on ``devices`` forked CPU ranks; return each rank's record."""
     out = Path(out)
+    options: dict[str, Any] = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                               "enable_model_summary": False, **trainer_kwargs}
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=max_epochs,
-                         max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[Recorder(out), *(callbacks or [])],
-                         default_root_dir=str(out), **trainer_kwargs)
+                         max_steps=max_steps, callbacks=[Recorder(out), *(callbacks or [])],
+                         default_root_dir=str(out), **options)
     trainer.fit(model or TinyNet(), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(devices)]
 

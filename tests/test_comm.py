@@ -1,0 +1,69 @@
+"""Byte accounting: the formulas, and Comm's counts for each collective on real gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.distributed import run_workers
+from lightning_gradcomp.comm import (Comm, CommStats, all_gather_bytes, all_reduce_bytes, all_to_all_bytes,
+                                     broadcast_bytes, p2p_bytes)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_formulas(world: int) -> None:
+    b = 1000
+    assert all_reduce_bytes(b, world) == pytest.approx(2 * (world - 1) / world * b)
+    assert all_gather_bytes(b, world) == (world - 1) * b
+    assert broadcast_bytes(b, world) == (b if world > 1 else 0)
+    assert all_to_all_bytes(b, world) == pytest.approx((world - 1) / world * b)
+    assert p2p_bytes(b, world) == b
+
+
+def test_stats_attribution_and_round_trip() -> None:
+    stats = CommStats()
+    stats.add_wire(300.0, [("a", 1), ("b", 2)])
+    stats.dense_bytes = 900.0
+    assert stats.layers["a"].wire_bytes == pytest.approx(100.0)
+    assert stats.layers["b"].wire_bytes == pytest.approx(200.0)
+    assert stats.compression_ratio == pytest.approx(3.0)
+    copy = CommStats()
+    copy.load_state_dict(stats.state_dict())
+    assert copy == stats
+
+
+def _collectives(rank: int, world: int) -> dict:
+    comm = Comm()
+    x = torch.full((10,), float(rank + 1))
+    comm.all_reduce(x)
+    fut = comm.all_reduce(torch.ones(6, dtype=torch.float16), async_op=True)
+    summed16 = fut.wait()
+    gathered = comm.all_gather(torch.tensor([rank], dtype=torch.int32))
+    b = torch.arange(5, dtype=torch.int64) * (rank == 1)
+    comm.broadcast(b, src=1)
+    out = torch.empty(world * 2)
+    comm.all_to_all(out, torch.arange(world * 2, dtype=torch.float32) + 100 * rank)
+    peer = rank ^ 1
+    recv = torch.empty(3)
+    if peer < world:
+        comm.exchange(torch.full((3,), float(rank)), recv, peer)
+    return {"x": x, "h": summed16, "g": gathered, "b": b, "out": out, "recv": recv,
+            "wire": comm.stats.wire_bytes, "n": comm.stats.collectives}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_comm_counts_match_formulas(world: int) -> None:
+    results = run_workers(_collectives, world)
+    expected = (all_reduce_bytes(40, world) + all_reduce_bytes(12, world) + all_gather_bytes(4, world)
+                + broadcast_bytes(40, world) + all_to_all_bytes(8 * world, world))
+    for rank, res in enumerate(results):
+        assert torch.equal(res["x"], torch.full((10,), float(sum(range(1, world + 1)))))
+        assert torch.equal(res["h"], torch.full((6,), float(world), dtype=torch.float16))
+        assert res["g"].reshape(-1).tolist() == list(range(world))
+        assert res["b"].tolist() == [0, 1, 2, 3, 4]
+        assert res["out"].tolist() == [float(100 * r + 2 * rank + j) for r in range(world) for j in range(2)]
+        has_peer = (rank ^ 1) < world
+        if has_peer:
+            assert res["recv"].tolist() == [float(rank ^ 1)] * 3
+        assert res["wire"] == pytest.approx(expected + (12 if has_peer else 0))
+        assert res["n"] == 5 + int(has_peer)

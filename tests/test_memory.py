@@ -1,0 +1,64 @@
+"""Error-feedback memory: the low-pass update rule, beta validation, state round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gradcomp.memory import ErrorFeedback
+
+
+def test_first_compensate_is_a_copy_of_the_gradient() -> None:
+    ef = ErrorFeedback()
+    g = torch.randn(5, dtype=torch.float16)
+    p = ef.compensate("w", g)
+    assert p.dtype == torch.float32 and torch.equal(p, g.float())
+    p.add_(1)
+    assert not torch.equal(p, g.float())  # a new tensor, not a view of the gradient
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.3])
+def test_update_rule(beta: float) -> None:
+    ef = ErrorFeedback(beta)
+    m0 = torch.randn(7)
+    ef.memories["w"] = m0.clone()
+    g = torch.randn(7)
+    p = ef.compensate("w", g)
+    c = torch.where(p.abs() > 0.5, p, torch.zeros_like(p))
+    ef.update("w", p, p - c)
+    expected = (1 - beta) * m0 + beta * (m0 + g - c)
+    torch.testing.assert_close(ef.memories["w"], expected)
+    # identity from ALGORITHMS.md 1.2: m' = m + beta (g - c)
+    torch.testing.assert_close(ef.memories["w"], m0 + beta * (g - c))
+
+
+def test_beta_one_is_classic_error_feedback() -> None:
+    ef = ErrorFeedback(1.0)
+    g = torch.randn(4)
+    p = ef.compensate("w", g)
+    residual = p.clone()
+    residual[0] = 0
+    ef.update("w", p, residual)
+    assert torch.equal(ef.memories["w"], residual)
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.01, float("nan"), "0.5", True, None])
+def test_beta_validation(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"`beta` must be a number in \(0, 1\]"):
+        ErrorFeedback(bad)  # type: ignore[arg-type]
+    ef = ErrorFeedback()
+    with pytest.raises(ValueError, match="beta"):
+        ef.beta = bad  # type: ignore[assignment]
+
+
+def test_state_round_trip_and_norm() -> None:
+    ef = ErrorFeedback()
+    ef.memories = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([4.0])}
+    assert ef.norm() == pytest.approx(5.0)
+    assert ef.norm(["b"]) == pytest.approx(4.0)
+    other = ErrorFeedback()
+    other.load_state_dict(ef.state_dict())
+    assert other.memories.keys() == ef.memories.keys()
+    assert all(torch.equal(other.memories[k], ef.memories[k]) for k in ef.memories)
+    other.reset()
+    assert other.memories == {}

@@ -1,0 +1,220 @@
+"""GradCompStrategy end to end with Lightning (fork launcher, gloo, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+
+from helpers.models import TinyNet, assert_replicas_identical, fit
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.comm import all_gather_bytes, all_reduce_bytes
+from lightning_gradcomp.compressors import Cast, Compressor, NoCompression, RandomK, TopK
+from lightning_gradcomp.functional import kept_count
+from lightning_gradcomp.strategy import CHECKPOINT_KEY
+
+COMPRESSORS = {
+    "none": lambda: NoCompression(),
+    "fp16": lambda: Cast(torch.float16),
+    "bf16": lambda: Cast(torch.bfloat16),
+    "topk": lambda: TopK(0.05),
+    "topk16": lambda: TopK(0.05, value_dtype=torch.float16),
+    "randomk": lambda: RandomK(0.1),
+    "randomk_unbiased": lambda: RandomK(0.3, unbiased=True),
+}
+
+
+def strategy(compressor: Compressor, **kwargs: Any) -> GradCompStrategy:
+    return GradCompStrategy(compressor=compressor, start_method="fork", **kwargs)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_replicas_identical_after_every_step(tmp_path: Path, name: str, world: int) -> None:
+    records = fit(strategy(COMPRESSORS[name]()), tmp_path, devices=world, max_epochs=2)
+    assert_replicas_identical(records)
+    stats = records[0]["stats"]
+    assert stats["steps"] == records[0]["hook_step"] == len(records[0]["params"])
+    if name != "none":
+        assert stats["compressed_steps"] == stats["steps"] - 2
+        assert stats["wire_bytes"] < stats["dense_bytes"]
+
+
+def test_no_compression_is_bit_identical_to_ddp(tmp_path: Path) -> None:
+    ours = fit(strategy(NoCompression()), tmp_path / "ours", max_epochs=2)
+    ddp = fit(DDPStrategy(start_method="fork"), tmp_path / "ddp", max_epochs=2)
+    for a, b in zip(ours[0]["params"], ddp[0]["params"], strict=True):
+        assert torch.equal(a, b)
+    assert ours[0]["losses"] == ddp[0]["losses"]
+
+
+def _tinynet_layout() -> tuple[list[int], int]:
+    net = TinyNet()
+    compressed = [p.numel() for p in net.parameters() if p.dim() > 1 and p.numel() >= 1024]
+    total = sum(p.numel() for p in net.parameters())
+    return compressed, total
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_wire_bytes_match_the_formula(tmp_path: Path, world: int) -> None:
+    records = fit(strategy(TopK(0.05)), tmp_path, devices=world, max_epochs=1)
+    stats = records[0]["stats"]
+    compressed, total = _tinynet_layout()
+    dense_numel = total - sum(compressed)
+    steps = stats["steps"]
+    k = sum(kept_count(n, 0.05) for n in compressed)
+    per_dense_step = all_reduce_bytes(4 * total, world)
+    per_compressed_step = all_reduce_bytes(4 * (dense_numel + 1), world) + all_gather_bytes(8 * k, world)
+    assert stats["dense_bytes"] == pytest.approx(steps * per_dense_step)
+    assert stats["wire_bytes"] == pytest.approx(2 * per_dense_step + (steps - 2) * per_compressed_step)
+    layer = stats["layers"]["body.2.weight"]
+    assert layer["compressed"] and layer["param"] == 0.05 and layer["numel"] == 4096
+    assert not stats["layers"]["head.weight"]["compressed"]
+
+
+@pytest.mark.parametrize("name", ["topk", "randomk", "fp16"])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, name: str) -> None:
+    straight = fit(strategy(COMPRESSORS[name]()), tmp_path / "straight", max_epochs=2)
+    ckpt_dir = tmp_path / "ckpt"
+    fit(strategy(COMPRESSORS[name]()), tmp_path / "first", max_epochs=1,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True)], enable_checkpointing=True)
+    saved = torch.load(ckpt_dir / "last.ckpt", weights_only=True)
+    assert saved[CHECKPOINT_KEY]["world_size"] == 2 and len(saved[CHECKPOINT_KEY]["per_rank"]) == 2
+    resumed = fit(strategy(COMPRESSORS[name]()), tmp_path / "resumed", max_epochs=2,
+                  ckpt_path=str(ckpt_dir / "last.ckpt"))
+    for rank in range(2):
+        tail = straight[rank]["losses"][-len(resumed[rank]["losses"]):]
+        assert resumed[rank]["losses"] == pytest.approx(tail, abs=1e-6)
+        assert torch.equal(resumed[rank]["params"][-1], straight[rank]["params"][-1])
+        assert resumed[rank]["hook_step"] == straight[rank]["hook_step"]
+        mem_a, mem_b = resumed[rank]["memory"], straight[rank]["memory"]
+        assert mem_a.keys() == mem_b.keys() and all(torch.equal(mem_a[k], mem_b[k]) for k in mem_a)
+
+
+def test_gradient_accumulation_compresses_once_per_optimizer_step(tmp_path: Path) -> None:
+    records = fit(strategy(TopK(0.05)), tmp_path, max_epochs=2, accumulate_grad_batches=2)
+    assert_replicas_identical(records)
+    batches = len(records[0]["params"])
+    assert records[0]["stats"]["steps"] == batches // 2
+
+
+def test_bf16_mixed_on_cpu(tmp_path: Path) -> None:
+    records = fit(strategy(TopK(0.05)), tmp_path, max_epochs=2, precision="bf16-mixed")
+    assert_replicas_identical(records)
+    assert records[0]["stats"]["compressed_steps"] > 0
+
+
+def test_find_unused_parameters(tmp_path: Path) -> None:
+    records = fit(strategy(RandomK(0.1), find_unused_parameters=True), tmp_path, max_epochs=2,
+                  model=TinyNet(unused_branch=True))
+    assert_replicas_identical(records)
+
+
+def test_frozen_layers_are_left_out(tmp_path: Path) -> None:
+    records = fit(strategy(TopK(0.05)), tmp_path, max_epochs=2, model=TinyNet(freeze_first=True))
+    assert_replicas_identical(records)
+    layers = records[0]["stats"]["layers"]
+    assert "body.0.weight" not in layers and layers["body.2.weight"]["compressed"]
+    first = records[0]["params"][0][: 32 * 64]
+    assert torch.equal(records[0]["params"][-1][: 32 * 64], first)
+
+
+@pytest.mark.parametrize("policy", ["zero", "dense"])
+def test_nonfinite_gradient_spares_the_memory(tmp_path: Path, policy: str) -> None:
+    records = fit(strategy(TopK(0.05), nonfinite=policy), tmp_path, max_epochs=2, model=_NaNOnce())
+    for rank in range(2):
+        assert records[rank]["stats"]["nonfinite_steps"] >= 1
+        assert records[rank]["memory"] and all(bool(torch.isfinite(m).all()) for m in records[rank]["memory"].values())
+    if policy == "zero":  # training continues with finite parameters; the step added no gradient
+        assert records[0]["stats"]["nonfinite_steps"] == 1
+        assert_replicas_identical(records)
+        assert all(bool(torch.isfinite(p).all()) for p in records[0]["params"])
+        assert all(loss == loss for loss in records[0]["losses"])
+    else:  # DDP semantics: the NaN reaches the optimizer (fp16 AMP's GradScaler would skip that step)
+        assert not bool(torch.isfinite(records[0]["params"][-1]).all())
+
+
+class _NaNOnce(TinyNet):
+    """Rank 1's gradient of ``body.2.weight`` holds a NaN at step 4 (injected before the comm hook runs)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == 4 and self.global_rank == 1:
+            def poison(grad: torch.Tensor) -> torch.Tensor:
+                handle.remove()
+                return grad.index_fill(0, torch.tensor([0]), float("nan"))
+
+            handle = self.body[2].weight.register_hook(poison)
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"start_step": 1}, ValueError, r"`start_step` must be in \[2, inf\]"),
+    ({"start_step": 2.5}, TypeError, "`start_step` must be an integer"),
+    ({"min_numel": 0}, ValueError, "`min_numel` must be in"),
+    ({"beta": 0.0}, ValueError, r"`beta` must be a number in \(0, 1\]"),
+    ({"beta": 1.5}, ValueError, "beta"),
+    ({"seed": -1}, ValueError, "`seed`"),
+    ({"compress_1d": 1}, TypeError, "`compress_1d` must be a bool"),
+    ({"nonfinite": "skip"}, ValueError, "`nonfinite` must be 'dense' or 'zero'"),
+    ({"compressor": 3}, TypeError, "`compressor` must be a Compressor"),
+    ({"compressor": "nope"}, KeyError, "unknown compressor"),
+    ({"ddp_comm_hook": lambda s, b: None}, ValueError, "`ddp_comm_hook` cannot be combined"),
+    ({"model_averaging_period": 4}, ValueError, "`model_averaging_period` cannot be combined"),
+    ({"ddp_comm_state": object()}, ValueError, "`ddp_comm_state` cannot be combined"),
+    ({"ddp_comm_wrapper": lambda h: h}, ValueError, "`ddp_comm_wrapper` cannot be combined"),
+])
+def test_invalid_arguments(kwargs: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        GradCompStrategy(**kwargs)
+
+
+def test_compressor_by_name_and_set_beta() -> None:
+    s = GradCompStrategy(compressor="topk")
+    assert isinstance(s.compressor, TopK)
+    s.set_beta(0.5)
+    assert s.beta == 0.5
+    with pytest.raises(ValueError, match="beta"):
+        s.set_beta(2)
+    assert s.comm_stats.steps == 0 and s.hook is None
+
+
+def _with_world(world: int, rank: int = 0, compressor: Compressor | None = None) -> GradCompStrategy:
+    s = GradCompStrategy(compressor=compressor or TopK())
+    env = LightningEnvironment()
+    env.set_world_size(world)
+    env.set_global_rank(rank)
+    s.cluster_environment = env
+    return s
+
+
+def test_checkpoint_selection_policies() -> None:
+    saved = {"version": 1, "compressor": "TopK", "world_size": 2,
+             "per_rank": [{"step": 5, "memory": {"w": torch.ones(2)}}, {"step": 5, "memory": {"w": torch.zeros(2)}}]}
+    state, per_rank = _with_world(2, rank=1)._select_state(saved)
+    assert per_rank and state["memory"]["w"].sum() == 0
+    with pytest.warns(UserWarning, match="written by 2 ranks, resuming on 3"):
+        state, per_rank = _with_world(3)._select_state(saved)
+    assert not per_rank and state["step"] == 5
+    with pytest.raises(ValueError, match="written with compressor TopK, but this strategy uses RandomK"):
+        _with_world(2, compressor=RandomK())._select_state(saved)
+    with pytest.raises(ValueError, match="malformed"):
+        _with_world(2)._select_state({"version": 99})
+    assert _with_world(2)._select_state(None) is None
+
+
+def test_world_size_change_on_resume_continues(tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    first = fit(strategy(TopK(0.05)), tmp_path / "first", devices=3, max_epochs=1,
+                callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True)], enable_checkpointing=True)
+    resumed = fit(strategy(TopK(0.05)), tmp_path / "resumed", devices=2, max_epochs=2,
+                  ckpt_path=str(ckpt_dir / "last.ckpt"))
+    assert_replicas_identical(resumed)
+    assert resumed[0]["hook_step"] == first[0]["hook_step"] + len(resumed[0]["params"])
