@@ -1,0 +1,190 @@
+"""``lightning-gradcomp bench``: launch W ranks (loopback or emulated link), summarise, recommend."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from lightning_gradcomp.bench.configs import available_configs
+from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address
+
+__all__ = ["recommend", "run_bench", "summarise"]
+
+DEFAULT_CONFIGS = ("ddp", "torch_fp16", "torch_powersgd", "gradcomp_fp16", "gradcomp_topk", "gradcomp_randomk")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-configuration figures from every rank's raw measurements (pure)."""
+    world = len(ranks)
+    compute = statistics.median(ranks[0]["compute_only"]["step_times"])
+    rows: dict[str, dict[str, Any]] = {}
+    for name, first in ranks[0]["configs"].items():
+        per_rank = [r["configs"][name] for r in ranks]
+        times = [max(ts) for ts in zip(*(p["step_times"] for p in per_rank))]  # a step ends when the last rank ends
+        median = statistics.median(times)
+        iface = [p["iface_tx_bytes_per_step"] for p in per_rank]
+        rows[name] = {
+            "step_time_median_s": median,
+            "step_time_p25_s": _quantile(times, 0.25),
+            "step_time_p75_s": _quantile(times, 0.75),
+            "throughput_samples_per_s": world * first["batch_size"] / median,
+            "scaling_efficiency": compute / median,
+            "wire_bytes_per_step": statistics.mean(p["wire_bytes_per_step"] for p in per_rank),
+            "iface_tx_bytes_per_step": statistics.mean(iface) if all(v is not None for v in iface) else None,
+            "hook_ms_per_step": 1e3 * statistics.mean(p["hook_seconds_per_step"] for p in per_rank),
+            "peak_rss_mb": max((p["peak_rss_mb"] or 0.0) for p in per_rank),
+        }
+    dense = rows.get("ddp")
+    for row in rows.values():
+        if dense:
+            row["speedup_vs_ddp"] = dense["step_time_median_s"] / row["step_time_median_s"]
+            row["bytes_ratio_vs_ddp"] = dense["wire_bytes_per_step"] / max(row["wire_bytes_per_step"], 1e-12)
+        if "torch_powersgd" in rows:
+            row["throughput_vs_torch_powersgd"] = (row["throughput_samples_per_s"]
+                                                   / rows["torch_powersgd"]["throughput_samples_per_s"])
+    return {"world_size": world, "compute_only_step_s": compute, "params": ranks[0]["configs"][next(iter(rows))]["params"],
+            "configs": rows}
+
+
+def recommend(summary: dict[str, Any]) -> str:
+    """One line: the fastest configuration on this link and whether compression pays at all."""
+    rows = summary["configs"]
+    best = min(rows, key=lambda n: rows[n]["step_time_median_s"])
+    if "ddp" not in rows:
+        return f"fastest: {best} ({rows[best]['step_time_median_s'] * 1e3:.1f} ms/step); no dense baseline was run"
+    dense = rows["ddp"]["step_time_median_s"]
+    speedup = dense / rows[best]["step_time_median_s"]
+    if best == "ddp" or speedup < 1.05:
+        return (f"compression does not pay here: dense DDP takes {dense * 1e3:.1f} ms/step and the best compressed "
+                f"configuration ({best}) is only {speedup:.2f}x faster; keep dense DDP on this link")
+    return (f"use {best}: {speedup:.2f}x faster than dense DDP ({rows[best]['step_time_median_s'] * 1e3:.1f} vs "
+            f"{dense * 1e3:.1f} ms/step), {rows[best]['bytes_ratio_vs_ddp']:.1f}x fewer bytes, scaling efficiency "
+            f"{rows[best]['scaling_efficiency']:.0%}")
+
+
+def _launch(spec: dict[str, Any], link: Optional[EmulatedLink], timeout: float) -> list[dict[str, Any]]:
+    world = spec["world_size"]
+    port = _free_port()
+    spec_path = Path(spec["out_dir"]) / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": str(port),
+               "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": str(spec.get("threads", 1))}
+        cmd = [sys.executable, "-m", "lightning_gradcomp.bench.worker", str(spec_path)]
+        if link is not None:
+            env.update(MASTER_ADDR=rank_address(0), GLOO_SOCKET_IFNAME=link.interface(rank))
+            cmd = ["ip", "netns", "exec", link.namespace(rank), *cmd]
+        procs.append(subprocess.Popen(cmd, env=env))
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(codes):
+        raise RuntimeError(f"benchmark ranks exited with codes {codes}")
+    return [json.loads((Path(spec["out_dir"]) / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def run_bench(model: str = "mlp", world_size: int = 2, steps: int = 20, warmup: int = 5,
+              configs: Sequence[str] = DEFAULT_CONFIGS, link: Optional[str] = None, bucket_cap_mb: float = 25.0,
+              threads: int = 1, timeout: float = 1800.0) -> dict[str, Any]:
+    """Run the benchmark and return ``{"summary", "recommendation", "link", "raw"}``."""
+    unknown = [c for c in configs if c not in available_configs()]
+    if unknown:
+        raise ValueError(f"unknown configurations {unknown}; available: {', '.join(available_configs())}")
+    if world_size < 2:
+        raise ValueError(f"`world_size` must be >= 2, got {world_size}")
+    if steps < 1 or warmup < 3:
+        raise ValueError(f"`steps` must be >= 1 and `warmup` >= 3 (compression starts at step 2), got {steps}, {warmup}")
+    note = "loopback (no link emulation requested)"
+    emulate = False
+    if link:
+        ok, why = can_emulate()
+        emulate = ok
+        note = f"emulated {link} per rank (netns + veth + tc tbf)" if ok else f"loopback: cannot emulate {link}: {why}"
+    with tempfile.TemporaryDirectory(prefix="lgc-bench-") as out_dir:
+        spec = {"model": model, "world_size": world_size, "steps": steps, "warmup": warmup, "configs": list(configs),
+                "bucket_cap_mb": bucket_cap_mb, "threads": threads, "out_dir": out_dir}
+        with (EmulatedLink(world_size, link) if emulate and link else nullcontext()) as emulated:
+            raw = _launch(spec, emulated, timeout)
+    summary = summarise(raw)
+    return {"link": note, "model": model, "summary": summary, "recommendation": recommend(summary), "raw": raw}
+
+
+def print_report(result: dict[str, Any]) -> None:
+    """A rich table of the summary plus the recommendation line."""
+    from rich.console import Console
+    from rich.table import Table
+
+    summary = result["summary"]
+    table = Table(title=f"{result['model']} ({summary['params']:,} params), W={summary['world_size']}, {result['link']}")
+    for col in ("config", "step ms (p25-p75)", "samples/s", "scaling eff.", "wire KB/step", "iface KB/step",
+                "hook ms", "peak RSS MB", "vs ddp"):
+        table.add_column(col, justify="left" if col == "config" else "right")
+    for name, row in summary["configs"].items():
+        iface = row["iface_tx_bytes_per_step"]
+        table.add_row(name, f"{row['step_time_median_s'] * 1e3:.1f} ({row['step_time_p25_s'] * 1e3:.1f}-"
+                            f"{row['step_time_p75_s'] * 1e3:.1f})",
+                      f"{row['throughput_samples_per_s']:.0f}", f"{row['scaling_efficiency']:.0%}",
+                      f"{row['wire_bytes_per_step'] / 1e3:,.1f}", "-" if iface is None else f"{iface / 1e3:,.1f}",
+                      f"{row['hook_ms_per_step']:.1f}", f"{row['peak_rss_mb']:.0f}",
+                      f"{row.get('speedup_vs_ddp', float('nan')):.2f}x")
+    console = Console(width=max(Console().width, 150))
+    console.print(table)
+    console.print(f"compute-only step: {summary['compute_only_step_s'] * 1e3:.1f} ms")
+    console.print(f"[bold]recommendation:[/bold] {result['recommendation']}")
+
+
+def add_arguments(parser: Any) -> None:
+    """The ``bench`` subcommand's options."""
+    parser.add_argument("--model", default="mlp", help="built-in: mlp, mlp-small, mlp-large, cnn, transformer; "
+                                                       "or module.path:LightningModuleClass")
+    parser.add_argument("--world-size", "-w", type=int, default=2, help="number of local ranks (default 2)")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per configuration")
+    parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps first (>= 3)")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help="comma-separated: ddp, torch_fp16, torch_powersgd and any strategy preset name "
+                             "(`lightning-gradcomp list`)")
+    parser.add_argument("--link", default=None, help="emulate a link per rank, e.g. 100mbit or 1gbit (Linux, root)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--json", default=None, help="also write the result (with raw per-rank data) to this file")
+
+
+def run_command(args: Any) -> int:
+    """Run ``bench`` from parsed arguments; prints the table, the recommendation and the JSON summary."""
+    import lightning_gradcomp  # noqa: F401 - declares every preset
+
+    result = run_bench(args.model, args.world_size, args.steps, args.warmup,
+                       [c.strip() for c in args.configs.split(",") if c.strip()], args.link, args.bucket_cap_mb,
+                       args.threads)
+    print_report(result)
+    public = {k: v for k, v in result.items() if k != "raw"}
+    print(json.dumps(public, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0

@@ -1,0 +1,92 @@
+"""The bench command: pure summary/recommendation logic, namespace commands, and a short real run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, parse_rate, setup_commands, teardown_commands
+from lightning_gradcomp.bench.runner import recommend, run_bench, summarise
+
+FIELDS = {"step_time_median_s", "step_time_p25_s", "step_time_p75_s", "throughput_samples_per_s", "scaling_efficiency",
+          "wire_bytes_per_step", "iface_tx_bytes_per_step", "hook_ms_per_step", "peak_rss_mb", "speedup_vs_ddp",
+          "bytes_ratio_vs_ddp"}
+
+
+def _rank(times: dict[str, list[float]], compute: list[float]) -> dict:
+    return {"compute_only": {"step_times": compute},
+            "configs": {name: {"step_times": t, "wire_bytes_per_step": 1000.0 if name == "ddp" else 10.0,
+                               "hook_seconds_per_step": 0.001, "iface_tx_bytes_per_step": None,
+                               "peak_rss_mb": 100.0, "batch_size": 8, "params": 10} for name, t in times.items()}}
+
+
+def test_summary_uses_the_slowest_rank_per_step_and_recommends() -> None:
+    ranks = [_rank({"ddp": [0.10, 0.10, 0.30], "topk": [0.02, 0.03, 0.02]}, [0.01, 0.01, 0.01]),
+             _rank({"ddp": [0.20, 0.10, 0.10], "topk": [0.02, 0.02, 0.04]}, [0.01, 0.01, 0.01])]
+    summary = summarise(ranks)
+    ddp, topk = summary["configs"]["ddp"], summary["configs"]["topk"]
+    assert ddp["step_time_median_s"] == pytest.approx(0.2)  # max over ranks per step: .2, .1, .3
+    assert topk["step_time_median_s"] == pytest.approx(0.03)
+    assert topk["speedup_vs_ddp"] == pytest.approx(0.2 / 0.03)
+    assert topk["scaling_efficiency"] == pytest.approx(0.01 / 0.03)
+    assert topk["throughput_samples_per_s"] == pytest.approx(2 * 8 / 0.03)
+    assert topk["bytes_ratio_vs_ddp"] == pytest.approx(100.0)
+    assert recommend(summary).startswith("use topk: 6.67x faster")
+    slow = summarise([_rank({"ddp": [0.1], "topk": [0.2]}, [0.05])])
+    assert recommend(slow).startswith("compression does not pay here")
+
+
+def test_rate_parsing_and_namespace_commands() -> None:
+    assert parse_rate("100mbit") == 1e8 and parse_rate("1gbit") == 1e9 and parse_rate("512kbit") == 512e3
+    with pytest.raises(ValueError, match="`link` must look like 100mbit"):
+        parse_rate("fast")
+    cmds = setup_commands("t1", 2, "1gbit")
+    flat = [" ".join(c) for c in cmds]
+    assert "ip link add t1br type bridge" in flat and "ip netns add t1ns1" in flat
+    assert any("tbf rate 1gbit" in c for c in flat)
+    assert all(len(name) <= 15 for c in cmds for name in c if name.startswith("t1"))
+    assert [" ".join(c) for c in teardown_commands("t1", 2)] == ["ip netns del t1ns0", "ip netns del t1ns1",
+                                                                 "ip link del t1br"]
+
+
+@pytest.mark.skipif(not can_emulate()[0], reason=f"cannot emulate links here: {can_emulate()[1]}")
+def test_namespaces_are_created_and_removed() -> None:
+    link = EmulatedLink(2, "100mbit", prefix="lgct")
+    with link:
+        assert link.exists()
+        out = subprocess.run(["ip", "netns", "exec", link.namespace(1), "ip", "-o", "addr"], capture_output=True,
+                             text=True, check=True).stdout
+        assert "10.213.0.2" in out
+    assert not link.exists()
+    with pytest.raises(RuntimeError), EmulatedLink(2, "100mbit", prefix="lgcu") as failing:
+        assert failing.exists()
+        raise RuntimeError("boom")
+    assert not failing.exists()
+
+
+@pytest.mark.slow
+def test_short_loopback_run_has_every_field(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "lightning_gradcomp.cli", "bench", "--model", "mlp-small", "--steps",
+                           "3", "--warmup", "3", "--configs", "ddp,torch_fp16,gradcomp_topk", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "recommendation:" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["link"].startswith("loopback")
+    rows = result["summary"]["configs"]
+    assert set(rows) == {"ddp", "torch_fp16", "gradcomp_topk"}
+    for row in rows.values():
+        assert FIELDS <= set(row)
+    assert rows["gradcomp_topk"]["wire_bytes_per_step"] < rows["torch_fp16"]["wire_bytes_per_step"] < \
+        rows["ddp"]["wire_bytes_per_step"]
+
+
+def test_invalid_bench_arguments() -> None:
+    with pytest.raises(ValueError, match="unknown configurations"):
+        run_bench(configs=["nope"])
+    with pytest.raises(ValueError, match="`world_size` must be >= 2"):
+        run_bench(world_size=1)
