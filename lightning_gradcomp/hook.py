@@ -156,7 +156,7 @@ class GradCompHook:
     def _reduce_compressed(self, plan: BucketPlan, buf: Tensor) -> Future:
         world = self.comm.world_size
         dense, comp = plan.dense, plan.compressed
-        flag = (~torch.isfinite(buf)).any().to(buf.dtype).reshape(1)
+        flag = (~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1)  # NaN/Inf anywhere -> sum
         head = torch.cat([*(buf[s.offset:s.end] for s in dense), flag]).div_(world)
         self.comm.all_reduce(head, shares=[(s.name, s.numel) for s in dense])
         for slot, piece in zip(dense, torch.split(head[:-1], [s.numel for s in dense])):
