@@ -1,3 +1,6 @@
-"""Lightning callbacks that steer or observe the compression (filled in by later modules)."""
+"""Lightning callbacks that steer or observe the compression."""
 
-__all__: list[str] = []
+from lightning_gradcomp.callbacks.guard import CompressionGuard, CompressionWarning
+from lightning_gradcomp.callbacks.logger import CompressionLogger
+
+__all__: list[str] = ["CompressionGuard", "CompressionLogger", "CompressionWarning"]

@@ -1,0 +1,427 @@
+"""CompressionLogger: what the compression does on the wire, logged through the Trainer's loggers.
+
+Every ``log_every_n_steps`` optimizer steps, rank 0 writes the figures of its own
+:class:`~lightning_gradcomp.comm.CommStats` (bytes sent, dense-equivalent bytes, ratio, hook time,
+error-feedback memory norm) to every logger of the Trainer (CSV, TensorBoard, ...). Every
+``error_every_n_steps`` compressed steps it also measures the relative compression error
+
+.. math::  e = \\lVert p - C(p) \\rVert_2 \\,/\\, \\lVert p \\rVert_2
+
+of the compressor input ``p`` (``p = m + g`` with error feedback) through the engine's observers,
+and at every epoch end it aggregates bytes, hook time and error over *all* ranks with torchmetrics.
+Metric names are the constants of this module (table in ``docs/monitoring.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from torchmetrics import MaxMetric, MeanMetric, SumMetric
+
+from lightning_gradcomp.callbacks.guard import CompressionGuard
+from lightning_gradcomp.callbacks.summary import print_summary
+from lightning_gradcomp.comm import CommStats
+from lightning_gradcomp.compressors.base import check_number
+from lightning_gradcomp.hook import BucketRecord, GradCompHook
+from lightning_gradcomp.memory import ErrorFeedback
+
+__all__ = [
+    "CompressionLogger",
+    "DENSE_BYTES",
+    "DENSE_BYTES_TOTAL",
+    "EPOCH_DENSE_BYTES",
+    "EPOCH_ERROR",
+    "EPOCH_HOOK_MS",
+    "EPOCH_HOOK_MS_MAX",
+    "EPOCH_RATIO",
+    "EPOCH_WIRE_BYTES",
+    "ERROR",
+    "ErrorProbe",
+    "HOOK_MS",
+    "LAYER_ERROR",
+    "LAYER_METRICS",
+    "LAYER_PARAM",
+    "LAYER_RATIO",
+    "LAYER_WIRE_BYTES",
+    "MEMORY_NORM",
+    "METRICS",
+    "NONFINITE_BUCKETS",
+    "PROG_BAR_EVERY_N_STEPS",
+    "RATIO",
+    "RATIO_TOTAL",
+    "StepError",
+    "WIRE_BYTES",
+    "WIRE_BYTES_TOTAL",
+]
+
+WIRE_BYTES = "gradcomp/wire_bytes"
+DENSE_BYTES = "gradcomp/dense_bytes"
+WIRE_BYTES_TOTAL = "gradcomp/wire_bytes_total"
+DENSE_BYTES_TOTAL = "gradcomp/dense_bytes_total"
+RATIO = "gradcomp/ratio"
+RATIO_TOTAL = "gradcomp/ratio_total"
+HOOK_MS = "gradcomp/hook_ms"
+MEMORY_NORM = "gradcomp/memory_norm"
+NONFINITE_BUCKETS = "gradcomp/nonfinite_buckets"
+ERROR = "gradcomp/error"
+EPOCH_WIRE_BYTES = "gradcomp/epoch/wire_bytes"
+EPOCH_DENSE_BYTES = "gradcomp/epoch/dense_bytes"
+EPOCH_RATIO = "gradcomp/epoch/ratio"
+EPOCH_HOOK_MS = "gradcomp/epoch/hook_ms"
+EPOCH_HOOK_MS_MAX = "gradcomp/epoch/hook_ms_max"
+EPOCH_ERROR = "gradcomp/epoch/error"
+LAYER_WIRE_BYTES = "gradcomp/layer_wire_bytes/"
+LAYER_RATIO = "gradcomp/layer_ratio/"
+LAYER_ERROR = "gradcomp/layer_error/"
+LAYER_PARAM = "gradcomp/layer_param/"
+
+PROG_BAR_EVERY_N_STEPS = 10
+"""Period (in reductions) of the progress-bar update of ``gradcomp/ratio``."""
+
+METRICS: dict[str, str] = {
+    WIRE_BYTES: "bytes rank 0 sent per step (mean over the steps since the previous log)",
+    DENSE_BYTES: "bytes a dense fp32 ring all-reduce would have sent per step (same steps)",
+    WIRE_BYTES_TOTAL: "cumulative bytes rank 0 sent since the start of training",
+    DENSE_BYTES_TOTAL: "cumulative dense-equivalent bytes",
+    RATIO: "compression ratio dense / wire over the steps since the previous log (progress bar)",
+    RATIO_TOTAL: "cumulative compression ratio (includes the dense warm-up)",
+    HOOK_MS: "wall time of the communication hook per step, milliseconds (rank 0)",
+    MEMORY_NORM: "L2 norm of rank 0's error-feedback memory (compressors with error feedback)",
+    NONFINITE_BUCKETS: "cumulative buckets reduced densely because some rank saw NaN/Inf",
+    ERROR: "relative compression error ||p - C(p)|| / ||p|| of rank 0 at a sampled step",
+    EPOCH_WIRE_BYTES: "bytes sent by all ranks together during the epoch (torchmetrics SumMetric)",
+    EPOCH_DENSE_BYTES: "dense-equivalent bytes of all ranks during the epoch (SumMetric)",
+    EPOCH_RATIO: "epoch compression ratio over all ranks",
+    EPOCH_HOOK_MS: "hook milliseconds per step, mean over steps and ranks (MeanMetric)",
+    EPOCH_HOOK_MS_MAX: "hook milliseconds per step of the slowest rank (MaxMetric)",
+    EPOCH_ERROR: "mean relative compression error over the epoch's samples on all ranks (MeanMetric)",
+}
+"""Global metric names and their meaning."""
+
+LAYER_METRICS: dict[str, str] = {
+    LAYER_WIRE_BYTES: "bytes per step attributed to the layer (``per_layer=True``)",
+    LAYER_RATIO: "the layer's compression ratio since the previous log (``per_layer=True``)",
+    LAYER_ERROR: "the layer's relative compression error at a sampled step (``per_layer=True``)",
+    LAYER_PARAM: "the layer's compression parameter (ratio/rank/bits); the name for any per-layer tuner",
+}
+"""Per-layer metric prefixes; the full name appends the parameter name (``body.0.weight``)."""
+
+
+@dataclass
+class StepError:
+    """The measured compression error of one step on this rank.
+
+    Attributes:
+        step: the engine's step counter at the measurement.
+        error: relative error over all compressed layers (``nan`` if the input was zero).
+        layers: per-layer ``(||r||^2, ||p||^2)``.
+    """
+
+    step: int
+    error: float
+    layers: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else float("nan")
+
+
+class ErrorProbe:
+    """A hook observer that measures ``||p - C(p)||`` and ``||p||`` per layer at sampled steps.
+
+    Squared norms are kept as device tensors until :meth:`drain` (one host sync per drained step).
+    Compressors that report neither residuals nor their local contribution are skipped
+    (:attr:`unsupported` becomes True).
+
+    Args:
+        every: sample every ``every``-th compressed step (0 disables).
+        start_step: the first compressed step (sampled).
+    """
+
+    def __init__(self, every: int, start_step: int = 0) -> None:
+        self.every = every
+        self.start_step = start_step
+        self.unsupported = False
+        self.totals: dict[str, list[float]] = {}
+        self._pending: dict[int, list[tuple[str, Tensor, Tensor]]] = {}
+
+    def wants(self, step: int) -> bool:
+        """Sample ``start_step`` and every ``every``-th step after it."""
+        return self.every > 0 and step >= self.start_step and (step - self.start_step) % self.every == 0
+
+    def __call__(self, record: BucketRecord) -> None:
+        """Queue the squared norms of one bucket's residuals and inputs."""
+        if record.residuals is None:
+            self.unsupported = True
+            return
+        items = self._pending.setdefault(record.step, [])
+        for slot, p, r in zip(record.slots, record.inputs, record.residuals):
+            items.append((slot.name, torch.linalg.vector_norm(r).square(), torch.linalg.vector_norm(p).square()))
+
+    @property
+    def pending(self) -> bool:
+        """Whether measurements wait to be drained."""
+        return bool(self._pending)
+
+    def drain(self) -> list[StepError]:
+        """Turn queued measurements into :class:`StepError` (step order) and add them to :attr:`totals`."""
+        out = []
+        for step in sorted(self._pending):
+            items = self._pending[step]
+            values = torch.stack([torch.stack([r2, p2]).float() for _, r2, p2 in items]).double().tolist()
+            layers = {}
+            for (name, _, _), (r2, p2) in zip(items, values):
+                layers[name] = (r2, p2)
+                total = self.totals.setdefault(name, [0.0, 0.0])
+                total[0] += r2
+                total[1] += p2
+            r2_sum, p2_sum = sum(v[0] for v in values), sum(v[1] for v in values)
+            out.append(StepError(step, math.sqrt(_ratio(r2_sum, p2_sum)), layers))
+        self._pending.clear()
+        return out
+
+    def layer_errors(self) -> dict[str, float]:
+        """Per-layer error pooled over every drained sample: ``sqrt(sum ||r||^2 / sum ||p||^2)``."""
+        return {name: math.sqrt(_ratio(r2, p2)) for name, (r2, p2) in self.totals.items()}
+
+    def total_error(self) -> float:
+        """Error pooled over every layer and sample (``nan`` before any)."""
+        r2 = sum(v[0] for v in self.totals.values())
+        p2 = sum(v[1] for v in self.totals.values())
+        return math.sqrt(_ratio(r2, p2))
+
+
+@dataclass
+class _Snapshot:
+    """Cumulative CommStats figures at one moment."""
+
+    steps: int
+    wire: float
+    dense: float
+    hook_s: float
+    layers: dict[str, tuple[float, float]]
+
+    @classmethod
+    def of(cls, stats: CommStats, per_layer: bool) -> "_Snapshot":
+        layers = {n: (s.wire_bytes, s.dense_bytes) for n, s in stats.layers.items()} if per_layer else {}
+        return cls(stats.steps, stats.wire_bytes, stats.dense_bytes, stats.hook_seconds, layers)
+
+
+def memory_norm(memory: Optional[ErrorFeedback]) -> Optional[float]:
+    """L2 norm of all error-feedback memories (``None`` when there are none); one host sync."""
+    if memory is None or not memory.memories:
+        return None
+    norms = torch.stack([torch.linalg.vector_norm(m) for m in memory.memories.values()])
+    return float(torch.linalg.vector_norm(norms))
+
+
+class CompressionLogger(Callback):
+    """Log wire bytes, compression ratio, hook time, memory norm and compression error.
+
+    Add it to the Trainer of a :class:`~lightning_gradcomp.GradCompStrategy` run::
+
+        trainer = Trainer(strategy="gradcomp_topk", devices=4, callbacks=[CompressionLogger()])
+
+    Rank 0 writes its figures to every Trainer logger every ``log_every_n_steps`` optimizer steps
+    (``step`` = ``trainer.global_step``), the progress bar shows ``gradcomp/ratio`` (refreshed every
+    :data:`PROG_BAR_EVERY_N_STEPS` steps), all ranks aggregate epoch figures with torchmetrics, a
+    rich per-layer table is printed at the end of fit, and a
+    :class:`~lightning_gradcomp.callbacks.guard.CompressionGuard` warns when nothing is compressed.
+    Metric names: :data:`METRICS` and :data:`LAYER_METRICS` (``docs/monitoring.md``). Costs: a few float operations per step and a ``pl_module.log`` every
+    :data:`PROG_BAR_EVERY_N_STEPS` steps; the memory norm (one pass over the memory) at log steps;
+    one copy of the compressor input plus two norms per layer at error-sampled steps; a few small
+    collectives at epoch ends.
+
+    Args:
+        log_every_n_steps: logging period in optimizer steps (``None``: the Trainer's
+            ``log_every_n_steps``).
+        error_every_n_steps: measure the compression error at the first compressed step and every
+            this many compressed steps after it (0 disables).
+        per_layer: also log per-layer bytes, ratio, error and parameter.
+        prog_bar: show the running compression ratio in the progress bar.
+        summary: print the per-layer table on rank 0 at the end of fit.
+        guard: warn loudly when nothing is being compressed.
+    """
+
+    def __init__(self, log_every_n_steps: Optional[int] = None, error_every_n_steps: int = 50,
+                 per_layer: bool = False, prog_bar: bool = True, summary: bool = True, guard: bool = True) -> None:
+        if log_every_n_steps is not None:
+            check_number("log_every_n_steps", log_every_n_steps, 1, 10**12, low_open=False, integer=True)
+        check_number("error_every_n_steps", error_every_n_steps, 0, 10**12, low_open=False, integer=True)
+        for name, value in (("per_layer", per_layer), ("prog_bar", prog_bar), ("summary", summary),
+                            ("guard", guard)):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be a bool, got {value!r}")
+        self.log_every_n_steps = log_every_n_steps
+        self.error_every_n_steps = error_every_n_steps
+        self.per_layer = per_layer
+        self.prog_bar = prog_bar
+        self.summary = summary
+        self.guard: Optional[CompressionGuard] = CompressionGuard() if guard else None
+        self.probe: Optional[ErrorProbe] = None
+        self._every = log_every_n_steps or 50
+        self._hook: Optional[GradCompHook] = None
+        self._last: Optional[_Snapshot] = None
+        self._epoch_start: Optional[_Snapshot] = None
+        self._epoch_errors: list[float] = []
+        self._last_bin = 0
+        self._seen_steps = -1
+        self._show_bar = False
+        self._epoch_metrics: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve the logging period and create the epoch aggregators."""
+        self._every = self.log_every_n_steps or max(int(trainer.log_every_n_steps), 1)
+        self._epoch_metrics = {EPOCH_WIRE_BYTES: SumMetric(), EPOCH_DENSE_BYTES: SumMetric(),
+                               EPOCH_HOOK_MS: MeanMetric(), EPOCH_HOOK_MS_MAX: MaxMetric(), EPOCH_ERROR: MeanMetric()}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Attach the error probe to the engine and take the first snapshots."""
+        if self.guard is not None:
+            self.guard.on_train_start(trainer, pl_module)
+        self._hook = getattr(trainer.strategy, "hook", None)
+        self._show_bar = self.prog_bar and trainer.progress_bar_callback is not None
+        if self._hook is None:
+            return
+        for metric in self._epoch_metrics.values():
+            metric.to(pl_module.device)
+        if self.error_every_n_steps > 0:
+            self.probe = ErrorProbe(self.error_every_n_steps, self._hook.start_step)
+            self._hook.observers.append(self.probe)
+        self._last = self._epoch_start = _Snapshot.of(self._hook.stats, self.per_layer)
+        self._seen_steps = self._hook.stats.steps
+        self._last_bin = trainer.global_step // self._every
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """Log when due; feed the progress bar and the guard."""
+        if self.guard is not None:
+            self.guard.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        hook = self._hook
+        if hook is None or hook.stats.steps == self._seen_steps:
+            return  # no reduction in this batch (gradient accumulation)
+        self._seen_steps = hook.stats.steps
+        if self._show_bar and self._last is not None and hook.stats.steps % PROG_BAR_EVERY_N_STEPS == 0:
+            ratio = _ratio(hook.stats.dense_bytes - self._last.dense, hook.stats.wire_bytes - self._last.wire)
+            if math.isfinite(ratio):  # pl_module.log costs ~0.1-0.5 ms: not on every step
+                pl_module.log(RATIO, ratio, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+        metrics: dict[str, float] = {}
+        if self.probe is not None and self.probe.pending:
+            metrics.update(self._error_metrics(self.probe.drain()))
+        if trainer.global_step // self._every > self._last_bin:
+            self._last_bin = trainer.global_step // self._every
+            metrics.update(self._interval_metrics(trainer, hook))
+        self._write(trainer, metrics)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Aggregate the epoch over all ranks (collective: every rank takes part)."""
+        hook = self._hook
+        if hook is None or self._epoch_start is None:
+            return
+        if self.probe is not None and self.probe.pending:
+            self._write(trainer, self._error_metrics(self.probe.drain()))
+        now = _Snapshot.of(hook.stats, False)
+        start, self._epoch_start = self._epoch_start, now
+        steps = now.steps - start.steps
+        if steps <= 0:
+            return
+        m = self._epoch_metrics
+        hook_ms = 1e3 * (now.hook_s - start.hook_s) / steps
+        m[EPOCH_WIRE_BYTES].update(now.wire - start.wire)
+        m[EPOCH_DENSE_BYTES].update(now.dense - start.dense)
+        m[EPOCH_HOOK_MS].update(hook_ms, weight=steps)
+        m[EPOCH_HOOK_MS_MAX].update(hook_ms)
+        errors = [e for e in self._epoch_errors if not math.isnan(e)]
+        self._epoch_errors = []
+        m[EPOCH_ERROR].update(errors or [0.0], weight=1.0 if errors else 0.0)  # lists go to the metric's device
+        values = {name: float(metric.compute()) for name, metric in m.items()}
+        for metric in m.values():
+            metric.reset()
+        values[EPOCH_RATIO] = _ratio(values[EPOCH_DENSE_BYTES], values[EPOCH_WIRE_BYTES])
+        self._write(trainer, {k: v for k, v in values.items() if math.isfinite(v)})
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Flush the last partial interval, detach the probe, print the summary."""
+        hook = self._hook
+        if hook is not None and self._last is not None:
+            metrics: dict[str, float] = {}
+            if self.probe is not None and self.probe.pending:
+                metrics.update(self._error_metrics(self.probe.drain()))
+            if hook.stats.steps > self._last.steps:
+                metrics.update(self._interval_metrics(trainer, hook))
+            self._write(trainer, metrics)
+        if self.guard is not None:
+            self.guard.on_train_end(trainer, pl_module)
+        self._detach()
+        if self.summary and hook is not None and trainer.is_global_zero:
+            probe = self.probe
+            print_summary(hook.stats, probe.layer_errors() if probe is not None else {},
+                          total_error=probe.total_error() if probe is not None else float("nan"),
+                          param_name=hook.compressor.param_name,
+                          title=f"GradComp summary: {hook.compressor!r}, world size {hook.comm.world_size} "
+                                f"(rank 0)")
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Never leave the probe attached (e.g. after an exception)."""
+        self._detach()
+
+    # ------------------------------------------------------------------ metrics
+    def _interval_metrics(self, trainer: pl.Trainer, hook: GradCompHook) -> dict[str, float]:
+        """Figures since the previous log; advances the snapshot (all ranks, written by rank 0)."""
+        assert self._last is not None
+        stats, last = hook.stats, self._last
+        now = _Snapshot.of(stats, self.per_layer)
+        self._last = now
+        steps = max(now.steps - last.steps, 1)
+        out = {
+            WIRE_BYTES: (now.wire - last.wire) / steps,
+            DENSE_BYTES: (now.dense - last.dense) / steps,
+            WIRE_BYTES_TOTAL: now.wire,
+            DENSE_BYTES_TOTAL: now.dense,
+            RATIO: _ratio(now.dense - last.dense, now.wire - last.wire),
+            RATIO_TOTAL: _ratio(now.dense, now.wire),
+            HOOK_MS: 1e3 * (now.hook_s - last.hook_s) / steps,
+            NONFINITE_BUCKETS: float(stats.nonfinite_steps),
+        }
+        if trainer.is_global_zero:
+            norm = memory_norm(hook.memory) if hook.compressor.uses_error_feedback else None
+            if norm is not None:
+                out[MEMORY_NORM] = norm
+        if self.per_layer:
+            for name, layer in stats.layers.items():
+                wire0, dense0 = last.layers.get(name, (0.0, 0.0))
+                wire, dense = now.layers[name]
+                out[LAYER_WIRE_BYTES + name] = (wire - wire0) / steps
+                out[LAYER_RATIO + name] = _ratio(dense - dense0, wire - wire0)
+                if layer.compressed and isinstance(layer.param, (int, float)):
+                    out[LAYER_PARAM + name] = float(layer.param)
+        return {k: v for k, v in out.items() if math.isfinite(v)}
+
+    def _error_metrics(self, measured: list[StepError]) -> dict[str, float]:
+        """The latest measured error (and per-layer errors); all samples feed the epoch mean."""
+        self._epoch_errors.extend(e.error for e in measured)
+        if not measured:
+            return {}
+        latest = measured[-1]
+        out = {ERROR: latest.error}
+        if self.per_layer:
+            out.update({LAYER_ERROR + name: math.sqrt(_ratio(r2, p2)) for name, (r2, p2) in latest.layers.items()})
+        return {k: v for k, v in out.items() if math.isfinite(v)}
+
+    @staticmethod
+    def _write(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+        if not metrics or not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _detach(self) -> None:
+        if self._hook is not None and self.probe is not None and self.probe in self._hook.observers:
+            self._hook.observers.remove(self.probe)
