@@ -1,0 +1,69 @@
+"""QSGD: unbiased stochastic rounding to ``bits`` bits with one fp32 scale per bucket."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from lightning_gradcomp.compressors.base import check_number
+from lightning_gradcomp.compressors.quantized import QuantizedCompressor, SlotCodec, check_p
+from lightning_gradcomp.compressors.registry import register
+from lightning_gradcomp.functional.quantize import levels_for_bits
+from lightning_gradcomp.presets import register_preset
+
+__all__ = ["QSGD", "check_bits", "check_bucket_size"]
+
+
+def check_bits(value: Any) -> int:
+    """Validate a QSGD bit width: an integer in [2, 8] (integral floats accepted)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return int(check_number("bits", value, 2, 8, low_open=False, integer=True))
+
+
+def check_bucket_size(value: Any, name: str = "bucket_size") -> int:
+    """Validate a scale-group size: an integer >= 1."""
+    return int(check_number(name, value, 1, float("inf"), low_open=False, integer=True))
+
+
+@register("qsgd")
+class QSGD(QuantizedCompressor):
+    """QSGD quantization: ``L = 2**(bits-1) - 1`` levels per sign, stochastic rounding, unbiased, no EF.
+
+    Each bucket of ``bucket_size`` elements is scaled by its ``p``-norm (``"inf"``: max-norm, lower
+    variance in practice; ``2``: the QSGD paper's norm) and every element becomes a ``bits``-bit code.
+    ``bits`` is the per-layer parameter (L-GreCo may set a different width per layer).
+
+    Bytes per rank with the default all-to-all aggregation: ``~ 2 (W-1)/W * (n bits/8 + 4 n/bucket_size)``,
+    i.e. ``4 / (bits/8 + 4/bucket_size)`` times less than the fp32 all-reduce (7.9x for 4 bits, 512).
+
+    Args:
+        bits: bits per element, 2 to 8 (2 bits is ternary).
+        bucket_size: elements per fp32 scale.
+        p: scale norm, ``"inf"`` or ``2``.
+        aggregation: ``"alltoall"`` (re-quantizing, bandwidth-optimal) or ``"allgather"`` (exact mean of
+            the per-rank messages; bytes grow with W).
+    """
+
+    param_name = "bits"
+
+    def __init__(self, bits: int = 4, bucket_size: int = 512, p: Union[int, float, str] = "inf",
+                 aggregation: str = "alltoall") -> None:
+        super().__init__(aggregation)
+        self.bits: int = check_bits(bits)
+        self.bucket_size: int = check_bucket_size(bucket_size)
+        self.p: float = check_p(p)
+
+    def check_param(self, value: Any) -> int:
+        return check_bits(value)
+
+    def codec(self, param: Any) -> SlotCodec:
+        bits = self.bits if param is None else int(param)
+        return SlotCodec(levels_for_bits(bits), self.bucket_size, self.p)
+
+    def extra_repr(self) -> str:
+        extra = super().extra_repr()
+        return f"bits={self.bits}, bucket_size={self.bucket_size}, p={self.p}" + (f", {extra}" if extra else "")
+
+
+register_preset("qsgd", "DDP + 4-bit QSGD (bucket 512) over the quantized all-reduce",
+                lambda: {"compressor": QSGD(bits=4)})

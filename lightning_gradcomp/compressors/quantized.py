@@ -1,0 +1,420 @@
+"""The quantized all-reduce protocol shared by QSGD, TernGrad, SignSGD and DIANA.
+
+A quantizing compressor encodes each compressed slot as ``uint8`` codes of ``bits`` bits (packed)
+plus one fp32 scale per group of ``group_size`` elements. Two aggregations are offered:
+
+``"alltoall"`` (default, bandwidth-optimal; bytes per rank do not grow with W)
+    1. Every layer is cut into W contiguous pieces of whole groups; *chunk* ``j`` is piece ``j`` of every
+       layer of the bucket, owned by rank ``j`` (:func:`build_layout`; the cut depends on the layer
+       alone, so ownership survives DDP's re-bucketing and resumes are exact).
+    2. Every rank quantizes its layers with its own per-layer random streams; chunk ``j``'s payload (packed
+       codes, then scales, zero-padded to a common size ``P``) goes to rank ``j`` in **one all-to-all**.
+    3. The owner of chunk ``j`` decodes the W payloads, sums them in rank order and divides by W.
+    4. The owner re-quantizes its averaged chunk (subclasses may shift it or add server-side error
+       feedback) and the W re-quantized chunks are **all-gathered**. Every rank decodes the same bytes
+       with the same function, so all ranks end bit-identical whatever randomness the owners used.
+
+    Bytes per rank: ``(W-1) P`` for the all-to-all plus ``(W-1) P`` for the all-gather, where
+    ``P ~ (sum_l n_l b_l / 8 + 4 G) / W`` (``G`` scales), i.e. ``~ 2 (W-1)/W (n b/8 + 4 G)``.
+
+``"allgather"`` (exact aggregation of the per-rank messages)
+    Every rank all-gathers all W messages and sums the decoded values in rank order:
+    ``(W - 1) (n b / 8 + 4 G)`` bytes per rank, growing linearly with W.
+
+Both are synchronous: the all-to-all must complete before the owner re-quantizes, so everything is
+waited in ``reduce()`` and the returned Future is already complete.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.comm import completed_future
+from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
+from lightning_gradcomp.functional.packing import pack_bits, packed_nbytes, unpack_bits
+from lightning_gradcomp.functional.quantize import (
+    PNorm,
+    Quantized,
+    code_bits,
+    num_groups,
+    parse_p,
+    sign_quantize,
+    stochastic_quantize,
+)
+
+__all__ = [
+    "AGGREGATIONS",
+    "ChunkLayout",
+    "QuantizedCompressor",
+    "Segment",
+    "SlotCodec",
+    "WireLayout",
+    "build_layout",
+    "check_aggregation",
+    "check_p",
+    "layer_rotation",
+    "owned_state",
+    "split_groups",
+    "state_copy",
+    "wire_bytes",
+]
+
+AGGREGATIONS = ("alltoall", "allgather")
+_SCALE_BYTES = 4
+
+
+def check_aggregation(aggregation: str) -> str:
+    """Validate the ``aggregation`` argument (``"alltoall"`` or ``"allgather"``)."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"`aggregation` must be one of {AGGREGATIONS}, got {aggregation!r}")
+    return aggregation
+
+
+@dataclass(frozen=True)
+class SlotCodec:
+    """How one slot is encoded.
+
+    Attributes:
+        levels: ``L >= 1`` stochastic levels per sign, or 0 for scaled sign.
+        group_size: elements per fp32 scale.
+        p: norm of the scale for stochastic rounding (2 or inf).
+    """
+
+    levels: int
+    group_size: int
+    p: float = float("inf")
+
+    @property
+    def bits(self) -> int:
+        """Bits per element on the wire."""
+        return code_bits(self.levels)
+
+    def quantize(self, x: Tensor, generator: Optional[torch.Generator]) -> Quantized:
+        """Encode a flat tensor (``generator`` is unused by scaled sign)."""
+        if self.levels == 0:
+            return sign_quantize(x, self.group_size)
+        assert generator is not None
+        return stochastic_quantize(x, self.levels, self.group_size, self.p, generator)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous, group-aligned piece ``[start, end)`` of slot ``slot`` (groups ``[group_start, group_end)``)."""
+
+    slot: int
+    start: int
+    end: int
+    group_start: int
+    group_end: int
+
+    @property
+    def numel(self) -> int:
+        """Elements in the segment."""
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """The payload of one chunk: byte-aligned runs of packed codes (equal bits), then fp32 scales.
+
+    Attributes:
+        segments: the slot pieces, in order.
+        runs: ``(bits, first segment, end segment, byte offset, numel)`` of each run of equal-bit segments.
+        scale_offset: byte offset of the scales.
+        num_scales: number of fp32 scales.
+    """
+
+    segments: tuple[Segment, ...]
+    runs: tuple[tuple[int, int, int, int, int], ...]
+    scale_offset: int
+    num_scales: int
+
+    @property
+    def nbytes(self) -> int:
+        """Unpadded payload size in bytes."""
+        return self.scale_offset + _SCALE_BYTES * self.num_scales
+
+
+@dataclass(frozen=True)
+class WireLayout:
+    """How the concatenated compressed slots map to W (or 1) chunk payloads of ``payload_nbytes`` bytes."""
+
+    codecs: tuple[SlotCodec, ...]
+    numels: tuple[int, ...]
+    chunks: tuple[ChunkLayout, ...]
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Padded size of one chunk's payload (the largest chunk)."""
+        return max((c.nbytes for c in self.chunks), default=0)
+
+    def pack(self, index: int, pieces: Sequence[Quantized], device: torch.device, *,
+             whole_slots: bool = False) -> Tensor:
+        """Serialize chunk ``index`` into ``payload_nbytes`` bytes on ``device``.
+
+        Args:
+            index: the chunk.
+            pieces: one :class:`Quantized` per segment of the chunk, or (``whole_slots``) one per slot.
+            device: where the payload lives (also when the chunk is empty).
+            whole_slots: slice each segment out of its slot's encoding.
+        """
+        chunk = self.chunks[index]
+        if whole_slots:
+            pieces = [Quantized(pieces[s.slot].codes[s.start:s.end], pieces[s.slot].scales[s.group_start:s.group_end],
+                                pieces[s.slot].levels, pieces[s.slot].group_size) for s in chunk.segments]
+        parts = []
+        for bits, first, last, _, _ in chunk.runs:
+            parts.append(pack_bits(torch.cat([pieces[k].codes for k in range(first, last)]), bits))
+        if chunk.segments:
+            parts.append(torch.cat([q.scales.to(torch.float32) for q in pieces]).view(torch.uint8))
+        pad = self.payload_nbytes - chunk.nbytes
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
+
+    def unpack(self, index: int, payload: Tensor) -> list[Quantized]:
+        """Parse chunk ``index`` from ``payload`` of shape ``(..., payload_nbytes)``: one entry per segment."""
+        chunk = self.chunks[index]
+        lead = payload.shape[:-1]
+        start = chunk.scale_offset
+        raw = payload[..., start:start + _SCALE_BYTES * chunk.num_scales].clone()  # aligned copy for the view
+        scales = raw.view(torch.float32).reshape(*lead, chunk.num_scales)
+        out: list[Quantized] = []
+        g = 0
+        for bits, first, last, offset, numel in chunk.runs:
+            codes = unpack_bits(payload[..., offset:offset + packed_nbytes(numel, bits)], bits, numel)
+            pos = 0
+            for seg in chunk.segments[first:last]:
+                codec = self.codecs[seg.slot]
+                ng = seg.group_end - seg.group_start
+                out.append(Quantized(codes[..., pos:pos + seg.numel], scales[..., g:g + ng],
+                                     codec.levels, codec.group_size))
+                pos += seg.numel
+                g += ng
+        return out
+
+
+def layer_rotation(name: str, parts: int) -> int:
+    """First chunk that receives one of layer ``name``'s leftover groups (a stable hash of the name)."""
+    return zlib.crc32(name.encode()) % parts
+
+
+def split_groups(groups: int, parts: int, rotation: int) -> list[int]:
+    """Groups of one layer per chunk: ``groups // parts`` each, the remainder one each from ``rotation`` on."""
+    base, extra = divmod(groups, parts)
+    sizes = [base] * parts
+    for k in range(extra):
+        sizes[(rotation + k) % parts] += 1
+    return sizes
+
+
+def build_layout(numels: Sequence[int], codecs: Sequence[SlotCodec], parts: int,
+                 names: Optional[Sequence[str]] = None) -> WireLayout:
+    """Cut every layer into ``parts`` contiguous pieces of whole groups; chunk ``j`` holds piece ``j`` of each.
+
+    A layer's pieces depend only on its size, codec, name and ``parts``, never on the other layers of
+    the bucket, so chunk ownership (and the owners' per-layer state) survives DDP's re-bucketing. The
+    ``G mod parts`` leftover groups of a layer go to chunks ``rotation, rotation + 1, ...`` with a
+    rotation hashed from the layer name, so chunk payloads differ by about ``sqrt(#layers)`` groups.
+    """
+    names = list(names) if names is not None else [f"slot{i}" for i in range(len(numels))]
+    pieces: list[list[Segment]] = [[] for _ in range(parts)]
+    for i, (n, codec, name) in enumerate(zip(numels, codecs, names)):
+        first = 0
+        for j, size in enumerate(split_groups(num_groups(n, codec.group_size), parts, layer_rotation(name, parts))):
+            if size:
+                last = first + size
+                pieces[j].append(Segment(i, first * codec.group_size, min(last * codec.group_size, n), first, last))
+                first = last
+    chunks = tuple(_chunk(segments, codecs) for segments in pieces)
+    return WireLayout(tuple(codecs), tuple(int(n) for n in numels), chunks)
+
+
+def _chunk(segments: list[Segment], codecs: Sequence[SlotCodec]) -> ChunkLayout:
+    runs = []
+    offset = 0
+    k = 0
+    while k < len(segments):
+        bits = codecs[segments[k].slot].bits
+        end = k
+        numel = 0
+        while end < len(segments) and codecs[segments[end].slot].bits == bits:
+            numel += segments[end].numel
+            end += 1
+        runs.append((bits, k, end, offset, numel))
+        offset += packed_nbytes(numel, bits)
+        k = end
+    return ChunkLayout(tuple(segments), tuple(runs), offset, sum(s.group_end - s.group_start for s in segments))
+
+
+def wire_bytes(numels: Sequence[int], codecs: Sequence[SlotCodec], world_size: int, aggregation: str,
+               names: Optional[Sequence[str]] = None) -> float:
+    """Exact bytes one rank sends for one reduction (what :class:`~lightning_gradcomp.comm.Comm` counts).
+
+    ``alltoall``: ``2 (W - 1) P`` with ``P`` the padded chunk payload; ``allgather``: ``(W - 1) P_1`` with
+    ``P_1`` the whole message. ``names`` are the layer names (they set where leftover groups go).
+    """
+    check_aggregation(aggregation)
+    parts = world_size if aggregation == "alltoall" else 1
+    payload = build_layout(numels, codecs, parts, names).payload_nbytes
+    return float((world_size - 1) * payload * (2 if aggregation == "alltoall" else 1))
+
+
+def owned_state(store: dict[str, dict[str, Any]], name: str, seg: Segment, device: torch.device) -> Tensor:
+    """The fp32 state of the piece ``seg`` of layer ``name`` that this rank owns (zeros when new or moved).
+
+    ``store[name]`` is ``{"start": first element, "value": tensor}``; a different range replaces it.
+    """
+    entry = store.get(name)
+    if entry is None or int(entry["start"]) != seg.start or entry["value"].numel() != seg.numel:
+        entry = {"start": seg.start, "value": torch.zeros(seg.numel, dtype=torch.float32, device=device)}
+        store[name] = entry
+    elif entry["value"].device != device:
+        entry["value"] = entry["value"].to(device)
+    return entry["value"]
+
+
+def state_copy(store: dict[str, Any]) -> dict[str, Any]:
+    """A CPU, ``weights_only``-loadable deep copy of a nested dict of tensors and numbers."""
+    return {k: state_copy(v) if isinstance(v, dict) else v.detach().cpu().clone() if isinstance(v, Tensor) else v
+            for k, v in store.items()}
+
+
+def _generator(ctx: ReduceContext, codec: SlotCodec, device: torch.device, salt: str) -> Optional[torch.Generator]:
+    """This rank's stream for one layer (per layer, so independent of the bucket layout); none for sign."""
+    return None if codec.levels == 0 else ctx.generator(device, shared=False, salt=salt)
+
+
+def _rank_ordered_mean(decoded: Tensor) -> Tensor:
+    """``sum_r decoded[r] / W`` summed strictly in rank order (identical on every rank)."""
+    acc = decoded[0].clone()
+    for r in range(1, decoded.shape[0]):
+        acc += decoded[r]
+    return acc.div_(decoded.shape[0])
+
+
+class QuantizedCompressor(Compressor):
+    """Base class of compressors that send packed quantization codes plus fp32 scales.
+
+    Subclasses implement :meth:`codec` (how a slot is encoded given its per-layer parameter) and may
+    override the protocol hooks :meth:`_encode_inputs`, :meth:`_after_encode`, :meth:`_owner_message`,
+    :meth:`_owner_sent`, :meth:`_received` and :meth:`_exact_mean` (DIANA's shifts, SignSGD's server-side
+    error feedback). Hooks run in the ``reduce()`` body and do local math only.
+
+    Args:
+        aggregation: ``"alltoall"`` (bandwidth-optimal two-stage, default) or ``"allgather"`` (exact).
+    """
+
+    def __init__(self, aggregation: str = "alltoall") -> None:
+        self.aggregation: str = check_aggregation(aggregation)
+        self._layouts: dict[tuple, WireLayout] = {}
+
+    # ------------------------------------------------------------------ subclass API
+    def codec(self, param: Any) -> SlotCodec:
+        """The encoding of a slot whose per-layer parameter is ``param``."""
+        raise NotImplementedError
+
+    def _encode_inputs(self, tensors: list[Tensor], ctx: ReduceContext) -> list[Tensor]:
+        """What is quantized at stage 1 (default: the tensors themselves)."""
+        return tensors
+
+    def _after_encode(self, tensors: list[Tensor], decoded: list[Tensor], ctx: ReduceContext) -> Reduction:
+        """Fill ``residuals``/``local`` of the result from this rank's decoded message (``averaged`` is replaced)."""
+        return Reduction(averaged=None, local=decoded)  # type: ignore[arg-type] - set by reduce()
+
+    def _owner_message(self, ctx: ReduceContext, seg: Segment, mean: Tensor) -> Tensor:
+        """What the owner re-quantizes for ``seg`` given the exact average of the W messages."""
+        return mean
+
+    def _owner_sent(self, ctx: ReduceContext, seg: Segment, message: Tensor, sent: Quantized) -> None:
+        """Called with the owner's re-quantized message (server-side error feedback)."""
+
+    def _received(self, ctx: ReduceContext, seg: Segment, decoded: Tensor) -> Tensor:
+        """Map the decoded all-gathered chunk piece to the averaged gradient (identical on all ranks)."""
+        return decoded
+
+    def _exact_mean(self, ctx: ReduceContext, slot: int, mean: Tensor) -> Tensor:
+        """``allgather`` aggregation: map the exact average of the messages to the averaged gradient."""
+        return mean
+
+    # ------------------------------------------------------------------ protocol
+    @property
+    def uses_error_feedback(self) -> bool:
+        return False
+
+    def layout(self, ctx: ReduceContext, numels: Sequence[int], codecs: Sequence[SlotCodec],
+               parts: int) -> WireLayout:
+        """The (cached) wire layout of a bucket."""
+        names = tuple(slot.name for slot in ctx.slots)
+        key = (names, tuple(numels), tuple(codecs), parts)
+        if key not in self._layouts:
+            self._layouts[key] = build_layout(numels, codecs, parts, names)
+        return self._layouts[key]
+
+    def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
+        """Quantize, exchange (all-to-all + all-gather, or one all-gather), decode; see the module docstring."""
+        codecs = [self.codec(p) for p in ctx.params]
+        numels = [t.numel() for t in tensors]
+        inputs = self._encode_inputs(tensors, ctx)
+        messages = [c.quantize(x, _generator(ctx, c, x.device, slot.name))
+                    for x, c, slot in zip(inputs, codecs, ctx.slots)]
+        result = self._after_encode(tensors, [m.decode() for m in messages], ctx)
+        shares = ctx.shares([n * c.bits + 32 * num_groups(n, c.group_size) for n, c in zip(numels, codecs)])
+        if self.aggregation == "allgather" or ctx.world_size == 1:
+            averaged = self._reduce_allgather(messages, numels, codecs, ctx, shares)
+        else:
+            averaged = self._reduce_alltoall(messages, numels, codecs, ctx, shares)
+        result.averaged = completed_future(averaged)
+        return result
+
+    def _reduce_allgather(self, messages: list[Quantized], numels: list[int], codecs: list[SlotCodec],
+                          ctx: ReduceContext, shares: list[tuple[str, int]]) -> list[Tensor]:
+        layout = self.layout(ctx, numels, codecs, 1)
+        device = messages[0].codes.device
+        gathered = ctx.comm.all_gather(layout.pack(0, messages, device, whole_slots=True), shares=shares)
+        out = [messages[i].codes.new_empty(n, dtype=torch.float32) for i, n in enumerate(numels)]
+        for seg, piece in zip(layout.chunks[0].segments, layout.unpack(0, gathered)):
+            out[seg.slot][seg.start:seg.end] = self._exact_mean(ctx, seg.slot, _rank_ordered_mean(piece.decode()))
+        return out
+
+    def _reduce_alltoall(self, messages: list[Quantized], numels: list[int], codecs: list[SlotCodec],
+                         ctx: ReduceContext, shares: list[tuple[str, int]]) -> list[Tensor]:
+        world, rank = ctx.world_size, ctx.rank
+        layout = self.layout(ctx, numels, codecs, world)
+        size = layout.payload_nbytes
+        device = messages[0].codes.device
+        send = torch.cat([layout.pack(j, messages, device, whole_slots=True) for j in range(world)])
+        recv = torch.empty_like(send)
+        ctx.comm.all_to_all(recv, send, shares=shares)
+
+        replies = []
+        for seg, piece in zip(layout.chunks[rank].segments, layout.unpack(rank, recv.view(world, size))):
+            message = self._owner_message(ctx, seg, _rank_ordered_mean(piece.decode()))
+            codec = codecs[seg.slot]
+            owner_stream = _generator(ctx, codec, message.device, ctx.slots[seg.slot].name + "/owner")
+            sent = codec.quantize(message, owner_stream)
+            self._owner_sent(ctx, seg, message, sent)
+            replies.append(sent)
+        gathered = ctx.comm.all_gather(layout.pack(rank, replies, device), shares=shares)
+
+        out = [send.new_empty(n, dtype=torch.float32) for n in numels]
+        for j in range(world):
+            for seg, piece in zip(layout.chunks[j].segments, layout.unpack(j, gathered[j])):
+                out[seg.slot][seg.start:seg.end] = self._received(ctx, seg, piece.decode())
+        return out
+
+    def extra_repr(self) -> str:
+        return "" if self.aggregation == "alltoall" else f"aggregation={self.aggregation!r}"
+
+
+def check_p(p: PNorm) -> float:
+    """Validate a scale norm for stochastic rounding: 2 or inf."""
+    value = parse_p(p)
+    if value == 1.0:
+        raise ValueError(f"`p` must be 2 or inf, got {p!r}")
+    return value

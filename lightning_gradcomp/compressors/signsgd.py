@@ -1,0 +1,71 @@
+"""SignSGD: scaled sign (1 bit per element) with worker- and server-side error feedback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import ReduceContext, Reduction
+from lightning_gradcomp.compressors.qsgd import check_bucket_size
+from lightning_gradcomp.compressors.quantized import QuantizedCompressor, Segment, SlotCodec, owned_state, state_copy
+from lightning_gradcomp.compressors.registry import register
+from lightning_gradcomp.functional.quantize import Quantized
+from lightning_gradcomp.presets import register_preset
+
+__all__ = ["SignSGD"]
+
+
+@register("signsgd")
+class SignSGD(QuantizedCompressor):
+    """Scaled sign compression ``c = mean(|p|) * sign(p)`` per bucket, with error feedback (EF-SignSGD).
+
+    The engine keeps the worker memory ``m`` (``p = m + g``, residual ``p - c``). With the all-to-all
+    aggregation the owner of a chunk re-compresses the average with its own *server* error memory
+    (``v = mean + e``, send ``sign(v)``, ``e <- v - c(v)``), as in DeepSpeed's 1-bit Adam, so the second
+    quantization's bias is fed back too. The server memory is per-rank state (checkpointed).
+    Bytes per rank (all-to-all): ``~ 2 (W-1)/W * (n/8 + 4 n/bucket_size)``: 30x less than fp32 at 512.
+
+    Args:
+        bucket_size: elements per fp32 scale (mean absolute value of the bucket).
+        aggregation: ``"alltoall"`` or ``"allgather"`` (exact mean of the per-rank signs; no server memory).
+    """
+
+    def __init__(self, bucket_size: int = 512, aggregation: str = "alltoall") -> None:
+        super().__init__(aggregation)
+        self.bucket_size: int = check_bucket_size(bucket_size)
+        self._server: dict[str, dict[str, Any]] = {}
+
+    @property
+    def uses_error_feedback(self) -> bool:
+        return True
+
+    def codec(self, param: Any) -> SlotCodec:
+        return SlotCodec(0, self.bucket_size)
+
+    def _after_encode(self, tensors: list[Tensor], decoded: list[Tensor], ctx: ReduceContext) -> Reduction:
+        residuals = [p.sub_(c) for p, c in zip(tensors, decoded)]  # p - c, in the engine's storage
+        return Reduction(averaged=None, residuals=residuals)  # type: ignore[arg-type] - set by reduce()
+
+    def _owner_message(self, ctx: ReduceContext, seg: Segment, mean: Tensor) -> Tensor:
+        return mean + owned_state(self._server, ctx.slots[seg.slot].name, seg, mean.device)
+
+    def _owner_sent(self, ctx: ReduceContext, seg: Segment, message: Tensor, sent: Quantized) -> None:
+        owned_state(self._server, ctx.slots[seg.slot].name, seg, message.device).copy_(message - sent.decode())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"server": state_copy(self._server)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._server = state_copy(state.get("server", {}))
+
+    def reset_state(self) -> None:
+        self._server = {}
+
+    def extra_repr(self) -> str:
+        extra = super().extra_repr()
+        return f"bucket_size={self.bucket_size}" + (f", {extra}" if extra else "")
+
+
+register_preset("signsgd", "DDP + scaled SignSGD (1 bit, bucket 512) with error feedback",
+                lambda: {"compressor": SignSGD()})

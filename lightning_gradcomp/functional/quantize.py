@@ -1,0 +1,234 @@
+r"""Quantizers: stochastic rounding (QSGD, TernGrad, DIANA's block p-quantizer) and scaled sign.
+
+Every quantizer cuts a flat tensor into *groups* of ``group_size`` consecutive elements (the last
+group may be shorter) and sends one fp32 *scale* per group plus one small integer *code* per element:
+
+* **Stochastic rounding with** ``L`` **levels** (``levels >= 1``). With ``s = ||x_group||_p``,
+  ``y = L |x_j| / s`` is rounded up with probability ``y - floor(y)`` and down otherwise, so
+
+  .. math:: Q(x)_j = s \cdot \mathrm{sign}(x_j)\, \xi_j / L, \qquad \mathbb{E}\, Q(x) = x .
+
+  The code is ``L + sign(x_j) xi_j`` in ``[0, 2L]``, which needs ``ceil(log2(2L + 1))`` bits.
+  QSGD with ``bits`` bits uses ``L = 2**(bits - 1) - 1``; TernGrad and the DIANA block quantizer
+  use ``L = 1`` (codes ``{0, 1, 2}``: 2 bits). The per-element variance is exactly
+  ``(s / L)**2 f (1 - f)`` with ``f = frac(y)`` (see :func:`quantization_variance`); for ``L = 1``
+  the second moment is ``E||Q(x)||^2 = sum_l ||x_l||_1 ||x_l||_p <= ||x||^2 / alpha_p(d)``.
+* **Scaled sign** (``levels = 0``, deterministic, biased): ``s = ||x_group||_1 / |group|``,
+  code ``1`` for ``x_j >= 0`` else ``0`` (1 bit), value ``s (2 c - 1)``.
+
+Randomness comes only from the ``torch.Generator`` passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Union
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Quantized",
+    "alpha_p",
+    "block_quantize",
+    "code_bits",
+    "dequantize",
+    "group_norms",
+    "levels_for_bits",
+    "num_groups",
+    "parse_p",
+    "qsgd_quantize",
+    "quantization_variance",
+    "sign_quantize",
+    "stochastic_quantize",
+    "terngrad_quantize",
+]
+
+PNorm = Union[int, float, str]
+"""A norm order: ``1``, ``2`` or infinity (``float("inf")``, ``"inf"``)."""
+
+
+class Quantized(NamedTuple):
+    """Codes and scales of a quantized flat tensor.
+
+    Attributes:
+        codes: ``uint8`` codes, shape ``(..., n)``, values in ``[0, 2**code_bits(levels))``.
+        scales: fp32 scales, shape ``(..., num_groups(n, group_size))``.
+        levels: ``L >= 1`` for stochastic rounding, ``0`` for scaled sign.
+        group_size: elements sharing one scale.
+    """
+
+    codes: Tensor
+    scales: Tensor
+    levels: int
+    group_size: int
+
+    @property
+    def bits(self) -> int:
+        """Bits per code on the wire."""
+        return code_bits(self.levels)
+
+    def decode(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The dequantized tensor, shape ``(..., n)``."""
+        return dequantize(self.codes, self.scales, self.levels, self.group_size, dtype=dtype)
+
+
+def parse_p(p: PNorm) -> float:
+    """Validate a norm order and return it as ``1.0``, ``2.0`` or ``inf``.
+
+    Raises:
+        ValueError: ``p`` is not 1, 2 or infinity (``"inf"`` is accepted for YAML configs).
+    """
+    value: Optional[float] = None
+    if isinstance(p, str):
+        key = p.strip().lower().removeprefix("l")
+        value = {"1": 1.0, "2": 2.0, "inf": math.inf, "infinity": math.inf}.get(key)
+    elif isinstance(p, (int, float)) and not isinstance(p, bool):
+        value = float(p)
+    if value not in (1.0, 2.0, math.inf):
+        raise ValueError(f"`p` must be 1, 2 or inf, got {p!r}")
+    return value
+
+
+def levels_for_bits(bits: int) -> int:
+    """Levels ``L = 2**(bits - 1) - 1`` of a symmetric ``bits``-bit stochastic quantizer (bits in [2, 8])."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise ValueError(f"`bits` must be an integer in [2, 8], got {bits!r}")
+    return (1 << (bits - 1)) - 1
+
+
+def code_bits(levels: int) -> int:
+    """Bits per code: 1 for scaled sign (``levels == 0``), else ``ceil(log2(2 L + 1))``."""
+    if levels < 0 or levels > 127:
+        raise ValueError(f"`levels` must be in [0, 127], got {levels!r}")
+    return 1 if levels == 0 else (2 * levels).bit_length()
+
+
+def num_groups(numel: int, group_size: int) -> int:
+    """Number of groups (scales) of a ``numel``-element tensor: ``ceil(numel / group_size)``."""
+    return -(-int(numel) // int(group_size))
+
+
+def _grouped(x: Tensor, group_size: int) -> Tensor:
+    """``x`` of shape ``(..., n)`` zero-padded to whole groups, viewed as ``(..., groups, group_size)``."""
+    n = x.shape[-1]
+    groups = num_groups(n, group_size)
+    pad = groups * group_size - n
+    if pad:
+        x = torch.cat([x, x.new_zeros(*x.shape[:-1], pad)], dim=-1)
+    return x.reshape(*x.shape[:-1], groups, group_size)
+
+
+def _ungrouped(x: Tensor, numel: int) -> Tensor:
+    """Inverse of :func:`_grouped`: ``(..., groups, group_size)`` back to ``(..., numel)``."""
+    return x.reshape(*x.shape[:-2], -1)[..., :numel]
+
+
+def _norms(mag: Tensor, p: float) -> Tensor:
+    """Per-group ``p``-norms of grouped magnitudes ``(G, g)``."""
+    if p == math.inf:
+        return mag.amax(dim=-1)
+    if p == 1.0:
+        return mag.sum(dim=-1)
+    return mag.square().sum(dim=-1).sqrt()
+
+
+def group_norms(x: Tensor, group_size: int, p: PNorm) -> Tensor:
+    """The ``p``-norm of each group of a flat tensor, shape ``(num_groups,)``, in ``x``'s dtype."""
+    return _norms(_grouped(x.reshape(-1), group_size).abs(), parse_p(p))  # zero padding changes no norm
+
+
+def stochastic_quantize(x: Tensor, levels: int, group_size: int, p: PNorm, generator: torch.Generator) -> Quantized:
+    """Unbiased stochastic rounding of a flat tensor to ``levels`` levels per sign, per-group ``p``-norm scale.
+
+    ``xi = floor(L |x| / s + u)`` with ``u ~ U[0, 1)`` rounds up with probability ``frac(L |x| / s)``.
+
+    Args:
+        x: flat floating tensor of ``n`` elements.
+        levels: ``L >= 1``.
+        group_size: elements per scale.
+        p: norm of the scale (2 or inf; 1 is allowed but gives large variance).
+        generator: source of the uniform draws (on ``x``'s device).
+
+    Returns:
+        :class:`Quantized` with ``n`` codes in ``[0, 2L]`` and ``ceil(n / group_size)`` fp32 scales.
+        Zero groups get scale 0 and decode to exact zeros.
+    """
+    if levels < 1:
+        raise ValueError(f"`levels` must be >= 1, got {levels!r}")
+    x = x.reshape(-1)
+    n = x.numel()
+    grouped = _grouped(x, group_size)
+    mag = grouped.abs()
+    scales = _norms(mag, parse_p(p)).to(torch.float32)
+    wire = scales.to(x.dtype)  # probabilities use the scale exactly as it is sent
+    inverse = torch.where(wire > 0, levels / torch.where(wire > 0, wire, torch.ones_like(wire)), torch.zeros_like(wire))
+    y = mag.mul_(inverse.unsqueeze(-1)).clamp_(max=float(levels))
+    y.add_(torch.rand(y.shape, generator=generator, dtype=y.dtype, device=y.device)).floor_()
+    codes = torch.copysign(y, grouped).add_(float(levels))  # copysign(0, -x) + L == L
+    return Quantized(_ungrouped(codes, n).to(torch.uint8), scales, int(levels), int(group_size))
+
+
+def qsgd_quantize(x: Tensor, bits: int, bucket_size: int, generator: torch.Generator, p: PNorm = "inf") -> Quantized:
+    """QSGD: ``bits``-bit stochastic rounding (``L = 2**(bits-1) - 1``), one scale per ``bucket_size`` elements."""
+    return stochastic_quantize(x, levels_for_bits(bits), bucket_size, p, generator)
+
+
+def terngrad_quantize(x: Tensor, bucket_size: int, generator: torch.Generator) -> Quantized:
+    """TernGrad: unbiased ternary ``{-s, 0, s}`` with ``s`` the max-norm of each bucket (2-bit codes)."""
+    return stochastic_quantize(x, 1, bucket_size, math.inf, generator)
+
+
+def block_quantize(x: Tensor, p: PNorm, block_size: int, generator: torch.Generator) -> Quantized:
+    r"""DIANA's block p-quantization: ``Q(x)_j = ||x_l||_p sign(x_j) xi_j``, ``xi_j ~ Bernoulli(|x_j| / ||x_l||_p)``."""
+    return stochastic_quantize(x, 1, block_size, p, generator)
+
+
+def sign_quantize(x: Tensor, bucket_size: int) -> Quantized:
+    """Scaled sign: 1 bit per element, scale = mean ``|x|`` of each bucket (deterministic, biased)."""
+    x = x.reshape(-1)
+    n = x.numel()
+    counts = torch.full((num_groups(n, bucket_size),), float(bucket_size), dtype=x.dtype, device=x.device)
+    if n % bucket_size:
+        counts[-1] = n % bucket_size
+    scales = (group_norms(x, bucket_size, 1) / counts).to(torch.float32)
+    return Quantized((x >= 0).to(torch.uint8), scales, 0, int(bucket_size))
+
+
+def dequantize(codes: Tensor, scales: Tensor, levels: int, group_size: int,
+               dtype: torch.dtype = torch.float32) -> Tensor:
+    """Decode codes ``(..., n)`` with per-group scales ``(..., G)`` into values ``(..., n)`` of ``dtype``."""
+    n = codes.shape[-1]
+    values = _grouped(codes, group_size).to(dtype)
+    if levels == 0:
+        step = scales.to(dtype).unsqueeze(-1)
+        return _ungrouped(values.mul_(2.0).sub_(1.0).mul_(step), n)
+    step = (scales.to(dtype) / float(levels)).unsqueeze(-1)
+    return _ungrouped(values.sub_(float(levels)).mul_(step), n)
+
+
+def quantization_variance(x: Tensor, levels: int, group_size: int, p: PNorm) -> Tensor:
+    """Exact per-element variance of :func:`stochastic_quantize`: ``(s / L)**2 f (1 - f)``, ``f = frac(L |x| / s)``."""
+    x = x.reshape(-1).to(torch.float64)
+    grouped = _grouped(x, group_size)
+    wire = group_norms(x.to(torch.float32), group_size, p).to(torch.float64).unsqueeze(-1)  # fp32 as sent
+    y = torch.where(wire > 0, grouped.abs() * levels / torch.where(wire > 0, wire, 1.0), 0.0).clamp(max=float(levels))
+    frac = y - y.floor()
+    return _ungrouped((wire / levels).square() * frac * (1.0 - frac), x.numel())
+
+
+def alpha_p(d: int, p: PNorm) -> float:
+    r"""DIANA's ``alpha_p(d) = inf_{x != 0} ||x||_2^2 / (||x||_1 ||x||_p)`` for blocks of ``d`` elements.
+
+    ``alpha_1 = 1/d``, ``alpha_2 = 1/sqrt(d)``, ``alpha_inf = 2 / (1 + sqrt(d))``. The block quantizer's
+    variance parameter is ``omega = 1/alpha_p - 1``, and DIANA's shift step must satisfy
+    ``0 < alpha <= alpha_p``.
+    """
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+        raise ValueError(f"`d` must be a positive integer, got {d!r}")
+    p = parse_p(p)
+    if p == 1.0:
+        return 1.0 / d
+    if p == 2.0:
+        return 1.0 / math.sqrt(d)
+    return 2.0 / (1.0 + math.sqrt(d))

@@ -1,0 +1,192 @@
+"""Quantizers: unbiasedness and second moments against their exact variance, DIANA's alpha_p, edge cases.
+
+Statistical tests are seeded. Their tolerances come from the quantizer's own variance: each element
+of ``Q(x)`` lies within one quantization step ``M = s/L`` of ``x`` and has the exact variance
+``sigma_j^2`` given by :func:`quantization_variance`, so Bernstein's inequality bounds the mean of
+``N`` independent draws: ``|mean_j - x_j| <= eps_j`` with probability ``1 - delta_j`` where
+``eps_j = (2 M lam / 3 + sqrt((2 M lam / 3)**2 + 8 N sigma_j^2 lam)) / (2 N)``, ``lam = ln(2 / delta_j)``.
+A union bound over the ``d`` elements with ``delta = 1e-6`` gives the per-element ``delta_j = delta / d``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_gradcomp.functional.quantize import (
+    alpha_p,
+    block_quantize,
+    code_bits,
+    dequantize,
+    group_norms,
+    levels_for_bits,
+    num_groups,
+    parse_p,
+    qsgd_quantize,
+    quantization_variance,
+    sign_quantize,
+    stochastic_quantize,
+    terngrad_quantize,
+)
+
+DELTA = 1e-6
+SAMPLES = 3000
+
+
+def _input(numel: int = 700, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen) * torch.linspace(0.01, 3.0, numel)  # uneven magnitudes
+    x[100:164] = 0.0  # whole zero groups for the group sizes used below
+    return x
+
+
+def _bernstein_eps(var: torch.Tensor, step: torch.Tensor, n: int, delta: float) -> torch.Tensor:
+    lam = math.log(2.0 / delta)
+    a = 2.0 * step * lam / 3.0
+    return (a + torch.sqrt(a * a + 8.0 * n * var * lam)) / (2.0 * n)
+
+
+def _check_unbiased(x: torch.Tensor, draw, levels: int, group_size: int, p: object) -> None:
+    gen = torch.Generator().manual_seed(1234)
+    total = torch.zeros(x.numel(), dtype=torch.float64)
+    norms = []
+    for _ in range(SAMPLES):
+        q = draw(gen).decode().double()
+        total += q
+        norms.append(float(q.square().sum()))
+    mean = total / SAMPLES
+    var = quantization_variance(x, levels, group_size, p)
+    scale = group_norms(x, group_size, p).double().repeat_interleave(group_size)[: x.numel()]
+    step = scale / levels
+    eps = _bernstein_eps(var, step, SAMPLES, DELTA / x.numel()) + 4 * 2.0**-24 * scale  # + fp32 rounding
+    err = (mean - x.double()).abs()
+    assert bool((err <= eps).all()), f"worst element exceeds its Bernstein bound by {float((err - eps).max()):.3g}"
+
+    # Second moment: E||Q||^2 = ||x||^2 + sum_j sigma_j^2; ||Q||^2 is a sum of independent two-point
+    # variables whose variance is known exactly, so Chebyshev (delta = 1e-3) bounds the sample mean.
+    xd = x.double()
+    low = (xd.abs() * levels / torch.where(scale > 0, scale, 1.0)).floor().clamp(max=levels)
+    up_down = torch.where(var > 0, var / torch.where(step > 0, step, 1.0).square(), 0.0)  # f (1 - f)
+    jump = step.square() * ((low + 1).square() - low.square())
+    var_sq = float((jump.square() * up_down).sum())
+    expected = float(xd.square().sum() + var.sum())
+    assert abs(sum(norms) / SAMPLES - expected) <= math.sqrt(var_sq / (SAMPLES * 1e-3)) + 1e-6 * expected
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("p", [2, "inf"])
+def test_qsgd_is_unbiased_with_its_exact_variance(bits: int, p: object) -> None:
+    x = _input()
+    _check_unbiased(x, lambda g: qsgd_quantize(x, bits, 64, g, p=p), levels_for_bits(bits), 64, p)
+
+
+def test_terngrad_is_unbiased_with_its_exact_variance() -> None:
+    x = _input(seed=1)
+    _check_unbiased(x, lambda g: terngrad_quantize(x, 100, g), 1, 100, "inf")
+
+
+@pytest.mark.parametrize("p", [2, "inf"])
+def test_block_quantizer_is_unbiased_with_its_exact_variance(p: object) -> None:
+    x = _input(seed=2)
+    _check_unbiased(x, lambda g: block_quantize(x, p, 32, g), 1, 32, p)
+
+
+@pytest.mark.parametrize("p", [2, math.inf])
+@pytest.mark.parametrize("block", [1, 5, 32, 128])
+def test_block_quantizer_second_moment_matches_diana_formula_and_alpha_bound(p: float, block: int) -> None:
+    """E||Q(x)||^2 = sum_l ||x_l||_1 ||x_l||_p <= ||x||^2 / alpha_p(block), exactly (no sampling)."""
+    x = _input(seed=3).double()
+    exact = float(x.square().sum() + quantization_variance(x, 1, block, p).sum())
+    blocks = torch.nn.functional.pad(x, (0, (-x.numel()) % block)).reshape(-1, block)
+    diana = float((blocks.abs().sum(1) * torch.linalg.vector_norm(blocks, ord=p, dim=1)).sum())
+    assert exact == pytest.approx(diana, rel=1e-6)
+    assert diana <= float(x.square().sum()) / alpha_p(block, p) * (1 + 1e-9)
+
+
+def test_alpha_p_values_and_infimum() -> None:
+    assert alpha_p(64, 1) == pytest.approx(1 / 64)
+    assert alpha_p(64, 2) == pytest.approx(1 / 8)
+    assert alpha_p(64, "inf") == pytest.approx(2 / 9)
+    assert alpha_p(128, math.inf) == pytest.approx(0.1624, abs=1e-4)  # ALGORITHMS.md table
+    gen = torch.Generator().manual_seed(0)
+    for d in (1, 2, 10, 128):
+        for p in (1.0, 2.0, math.inf):
+            ratios = [float(x.square().sum() / (x.abs().sum() * torch.linalg.vector_norm(x, ord=p)))
+                      for x in torch.randn(200, d, generator=gen, dtype=torch.float64)]
+            assert min(ratios) >= alpha_p(d, p) * (1 - 1e-12)
+        t = 1.0 / (1.0 + math.sqrt(d))  # the minimiser for p = inf: (1, t, ..., t)
+        x = torch.full((d,), t, dtype=torch.float64)
+        x[0] = 1.0
+        assert float(x.square().sum() / x.abs().sum()) == pytest.approx(alpha_p(d, "inf"))
+        ones = torch.ones(d, dtype=torch.float64)
+        assert float(ones.square().sum() / (ones.abs().sum() * ones.norm())) == pytest.approx(alpha_p(d, 2))
+
+
+def test_zero_groups_and_zero_tensor_decode_to_exact_zeros() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = _input()
+    for q in (qsgd_quantize(x, 4, 32, gen), terngrad_quantize(x, 32, gen), block_quantize(x, 2, 32, gen),
+              sign_quantize(x, 32)):
+        assert torch.isfinite(q.scales).all()
+        assert bool((q.scales[100 // 32 + 1: 164 // 32] == 0).all())
+        assert bool((q.decode()[128:160] == 0).all())
+    zero = torch.zeros(50)
+    for q in (qsgd_quantize(zero, 4, 16, gen), block_quantize(zero, "inf", 16, gen), sign_quantize(zero, 16)):
+        assert torch.equal(q.decode(), zero)
+
+
+def test_codes_scales_and_shapes() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = _input(numel=1000)
+    q = qsgd_quantize(x, 4, 128, gen)
+    assert q.codes.dtype == torch.uint8 and q.codes.shape == (1000,)
+    assert q.scales.dtype == torch.float32 and q.scales.shape == (num_groups(1000, 128),) == (8,)
+    assert int(q.codes.max()) <= 2 * levels_for_bits(4) and q.bits == 4
+    # The last, partial group's scale is the norm of its 1000 - 7 * 128 = 104 elements only.
+    assert float(q.scales[-1]) == float(x[896:].abs().max())
+    t = block_quantize(x, 2, 128, gen)
+    assert set(t.codes.unique().tolist()) <= {0, 1, 2} and t.bits == 2
+    assert float(t.scales[0]) == pytest.approx(float(x[:128].norm()))
+
+
+def test_generator_alone_determines_the_draws() -> None:
+    x = _input()
+    a = qsgd_quantize(x, 3, 64, torch.Generator().manual_seed(7))
+    b = qsgd_quantize(x, 3, 64, torch.Generator().manual_seed(7))
+    c = qsgd_quantize(x, 3, 64, torch.Generator().manual_seed(8))
+    assert torch.equal(a.codes, b.codes) and not torch.equal(a.codes, c.codes)
+
+
+def test_scaled_sign_uses_mean_absolute_value_per_bucket() -> None:
+    x = torch.tensor([1.0, -3.0, 0.0, 2.0, -4.0, 5.0, -6.0])
+    q = sign_quantize(x, 3)
+    assert q.bits == 1 and q.codes.tolist() == [1, 0, 1, 1, 0, 1, 0]
+    assert q.scales.tolist() == pytest.approx([4 / 3, 11 / 3, 6.0])  # last bucket has one element
+    assert q.decode().tolist() == pytest.approx([4 / 3, -4 / 3, 4 / 3, 11 / 3, -11 / 3, 11 / 3, -6.0])
+
+
+def test_dequantize_broadcasts_over_leading_dimensions() -> None:
+    gen = torch.Generator().manual_seed(0)
+    qs = [stochastic_quantize(_input(seed=s), 3, 50, "inf", gen) for s in range(3)]
+    codes = torch.stack([q.codes for q in qs])
+    scales = torch.stack([q.scales for q in qs])
+    assert torch.equal(dequantize(codes, scales, 3, 50), torch.stack([q.decode() for q in qs]))
+
+
+def test_bits_levels_and_norm_validation() -> None:
+    assert [levels_for_bits(b) for b in range(2, 9)] == [1, 3, 7, 15, 31, 63, 127]
+    assert [code_bits(levels_for_bits(b)) for b in range(2, 9)] == list(range(2, 9))
+    assert code_bits(0) == 1
+    assert parse_p("inf") == parse_p("linf") == parse_p(math.inf) == math.inf and parse_p("l2") == 2.0
+    for bad in (1, 9, 3.0):
+        with pytest.raises(ValueError, match="bits"):
+            levels_for_bits(bad)  # type: ignore[arg-type]
+    for bad in (3, "max", True, 0.5):
+        with pytest.raises(ValueError, match="`p`"):
+            parse_p(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`d`"):
+        alpha_p(0, 2)
+    with pytest.raises(ValueError, match="levels"):
+        stochastic_quantize(torch.ones(3), 0, 2, 2, torch.Generator())
