@@ -4,6 +4,10 @@ Names: ``ddp`` (DDP's built-in all-reduce), ``torch_fp16`` (PyTorch's ``fp16_com
 ``torch_powersgd`` (PyTorch's ``powerSGD_hook``, rank 4, on ONE bucket: with two or more buckets it
 aborts on gloo because it issues collectives from Future callbacks), and every strategy preset of this
 package (``gradcomp_topk``, ``scalecom``, ``qsgd``...), which run our hook engine.
+
+Every configuration wraps the model with ``broadcast_buffers=False``: the benchmark measures gradient
+reduction, and DDP's per-forward buffer broadcast (BatchNorm statistics) would add the same traffic to
+every configuration while our accounting, which covers gradient reduction only, would not see it.
 """
 
 import time
@@ -63,6 +67,10 @@ def _timed_hook_fn(timed: _TimedHook) -> Callable[[Any, dist.GradBucket], torch.
     return hook
 
 
+def _wrap(model: nn.Module, bucket_cap_mb: float) -> DistributedDataParallel:
+    return DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=False)
+
+
 def install(name: str, model: nn.Module, bucket_cap_mb: float = 25.0) -> Installed:
     """Wrap ``model`` in DDP and set up configuration ``name`` on this rank."""
     world = dist.get_world_size()
@@ -73,15 +81,15 @@ def install(name: str, model: nn.Module, bucket_cap_mb: float = 25.0) -> Install
         return lambda: steps["n"] * all_reduce_bytes(dtype_bytes * numel, world)
 
     if name == "ddp":
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        ddp = _wrap(model, bucket_cap_mb)
         return Installed(ddp, counted(4), lambda: 0.0, {"steps": steps})
     if name == "torch_fp16":
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        ddp = _wrap(model, bucket_cap_mb)
         timed = _TimedHook(default_hooks.fp16_compress_hook)
         ddp.register_comm_hook(None, _timed_hook_fn(timed))
         return Installed(ddp, counted(2), lambda: timed.seconds, {"steps": steps})
     if name == "torch_powersgd":
-        ddp = DistributedDataParallel(model, bucket_cap_mb=_SINGLE_BUCKET_MB)
+        ddp = _wrap(model, _SINGLE_BUCKET_MB)
         state = psgd.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2,
                                    min_compression_rate=2, random_seed=0)
         timed = _TimedHook(psgd.powerSGD_hook)
@@ -93,7 +101,7 @@ def install(name: str, model: nn.Module, bucket_cap_mb: float = 25.0) -> Install
         raise ValueError(f"unknown benchmark configuration {name!r}; available: {', '.join(available_configs())}")
     options = PRESETS[name][1]()
     compressor = options["compressor"].clone()
-    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    ddp = _wrap(model, bucket_cap_mb)
     names = {id(p): n for n, p in model.named_parameters()}
     policy = SlotPolicy(min_numel=options.get("min_numel", 1024), compress_1d=options.get("compress_1d", False))
     hook = GradCompHook(compressor, Comm(None, CommStats()), names, start_step=2, policy=policy,

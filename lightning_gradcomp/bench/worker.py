@@ -70,6 +70,15 @@ def _compute_only(spec: dict[str, Any]) -> dict[str, Any]:
     return {"step_times": _run_steps(step, spec["warmup"], spec["steps"])}
 
 
+def _barrier_tx_bytes(iface: Optional[str], count: int) -> int:
+    """Interface bytes this rank sends for ``count`` barriers (subtracted from the measured steps)."""
+    before = _iface_tx_bytes(iface)
+    for _ in range(count):
+        dist.barrier()
+    after = _iface_tx_bytes(iface)
+    return (after - before) if before is not None and after is not None else 0
+
+
 def _measure(name: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str, Any]:
     workload = load_workload(spec["model"])
     installed = install(name, workload, spec["bucket_cap_mb"])
@@ -86,17 +95,18 @@ def _measure(name: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str,
         return {"wire": installed.wire_bytes(), "hook": installed.hook_seconds(), "tx": _iface_tx_bytes(iface) or 0}
 
     _run_steps(step, spec["warmup"], 0)
-    dist.barrier()
+    n = spec["steps"]
+    barrier_tx = _barrier_tx_bytes(iface, n)
     _reset_peak_rss()
     counters = snapshot()
-    times = _run_steps(step, 0, spec["steps"])
+    times = _run_steps(step, 0, n)
     end = snapshot()
-    n = spec["steps"]
     return {
         "step_times": times,
         "wire_bytes_per_step": (end["wire"] - counters["wire"]) / n,
         "hook_seconds_per_step": (end["hook"] - counters["hook"]) / n,
-        "iface_tx_bytes_per_step": (end["tx"] - counters["tx"]) / n if iface else None,
+        # the per-step barrier of the measurement loop is not part of the configuration's traffic
+        "iface_tx_bytes_per_step": (end["tx"] - counters["tx"] - barrier_tx) / n if iface else None,
         "peak_rss_mb": _peak_rss_mb(),
         "batch_size": workload.batch_size,
         "params": sum(p.numel() for p in workload.parameters()),
