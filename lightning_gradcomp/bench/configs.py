@@ -11,6 +11,7 @@ every configuration while our accounting, which covers gradient reduction only, 
 """
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -68,7 +69,9 @@ def _timed_hook_fn(timed: _TimedHook) -> Callable[[Any, dist.GradBucket], torch.
 
 
 def _wrap(model: nn.Module, bucket_cap_mb: float) -> DistributedDataParallel:
-    return DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=False)
+    with warnings.catch_warnings():  # torch >= 2.13 suggests forward_sync_buffers, which still syncs at init
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*")
+        return DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=False)
 
 
 def install(name: str, model: nn.Module, bucket_cap_mb: float = 25.0) -> Installed:
