@@ -5,6 +5,7 @@ from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduc
 from lightning_gradcomp.compressors.cast import Cast
 from lightning_gradcomp.compressors.diana import DIANA, BlockQuantizer
 from lightning_gradcomp.compressors.none import NoCompression
+from lightning_gradcomp.compressors.powersgd import PowerSGD
 from lightning_gradcomp.compressors.qsgd import QSGD
 from lightning_gradcomp.compressors.quantized import QuantizedCompressor
 from lightning_gradcomp.compressors.randomk import RandomK
@@ -19,6 +20,7 @@ __all__ = [
     "Compressor",
     "DIANA",
     "NoCompression",
+    "PowerSGD",
     "QSGD",
     "QuantizedCompressor",
     "RandomK",

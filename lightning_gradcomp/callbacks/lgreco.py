@@ -1,0 +1,362 @@
+"""LGreCo: layer-wise adaptive compression parameters chosen by dynamic programming (Markov et al., MLSys 2024).
+
+Every ``period`` optimizer steps after ``warmup_steps`` the callback
+
+1. sums, per compressed layer, the compressor inputs ``A = sum_t p_t`` (``p = m + g``: the error-compensated
+   gradient with error feedback, the raw gradient otherwise) of the last ``accumulate_steps`` steps, collected
+   through the engine's observers;
+2. builds for every layer a table of candidate parameters around the compressor's default (PowerSGD ranks,
+   TopK/CLTK/RandomK densities, QSGD bits) with their bytes and their error ``||A - C(A)||`` (un-squared, see
+   :mod:`lightning_gradcomp.functional.layerwise`);
+3. **averages the error tables over ranks** with one counted all-reduce of ``layers x candidates`` numbers, so
+   every rank holds bit-identical tables (this deviates from the official code, which uses rank 0's
+   statistics only, and then broadcasts its decision);
+4. sets the budget ``alpha * sum_l e_l(default)`` (the error of the uniform setting) and solves the knapsack
+   with :func:`~lightning_gradcomp.functional.solve_layerwise` **on every rank** (a deterministic function of
+   identical inputs, hence the same choice everywhere, with no second collective);
+5. applies the choice with ``trainer.strategy.set_layer_params`` and logs it. The solver rounds errors up
+   (so its answers truly fit), which can exclude the uniform setting itself; when the uniform setting fits
+   the budget and is cheaper than the solver's answer, the uniform setting is applied. If nothing fits, the
+   previous choice is kept and a warning is issued.
+
+The choice is part of the callback's checkpoint state (and of the strategy's), and is re-applied when a
+resumed run starts. Use it as a Trainer callback, or hand it to the strategy as
+``GradCompStrategy(..., layerwise=LGreCo(...))`` (that is what the ``"lgreco"`` strategy name does).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import Compressor, check_number
+from lightning_gradcomp.compressors.powersgd import PowerSGD
+from lightning_gradcomp.compressors.randomk import RandomK
+from lightning_gradcomp.functional.layerwise import (lowrank_errors, lowrank_sizes, quantization_errors,
+                                                     quantized_sizes, randomk_errors, solve_layerwise, sparse_sizes,
+                                                     topk_errors)
+from lightning_gradcomp.functional.lowrank import lowrank_saves, matrix_shape
+from lightning_gradcomp.functional.sparsify import kept_count
+from lightning_gradcomp.hook import BucketRecord
+from lightning_gradcomp.presets import register_preset
+
+__all__ = ["LGreCo", "layer_candidates", "layer_table"]
+
+log = logging.getLogger(__name__)
+
+FAMILIES = ("rank", "ratio", "bits")
+"""The per-layer parameters LGreCo knows how to tune (``Compressor.param_name``)."""
+
+
+# ---------------------------------------------------------------------------------------------- tables
+def layer_candidates(compressor: Compressor, shape: Sequence[int], candidates: Sequence[float]) -> list[Any]:
+    """The candidate values that are valid for a layer of ``shape`` (the default always included, sorted).
+
+    Ranks above ``min(n, m)`` or whose factors are not smaller than the dense matrix, and values the
+    compressor's ``check_param`` rejects, are dropped.
+    """
+    out = set()
+    for value in [*candidates, compressor.default_param]:
+        try:
+            value = compressor.check_param(value)
+        except (TypeError, ValueError):
+            continue
+        if compressor.param_name == "rank":
+            n, m = matrix_shape(shape)
+            if not lowrank_saves(n, m, value, 1.0) and value != compressor.default_param:
+                continue
+        out.add(value)
+    return sorted(out)
+
+
+def layer_table(compressor: Compressor, stat: Tensor, shape: Sequence[int],
+                candidates: Sequence[Any]) -> tuple[list[float], list[float]]:
+    """``(sizes in bytes, errors)`` of each candidate for one layer whose statistic is ``stat``.
+
+    Raises:
+        ValueError: the compressor's ``param_name`` is not one of ``rank``, ``ratio``, ``bits``.
+    """
+    family = compressor.param_name
+    numel = stat.numel()
+    if family == "rank":
+        return lowrank_sizes(shape, candidates), lowrank_errors(stat.reshape(matrix_shape(shape)), candidates)
+    if family == "ratio":
+        ks = [kept_count(numel, r) for r in candidates]
+        value_dtype = getattr(compressor, "value_dtype", torch.float32)
+        value_bytes = torch.empty((), dtype=value_dtype).element_size()
+        if isinstance(compressor, RandomK):
+            return sparse_sizes(ks, value_bytes, index_bytes=0), randomk_errors(stat, ks)
+        return sparse_sizes(ks, value_bytes), topk_errors(stat, ks)
+    if family == "bits":
+        bucket = int(getattr(compressor, "bucket_size", 512))
+        p = getattr(compressor, "p", "inf")
+        return quantized_sizes(numel, candidates, bucket), quantization_errors(stat, candidates, bucket, p)
+    raise ValueError(f"LGreCo tunes a per-layer parameter in {FAMILIES}; {type(compressor).__name__} has "
+                     f"param_name={family!r}")
+
+
+def _default_grid(default: Any, family: str, low: float, high: float, num: int) -> list[Any]:
+    """Integers in ``[floor(low d), ceil(high d)]`` (rank, bits) or ``num`` geometric densities (ratio)."""
+    if family == "ratio":
+        return [default * (low * (high / low) ** (i / (num - 1))) if num > 1 else default for i in range(num)]
+    return list(range(max(1, math.floor(low * default)), math.ceil(high * default) + 1))
+
+
+# ---------------------------------------------------------------------------------------------- collector
+class _Collector:
+    """Engine observer summing each compressed layer's input over the steps of the statistics window."""
+
+    def __init__(self, owner: "LGreCo") -> None:
+        self.owner = owner
+        self.sums: dict[str, Tensor] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.steps: set[int] = set()
+
+    def wants(self, step: int) -> bool:
+        return self.owner.in_window(step)
+
+    def __call__(self, record: BucketRecord) -> None:
+        self.steps.add(record.step)
+        for slot, x in zip(record.slots, record.inputs):
+            total = self.sums.get(slot.name)
+            if total is None or total.shape != x.shape:
+                self.sums[slot.name] = x.detach().to(torch.float32, copy=True)
+            else:
+                total.add_(x)
+            self.shapes[slot.name] = tuple(slot.shape)
+
+    def reset(self) -> None:
+        self.sums, self.shapes, self.steps = {}, {}, set()
+
+
+# ---------------------------------------------------------------------------------------------- callback
+class LGreCo(Callback):
+    """Layer-wise adaptive compression (L-GreCo) for any compressor with a per-layer ``rank``/``ratio``/``bits``.
+
+    Candidates per layer default to the integers in ``[floor(min_factor d), ceil(max_factor d)]`` around the
+    default ``d`` for ranks and bits (then clipped to what the compressor and the layer allow), and to
+    ``num_candidates`` geometrically spaced densities in ``[min_factor d, max_factor d]`` for ratios. The
+    official code used factors 0.5-2 (ResNet) and 0.25-4 (Transformer-XL) for PowerSGD ranks.
+
+    Args:
+        period: optimizer steps between two adjustments (>= 1).
+        warmup_steps: step of the first adjustment (>= 1; should exceed the strategy's ``start_step`` plus
+            ``accumulate_steps`` so that the statistics see compressed steps).
+        accumulate_steps: steps before each adjustment whose inputs are summed into the statistic
+            (1 .. ``period``; the official code used 10).
+        alpha: error budget as a multiple of the uniform setting's error (> 0; 1 keeps the total error).
+        candidates: explicit candidate values for every layer (overrides the factor grid).
+        min_factor: lower end of the grid as a multiple of the default (in (0, 1]).
+        max_factor: upper end of the grid as a multiple of the default (>= 1).
+        num_candidates: number of densities in the ratio grid (>= 1).
+        resolution: error units of the DP solver (>= 1; keep it >= 100 x the number of layers).
+        error: ``"norm"`` (default, as in the paper's code): the budget bounds the sum of the layers'
+            un-squared errors ``sum_l ||A_l - C(A_l)||``; ``"squared"``: it bounds the model's total squared
+            error ``sum_l ||A_l - C(A_l)||^2`` (the squared norm of the whole compression error), which does
+            not let large-gradient layers absorb error that small layers give up.
+        log_layers: also log every layer's chosen value (``lgreco/<layer>``).
+    """
+
+    def __init__(self, period: int = 1000, warmup_steps: int = 1000, accumulate_steps: int = 10,
+                 alpha: float = 1.0, candidates: Optional[Sequence[float]] = None, min_factor: float = 0.25,
+                 max_factor: float = 4.0, num_candidates: int = 9, resolution: int = 10_000,
+                 log_layers: bool = True, error: str = "norm") -> None:
+        inf = float("inf")
+        self.period = int(check_number("period", period, 1, inf, low_open=False, integer=True))
+        self.warmup_steps = int(check_number("warmup_steps", warmup_steps, 1, inf, low_open=False, integer=True))
+        self.accumulate_steps = int(check_number("accumulate_steps", accumulate_steps, 1, self.period,
+                                                 low_open=False, integer=True))
+        self.alpha = float(check_number("alpha", alpha, 0.0, inf))
+        if candidates is not None:
+            if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence) or not candidates:
+                raise TypeError(f"`candidates` must be a non-empty sequence of numbers, got {candidates!r}")
+            for c in candidates:
+                check_number("candidates", c, 0.0, inf)
+        self.candidates = None if candidates is None else list(candidates)
+        self.min_factor = float(check_number("min_factor", min_factor, 0.0, 1.0))
+        self.max_factor = float(check_number("max_factor", max_factor, 1.0, inf, low_open=False))
+        self.num_candidates = int(check_number("num_candidates", num_candidates, 1, inf, low_open=False,
+                                               integer=True))
+        self.resolution = int(check_number("resolution", resolution, 1, inf, low_open=False, integer=True))
+        if not isinstance(log_layers, bool):
+            raise TypeError(f"`log_layers` must be a bool, got {log_layers!r}")
+        self.log_layers = log_layers
+        if error not in ("norm", "squared"):
+            raise ValueError(f"`error` must be 'norm' or 'squared', got {error!r}")
+        self.error = error
+        self.choice: dict[str, Any] = {}
+        self.history: list[dict[str, Any]] = []
+        self._last_step = -1
+        self._collector = _Collector(self)
+        self._hook: Any = None
+
+    # ------------------------------------------------------------------ schedule
+    def is_adjustment_step(self, step: int) -> bool:
+        """Whether the callback adjusts once ``step`` optimizer steps have been reduced."""
+        return step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0
+
+    def in_window(self, step: int) -> bool:
+        """Whether the reduction of step ``step`` (0-based) feeds the next adjustment's statistics."""
+        if step < self.warmup_steps:
+            nxt = self.warmup_steps
+        else:
+            nxt = self.warmup_steps + ((step - self.warmup_steps) // self.period + 1) * self.period
+        return nxt - step <= self.accumulate_steps
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        hook = getattr(strategy, "hook", None)
+        if hook is None or not hasattr(strategy, "set_layer_params"):
+            raise ValueError(f"LGreCo needs GradCompStrategy (with its hook installed), got "
+                             f"{type(strategy).__name__}")
+        family = hook.compressor.param_name
+        if family not in FAMILIES:
+            raise ValueError(f"LGreCo tunes a per-layer parameter in {FAMILIES}; {type(hook.compressor).__name__} "
+                             f"has param_name={family!r}")
+        self._hook = hook
+        self._collector.reset()
+        if self._collector not in hook.observers:
+            hook.observers.append(self._collector)
+        if self.choice:
+            strategy.set_layer_params(self.choice)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._hook is None:
+            return
+        step = self._hook.step
+        if step == self._last_step or not self.is_adjustment_step(step):
+            return
+        self._last_step = step
+        entry = self.adjust(trainer.strategy)
+        if entry is not None:
+            self._log(pl_module, entry)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._hook is not None and self._collector in self._hook.observers:
+            self._hook.observers.remove(self._collector)
+        self._hook = None
+        self._collector.reset()
+
+    # ------------------------------------------------------------------ the adjustment
+    def adjust(self, strategy: Any) -> Optional[dict[str, Any]]:
+        """Build the tables from the collected statistics, average them over ranks, solve and apply.
+
+        Must run on every rank at the same step (it issues one all-reduce). Returns the history entry, or
+        ``None`` when no statistics were collected.
+        """
+        hook = self._hook
+        collector = self._collector
+        step = hook.step
+        if not collector.sums:
+            rank_zero_warn(f"LGreCo: no compressed-gradient statistics before step {step} (warmup_steps="
+                           f"{self.warmup_steps} must exceed the strategy's start_step + accumulate_steps); "
+                           f"parameters unchanged")
+            return None
+        compressor = hook.compressor
+        names = sorted(collector.sums)
+        grids = [self._grid(compressor, collector.shapes[n]) for n in names]
+        sizes, local = [], []
+        for name, grid in zip(names, grids):
+            s, e = layer_table(compressor, collector.sums[name], collector.shapes[name], grid)
+            sizes.append(s)
+            local.append([x * x for x in e] if self.error == "squared" else e)
+        errors = self._average(hook, local)
+        default = compressor.default_param
+        defaults = [grid.index(default) for grid in grids]
+        uniform_error = sum(errors[i][c] for i, c in enumerate(defaults))
+        uniform_size = sum(sizes[i][c] for i, c in enumerate(defaults))
+        budget = self.alpha * uniform_error
+        entry: dict[str, Any] = {"step": step, "stat_steps": len(collector.steps), "layers": names,
+                                 "budget": budget, "uniform_error": uniform_error, "uniform_bytes": uniform_size}
+        collector.reset()
+        picks: Optional[list[int]] = None
+        try:
+            picks = solve_layerwise(sizes, errors, budget, self.resolution)
+        except ValueError as err:
+            failure = str(err)
+        # Rounding errors up makes the solver conservative: the uniform setting itself usually needs a few
+        # units more than the budget. Whenever it truly fits and is cheaper, it is the better answer.
+        uniform_fits = uniform_error <= budget
+        fallback = uniform_fits and (picks is None or sum(s[c] for s, c in zip(sizes, picks)) > uniform_size)
+        if fallback:
+            picks = defaults
+        if picks is None:
+            rank_zero_warn(f"LGreCo at step {step}: {failure}; keeping the previous per-layer parameters")
+            entry.update(feasible=False, uniform=False, values=[self.choice.get(n, default) for n in names])
+            self.history.append(entry)
+            return entry
+        entry["uniform"] = fallback
+        values = [grid[c] for grid, c in zip(grids, picks)]
+        self.choice = dict(zip(names, values))
+        strategy.set_layer_params(self.choice)
+        entry.update(feasible=True, values=values,
+                     error=sum(errors[i][c] for i, c in enumerate(picks)),
+                     bytes=sum(sizes[i][c] for i, c in enumerate(picks)),
+                     layer_errors=[errors[i][c] for i, c in enumerate(picks)],
+                     layer_uniform_errors=[errors[i][c] for i, c in enumerate(defaults)])
+        self.history.append(entry)
+        log.info("LGreCo step %d: bytes %.0f -> %.0f (uniform -> chosen), error %.4g <= budget %.4g: %s", step,
+                 uniform_size, entry["bytes"], entry["error"], budget, self.choice)
+        return entry
+
+    def _grid(self, compressor: Compressor, shape: Sequence[int]) -> list[Any]:
+        base = self.candidates if self.candidates is not None else _default_grid(
+            compressor.default_param, compressor.param_name, self.min_factor, self.max_factor, self.num_candidates)
+        return layer_candidates(compressor, shape, base)
+
+    @staticmethod
+    def _average(hook: Any, tables: list[list[float]]) -> list[list[float]]:
+        """Mean of every rank's error table (one all-reduce of ``layers x max candidates`` float64)."""
+        width = max(len(t) for t in tables)
+        flat = torch.zeros(len(tables), width, dtype=torch.float64)
+        for i, t in enumerate(tables):
+            flat[i, :len(t)] = torch.tensor(t, dtype=torch.float64)
+        flat = torch.nan_to_num(flat, nan=math.inf)
+        device = getattr(hook, "device", None)
+        if device is not None and device.type != "cpu":
+            flat = flat.to(device)
+        world = hook.comm.world_size
+        if world > 1:
+            hook.comm.all_reduce(flat)
+        flat = flat.cpu() / world
+        return [flat[i, :len(t)].tolist() for i, t in enumerate(tables)]
+
+    def _log(self, pl_module: pl.LightningModule, entry: dict[str, Any]) -> None:
+        metrics = {"lgreco/budget": float(entry["budget"]), "lgreco/uniform_bytes": float(entry["uniform_bytes"]),
+                   "lgreco/feasible": float(entry["feasible"])}
+        if entry["feasible"]:
+            metrics["lgreco/error"] = float(entry["error"])
+            metrics["lgreco/bytes"] = float(entry["bytes"])
+            metrics["lgreco/bytes_saving"] = float(entry["uniform_bytes"]) / max(float(entry["bytes"]), 1e-12)
+        if self.log_layers:
+            for name, value in zip(entry["layers"], entry["values"]):
+                metrics[f"lgreco/{name}"] = float(value)
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The current choice, the last adjusted step and the history (plain types)."""
+        return {"choice": dict(self.choice), "last_step": self._last_step, "history": list(self.history)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the choice is re-applied when training starts."""
+        self.choice = dict(state_dict.get("choice", {}))
+        self._last_step = int(state_dict.get("last_step", -1))
+        self.history = list(state_dict.get("history", []))
+
+    def __repr__(self) -> str:
+        return (f"LGreCo(period={self.period}, warmup_steps={self.warmup_steps}, "
+                f"accumulate_steps={self.accumulate_steps}, alpha={self.alpha})")
+
+
+register_preset("lgreco", "DDP + PowerSGD rank 4 with L-GreCo per-layer ranks (re-chosen every 1000 steps)",
+                lambda: {"compressor": PowerSGD(rank=4), "layerwise": LGreCo()})

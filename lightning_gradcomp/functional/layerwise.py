@@ -1,0 +1,203 @@
+r"""Layer-wise allocation (L-GreCo): per-candidate error/size tables and the exact knapsack solver.
+
+L-GreCo (Markov et al., MLSys 2024) picks one compression parameter per layer so that the total size is
+minimal while the total compression error stays within a budget:
+
+.. math::  \min_{c_1..c_L} \sum_l s_l(c_l) \quad \text{s.t.} \quad \sum_l e_l(c_l) \le E
+
+Errors are **un-squared** Frobenius norms ``||A - C(A)||`` of the layer's error-compensated gradient ``A``,
+as in the paper's code. Sizes are bytes; any per-family constant factor (all-reduce vs all-gather) scales
+every candidate alike and does not change the choice.
+
+Error tables (one statistic tensor ``A`` per layer, no process group):
+
+* low rank: ``e(r) = sqrt(sum_{i>r} sigma_i^2)`` (best rank-``r`` error, Eckart-Young), all ranks from one
+  eigen-decomposition; size ``4 (n + m) r``.
+* top-k: ``e(k) = sqrt(sum of all but the k largest A_i^2)``, all ``k`` from one sort; size ``k (value +
+  index bytes)`` (local top-k: 4 + 4; CLT-k-style shared indices cost the same per ``k``, up to a factor).
+* random-k (unscaled, shared support): expected ``e(k) = sqrt(1 - k/n) ||A||``; size ``k * value bytes``.
+* QSGD ``b`` bits (stochastic rounding to ``L = 2**(b-1) - 1`` levels per sign, blocks scaled by their
+  max or L2 norm): the exact expected error ``sqrt(sum_i (s/L)^2 f_i (1 - f_i))``, ``f_i`` the fractional part of
+  ``L |A_i| / s``; size ``numel * b / 8`` plus one 4-byte scale per block.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.functional.lowrank import matrix_shape
+from lightning_gradcomp.functional.quantize import PNorm, levels_for_bits, quantization_variance
+
+__all__ = [
+    "error_units",
+    "lowrank_errors",
+    "lowrank_sizes",
+    "quantization_errors",
+    "quantized_sizes",
+    "randomk_errors",
+    "solve_layerwise",
+    "sparse_sizes",
+    "topk_errors",
+]
+
+
+# ---------------------------------------------------------------------------------------------- solver
+def error_units(errors: Sequence[float], max_error: float, resolution: int) -> list[int]:
+    """Errors in integer units of ``max_error / resolution``, rounded **up** exactly (rational arithmetic).
+
+    ``units * max_error / resolution >= error`` holds exactly for every returned value, so a set of
+    candidates whose units add up to at most ``resolution`` truly satisfies ``sum(errors) <= max_error``.
+    A non-finite error, or one that exceeds the whole budget, maps to ``resolution + 1`` (never fits).
+    """
+    over = resolution + 1
+    out = []
+    for e in errors:
+        e = float(e)
+        if not math.isfinite(e):
+            out.append(over)
+        elif e == 0.0 or max_error == math.inf:
+            out.append(0)
+        elif max_error <= 0.0:
+            out.append(over)
+        else:
+            units = math.ceil(Fraction(e) * resolution / Fraction(max_error))
+            out.append(min(units, over))
+    return out
+
+
+def _validate(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], max_error: float,
+              resolution: int) -> None:
+    if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1:
+        raise ValueError(f"`resolution` must be an integer >= 1, got {resolution!r}")
+    if isinstance(max_error, bool) or not isinstance(max_error, (int, float)) or math.isnan(max_error):
+        raise ValueError(f"`max_error` must be a number (not NaN), got {max_error!r}")
+    if len(sizes) != len(errors):
+        raise ValueError(f"`sizes` and `errors` must list the same layers, got {len(sizes)} and {len(errors)}")
+    for layer, (s, e) in enumerate(zip(sizes, errors)):
+        if len(s) != len(e) or len(s) == 0:
+            raise ValueError(f"layer {layer}: `sizes` and `errors` need the same, non-zero number of candidates, "
+                             f"got {len(s)} and {len(e)}")
+        if any(math.isnan(float(x)) or float(x) < 0 for x in s):
+            raise ValueError(f"layer {layer}: `sizes` must be >= 0 (inf marks a candidate never to pick), "
+                             f"got {list(s)}")
+        if any(float(x) < 0 for x in e):
+            raise ValueError(f"layer {layer}: `errors` must be >= 0 (NaN/inf mark a candidate never to pick), "
+                             f"got {list(e)}")
+
+
+def solve_layerwise(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], max_error: float,
+                    resolution: int = 10_000) -> list[int]:
+    """One candidate per layer minimising the total size subject to the total error ``<= max_error``.
+
+    Dynamic programming over error units (``O(layers * candidates * resolution)``): each error is discretised
+    into units of ``max_error / resolution``, rounded up (:func:`error_units`), so every answer truly satisfies
+    ``sum_l errors[l][c_l] <= max_error``, and it is optimal among assignments whose rounded units fit in
+    ``resolution``. Candidates with a NaN/inf error or an inf size are never chosen. Ties go to the lowest
+    candidate index. Keep ``resolution`` at 100 x the number of layers or more so rounding wastes little budget.
+
+    Args:
+        sizes: ``sizes[l][c]``: bytes of candidate ``c`` for layer ``l`` (>= 0).
+        errors: ``errors[l][c]``: error of candidate ``c`` for layer ``l`` (>= 0).
+        max_error: the error budget (>= 0; ``inf`` means unconstrained).
+        resolution: number of error units in the budget (integer >= 1).
+
+    Returns:
+        The chosen candidate index of every layer (``[]`` for no layers).
+
+    Raises:
+        ValueError: malformed input, or no assignment fits the budget.
+    """
+    _validate(sizes, errors, max_error, resolution)
+    if max_error < 0:
+        raise ValueError(f"no assignment fits: the error budget {max_error!r} is negative")
+    budget = resolution
+    best = torch.zeros(budget + 1, dtype=torch.float64)  # min size of the layers so far with units <= b
+    picks: list[Tensor] = []
+    units_table = [error_units(e, float(max_error), resolution) for e in errors]
+    for layer_sizes, units in zip(sizes, units_table):
+        new = torch.full((budget + 1,), math.inf, dtype=torch.float64)
+        pick = torch.full((budget + 1,), -1, dtype=torch.int64)
+        for c, (size, u) in enumerate(zip(layer_sizes, units)):
+            if u > budget or not math.isfinite(float(size)):
+                continue
+            cand = torch.full((budget + 1,), math.inf, dtype=torch.float64)
+            cand[u:] = best[:budget + 1 - u] + float(size)
+            better = cand < new
+            new = torch.where(better, cand, new)
+            pick = torch.where(better, torch.full_like(pick, c), pick)
+        best = new
+        picks.append(pick)
+    if not math.isfinite(float(best[budget])):
+        raise ValueError(f"no assignment of the {len(sizes)} layers fits the error budget {max_error!r} "
+                         f"(at resolution {resolution})")
+    choice = [0] * len(sizes)
+    b = budget
+    for layer in range(len(sizes) - 1, -1, -1):
+        c = int(picks[layer][b])
+        choice[layer] = c
+        b -= units_table[layer][c]
+    return choice
+
+
+# ---------------------------------------------------------------------------------------------- sizes
+def lowrank_sizes(shape: Sequence[int], ranks: Sequence[int], value_bytes: int = 4) -> list[float]:
+    """Bytes of the factors ``P`` and ``Q`` per rank: ``value_bytes * (n + m) * r`` (``inf`` above ``min(n, m)``)."""
+    n, m = matrix_shape(shape)
+    return [float(value_bytes * (n + m) * r) if 1 <= r <= min(n, m) else math.inf for r in ranks]
+
+
+def sparse_sizes(ks: Sequence[int], value_bytes: int = 4, index_bytes: int = 4) -> list[float]:
+    """Bytes of ``k`` kept entries: ``k * (value_bytes + index_bytes)``."""
+    return [float(k * (value_bytes + index_bytes)) for k in ks]
+
+
+def quantized_sizes(numel: int, bits: Sequence[int], bucket_size: int, scale_bytes: int = 4) -> list[float]:
+    """Bytes of ``numel`` codes of ``b`` bits (packed) plus one scale per block of ``bucket_size``."""
+    blocks = -(-numel // bucket_size)
+    return [float(-(-numel * b // 8) + blocks * scale_bytes) for b in bits]
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def lowrank_errors(matrix: Tensor, ranks: Sequence[int]) -> list[float]:
+    """Best rank-``r`` approximation errors ``sqrt(sum_{i>r} sigma_i^2)`` of ``matrix`` (any shape: ``(n, -1)``).
+
+    One float64 eigen-decomposition of the smaller Gram matrix gives every rank at once.
+    """
+    n, m = matrix_shape(matrix.shape)
+    a = matrix.detach().reshape(n, m).to(torch.float64)
+    gram = a @ a.T if n <= m else a.T @ a
+    eig = torch.linalg.eigvalsh(gram).clamp_min(0).flip(0)  # descending sigma_i^2
+    tail = eig.flip(0).cumsum(0).flip(0)  # tail[i] = sum_{j >= i} sigma_j^2
+    k = eig.numel()
+    return [math.sqrt(float(tail[r])) if r < k else 0.0 for r in ranks]
+
+
+def topk_errors(x: Tensor, ks: Sequence[int]) -> list[float]:
+    """Errors of keeping the ``k`` largest ``|x_i|``: ``sqrt`` of the sum of the other squares (one sort)."""
+    sq = x.detach().reshape(-1).to(torch.float64).square().sort(descending=True).values
+    tail = sq.flip(0).cumsum(0).flip(0)
+    return [math.sqrt(float(tail[k])) if k < sq.numel() else 0.0 for k in ks]
+
+
+def randomk_errors(x: Tensor, ks: Sequence[int]) -> list[float]:
+    """Expected (root-mean-square) errors of keeping ``k`` uniformly random entries unscaled: ``sqrt(1-k/n)||x||``."""
+    n = x.numel()
+    norm_sq = float(x.detach().to(torch.float64).square().sum())
+    return [math.sqrt(max(0.0, 1.0 - min(k, n) / n) * norm_sq) for k in ks]
+
+
+def quantization_errors(x: Tensor, bits: Sequence[int], bucket_size: int, p: PNorm = "inf") -> list[float]:
+    """Exact root-mean-square errors of QSGD with ``b`` bits (``L = 2**(b-1) - 1`` levels) for each ``b``.
+
+    Uses :func:`~lightning_gradcomp.functional.quantize.quantization_variance` (the expected squared error of
+    :func:`~lightning_gradcomp.functional.quantize.qsgd_quantize`, scale = ``p``-norm of each bucket), so the
+    table is deterministic: ``e(b) = sqrt(sum_i (s/L)^2 f_i (1 - f_i))``.
+    """
+    flat = x.detach().reshape(-1)
+    return [math.sqrt(float(quantization_variance(flat, levels_for_bits(int(b)), bucket_size, p).sum()))
+            for b in bits]

@@ -1,0 +1,94 @@
+"""Low-rank helpers: matrix views, orthogonalisation (stable, zero-safe), factor sizes and warm-start resizing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gradcomp.functional import orthogonalize
+from lightning_gradcomp.functional.lowrank import (adapt_factor, effective_rank, lowrank_numel, lowrank_saves,
+                                                   matrix_shape, random_factor)
+
+
+def _assert_orthonormal(q: torch.Tensor, atol: float = 1e-5) -> None:
+    assert q.dtype == torch.float32
+    assert torch.isfinite(q).all()
+    torch.testing.assert_close(q.T @ q, torch.eye(q.shape[1]), atol=atol, rtol=0)
+
+
+def test_matrix_shape() -> None:
+    assert matrix_shape((8, 3, 3, 3)) == (8, 27)
+    assert matrix_shape((5, 7)) == (5, 7)
+    assert matrix_shape((6,)) == (6, 1)
+
+
+def test_sizes_and_saving_rule() -> None:
+    assert effective_rank(10, 3, 8) == 3
+    assert effective_rank(10, 30, 0) == 1
+    assert lowrank_numel(100, 50, 4) == 600
+    assert lowrank_numel(4, 50, 8) == 54 * 4  # clipped to min(n, m)
+    assert lowrank_saves(64, 64, 4, 2.0)  # 128 * 4 * 2 = 1024 <= 4096
+    assert lowrank_saves(16, 16, 4, 2.0)  # 32 * 4 * 2 = 256 <= 256: equality is allowed
+    assert not lowrank_saves(16, 16, 5, 2.0)  # 320 > 256
+    assert lowrank_saves(16, 16, 5, 1.0)
+    assert not lowrank_saves(4, 100, 8, 1.0)  # rank above min(n, m)
+
+
+@pytest.mark.parametrize("shape", [(50, 4), (7, 7), (300, 16)])
+def test_orthogonalize_random(shape: tuple[int, int]) -> None:
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    q = orthogonalize(x)
+    assert q.shape == shape
+    _assert_orthonormal(q)
+    # Same column space: projecting x onto span(q) gives x back.
+    torch.testing.assert_close(q @ (q.T @ x), x, atol=1e-4, rtol=1e-4)
+
+
+def test_orthogonalize_zero_and_dependent_columns() -> None:
+    x = torch.randn(20, 4, generator=torch.Generator().manual_seed(1))
+    x[:, 1] = 0.0
+    x[:, 3] = 2.0 * x[:, 0]
+    _assert_orthonormal(orthogonalize(x))
+    _assert_orthonormal(orthogonalize(torch.zeros(9, 3)))
+
+
+def test_orthogonalize_ill_conditioned_is_stable() -> None:
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(200, 6, generator=gen)
+    x = base * torch.logspace(0, -6, 6)  # condition number 1e6: classical Gram-Schmidt loses orthogonality
+    _assert_orthonormal(orthogonalize(x), atol=1e-5)
+
+
+def test_orthogonalize_rejects_wide_input() -> None:
+    with pytest.raises(ValueError, match="r <= n"):
+        orthogonalize(torch.randn(3, 5))
+
+
+def test_orthogonalize_is_deterministic() -> None:
+    x = torch.randn(64, 5, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(orthogonalize(x.clone()), orthogonalize(x.clone()))
+
+
+def test_random_factor_shared_seed() -> None:
+    a = random_factor(30, 4, torch.Generator().manual_seed(7), torch.device("cpu"))
+    b = random_factor(30, 4, torch.Generator().manual_seed(7), torch.device("cpu"))
+    assert torch.equal(a, b)
+    _assert_orthonormal(a)
+
+
+def test_adapt_factor_shrink_keeps_leading_columns() -> None:
+    q = torch.randn(30, 6)
+    out = adapt_factor(q, 2, torch.Generator().manual_seed(0))
+    assert torch.equal(out, q[:, :2])
+
+
+def test_adapt_factor_grow_keeps_columns_and_adds_orthogonal_ones() -> None:
+    q = torch.randn(30, 2, generator=torch.Generator().manual_seed(4)) * 5.0
+    out = adapt_factor(q, 5, torch.Generator().manual_seed(0))
+    assert out.shape == (30, 5)
+    assert torch.equal(out[:, :2], q)
+    extra = out[:, 2:]
+    _assert_orthonormal(extra)
+    assert float((q.T @ extra).abs().max()) < 1e-4
+    again = adapt_factor(q, 5, torch.Generator().manual_seed(0))
+    assert torch.equal(out, again)
