@@ -1,0 +1,197 @@
+"""SwarmSGD vs DDP at equal samples processed, W=4 CPU ranks, on the ScaleCom fidelity task.
+
+Task (imported from ``benchmarks/scalecom_fidelity.py`` so both checks train the same thing): the
+0.51M-parameter CNN on Fashion-MNIST (``/usr/share/datasets/fashion-mnist``, Debian
+``dataset-fashion-mnist``; the first ``--train-size`` training images, the full 10k test set), or
+scikit-learn's digits when Fashion-MNIST is absent. SGD momentum 0.9, weight decay 5e-4, per-step
+cosine learning rate, ``--batch`` images per rank per step (default 32, i.e. the same global batch of
+128 as the W=2 ScaleCom check), same seed and epochs for every configuration, so every configuration
+processes the same samples:
+
+* ``ddp``: ``GradCompStrategy`` without compression (DDP's fp32 gradient all-reduce every step);
+* ``swarm_h1``: ``SwarmStrategy(local_steps=1, bits=8)``, non-blocking, complete graph;
+* ``swarm_h4``: ``SwarmStrategy(local_steps=4, bits=8)``, non-blocking, complete graph;
+* optional extras: ``swarm_h1_blocking``, ``swarm_h4_blocking``, ``swarm_h4_fp32`` (``bits=None``) and
+  ``swarm_h1_4bit``.
+
+Every rank's final model is written to disk (``average_at_end=False``); the parent evaluates the
+mean of the four models (what ``SwarmStrategy`` evaluates and, with ``average_at_end``, returns) and
+rank 0's own model on the test set. Bytes are what each rank sent (``comm_stats.wire_bytes``; for
+SwarmSGD gossip only, start broadcast excluded), averaged over ranks.
+
+    python benchmarks/swarm_compare.py [--epochs 3] [--train-size 20000] [--configs ddp swarm_h1 swarm_h4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scalecom_fidelity import load_data, make_cnn  # noqa: E402 - the shared task
+
+from lightning_gradcomp import GradCompStrategy, SwarmStrategy  # noqa: E402
+
+WORLD = 4
+
+
+class Classifier(pl.LightningModule):
+    """The CNN with SGD (momentum 0.9, weight decay 5e-4) and a per-step cosine learning rate."""
+
+    def __init__(self, data: tuple[torch.Tensor, ...], seed: int, lr: float, batch: int) -> None:
+        super().__init__()
+        self.net = make_cnn(seed)
+        self.xtr, self.ytr = data[0], data[1]
+        self.lr, self.batch = lr, batch
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=5e-4)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.trainer.estimated_stepping_batches)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.xtr, self.ytr), batch_size=self.batch, shuffle=True)
+
+
+class SaveRank(pl.Callback):
+    """Every rank writes its final parameters and communication figures (after the last exchange)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        s = trainer.strategy
+        swarm = s.swarm_stats.state_dict() if isinstance(s, SwarmStrategy) else None
+        torch.save({"state": {k: v.detach().clone() for k, v in pl_module.net.state_dict().items()},
+                    "wire_bytes": s.comm_stats.wire_bytes, "dense_bytes": s.comm_stats.dense_bytes,
+                    "steps": s.comm_stats.steps, "swarm": swarm},
+                   self.out / f"rank{trainer.global_rank}.pt")
+
+
+def accuracy(state: dict[str, torch.Tensor], xte: torch.Tensor, yte: torch.Tensor) -> float:
+    net = make_cnn(0)
+    net.load_state_dict(state)
+    net.eval()
+    with torch.no_grad():
+        hits = sum(int((net(x).argmax(1) == y).sum()) for x, y in zip(xte.split(1000), yte.split(1000)))
+    return hits / len(yte)
+
+
+def params_of(state: dict[str, torch.Tensor]) -> int:
+    return sum(v.numel() for v in state.values() if v.is_floating_point())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_strategy(key: str, seed: int) -> pl.strategies.Strategy:
+    if key == "ddp":
+        return GradCompStrategy(compressor=None, seed=seed, start_method="fork")
+    local_steps = 4 if "h4" in key else 1
+    return SwarmStrategy(local_steps=local_steps, bits=None if "fp32" in key else 4 if "4bit" in key else 8,
+                         non_blocking="blocking" not in key, average_at_end=False, seed=seed, start_method="fork")
+
+
+def run(key: str, data: tuple[torch.Tensor, ...], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    out = workdir / key
+    out.mkdir()
+    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=make_strategy(key, args.seed),
+                         max_epochs=args.epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[SaveRank(out)], default_root_dir=str(workdir))
+    start = time.perf_counter()
+    trainer.fit(Classifier(data, args.seed, args.lr, args.batch))
+    seconds = time.perf_counter() - start
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    mean = {k: torch.stack([r["state"][k].double() for r in ranks]).mean(0).to(ranks[0]["state"][k].dtype)
+            for k in ranks[0]["state"]}
+    flat = torch.stack([torch.cat([r["state"][k].reshape(-1).double() for k in mean]) for r in ranks])
+    rec: dict[str, Any] = {
+        "acc_mean": accuracy(mean, data[2], data[3]), "acc_rank0": accuracy(ranks[0]["state"], data[2], data[3]),
+        "wire_bytes": sum(r["wire_bytes"] for r in ranks) / WORLD, "dense_bytes": ranks[0]["dense_bytes"],
+        "steps": ranks[0]["steps"], "seconds": seconds,
+        "consensus": float((flat - flat.mean(0)).norm(dim=1).max()), "model_norm": float(flat.mean(0).norm()),
+    }
+    if ranks[0]["swarm"] is not None:
+        rec["exchanges"] = sum(r["swarm"]["exchanges"] for r in ranks) / WORLD
+        rec["fallbacks"] = sum(r["swarm"]["fallbacks"] for r in ranks)
+        rec["fallback_blocks"] = sum(r["swarm"]["fallback_blocks"] for r in ranks)
+        rec["blocks"] = -(-params_of(ranks[0]["state"]) // 1024)
+        rec["rounds"] = ranks[0]["swarm"]["rounds"]
+    return rec
+
+
+LABELS = {
+    "ddp": "DDP (fp32 gradient all-reduce every step)",
+    "swarm_h1": "SwarmSGD H=1, 8-bit, non-blocking",
+    "swarm_h4": "SwarmSGD H=4, 8-bit, non-blocking",
+    "swarm_h1_blocking": "SwarmSGD H=1, 8-bit, blocking",
+    "swarm_h4_blocking": "SwarmSGD H=4, 8-bit, blocking",
+    "swarm_h4_fp32": "SwarmSGD H=4, fp32 models, non-blocking",
+    "swarm_h1_4bit": "SwarmSGD H=1, 4-bit, non-blocking",
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--train-size", type=int, default=20000)
+    parser.add_argument("--batch", type=int, default=32, help="images per rank per step")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--configs", nargs="+", default=["ddp", "swarm_h1", "swarm_h4"], choices=list(LABELS))
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    name, *data = load_data(args.train_size)
+    params = sum(p.numel() for p in make_cnn(0).parameters())
+    print(f"{name}; CNN {params:,} parameters; W={WORLD}, batch {args.batch}/rank, {args.epochs} epochs, "
+          f"lr {args.lr}, seed {args.seed}", flush=True)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for key in args.configs:
+            results[key] = rec = run(key, tuple(data), args, Path(tmp))
+            print(f"  {key:18s} mean-model acc {rec['acc_mean']:.4f}  rank-0 acc {rec['acc_rank0']:.4f}  "
+                  f"{rec['wire_bytes'] / 1e6:7.2f} MB/rank  {rec['seconds']:.0f} s", flush=True)
+    ddp = results.get("ddp")
+    print("\n| configuration | test acc., mean model | vs DDP (pt) | test acc., rank-0 model | MB sent per rank "
+          "| vs DDP | exchanges per rank | bytes per exchange | blocks resent in fp32 "
+          "| max_i ‖x_i − x̄‖ at end | fit time / DDP |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for key, rec in results.items():
+        delta = f"{100 * (rec['acc_mean'] - ddp['acc_mean']):+.2f}" if ddp else "-"
+        ratio = f"{ddp['wire_bytes'] / rec['wire_bytes']:.1f}x less" if ddp and key != "ddp" else "-"
+        time_ratio = f"{rec['seconds'] / ddp['seconds']:.2f}" if ddp else "-"
+        if "exchanges" in rec:
+            share = rec["fallback_blocks"] / (rec["exchanges"] * WORLD * rec["blocks"])
+            swarm = (f"{rec['exchanges']:.0f} | {rec['wire_bytes'] / rec['exchanges'] / 1e3:.1f} kB | "
+                     f"{100 * share:.2f} % (in {rec['fallbacks']} of {rec['exchanges'] * WORLD:.0f} exchanges)")
+        else:
+            swarm = "- | - | -"
+        print(f"| {LABELS[key]} | {100 * rec['acc_mean']:.2f} % | {delta} | {100 * rec['acc_rank0']:.2f} % | "
+              f"{rec['wire_bytes'] / 1e6:.2f} | {ratio} | {swarm} | {rec['consensus']:.4f} | {time_ratio} |")
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+r"""Cubic-lattice (relative) quantization: low-bit codes decoded against the receiver's own vector.
+
+A coordinate ``x`` is mapped to its lattice index ``k = round(x / s)`` (side ``s > 0``) and only
+``c = k mod q`` travels, with ``q = 2**bits``. A receiver holding a reference ``y`` close to ``x``
+(in SwarmSGD: its own model) recovers ``k`` as the integer congruent to ``c`` nearest to ``y / s``:
+
+.. math::
+
+    \hat k = c + q \cdot \mathrm{round}\big((y / s - c) / q\big).
+
+Decoding is exact (:math:`\hat k = k`) whenever :math:`|k - y/s| < q/2`, which holds if
+:math:`|x - y| + s/2 < q s / 2`; the decoded value :math:`s \hat k` is then within
+:func:`lattice_error_bound` (half a side, plus float32 rounding) of ``x``. Otherwise the coordinate
+*wraps* by a multiple of :math:`q s` and lands near ``y`` anyway, so a wrong decode cannot be seen from
+the values: :func:`lattice_checksum` of the indices (one per block) detects it. :func:`pair_decodable`
+is a per-block test both ends of an exchange evaluate on identical numbers to agree, without another
+message, on which blocks *both* decodes were exact.
+
+Arithmetic is float32 with int32 indices. :func:`lattice_sides` floors every side at ``absmax * 2**-16``
+so that ``|x / s| <= 2**16``: indices are exact in float32 and rounding errors stay below ``2**-8``
+lattice units, which the error bound and the 1 % safety margin of :func:`pair_decodable` absorb.
+Sides are per block of coordinates: ``side`` arguments broadcast against the values (shape
+``(blocks, 1)`` for values ``(blocks, block)``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "MAX_BLOCK",
+    "lattice_checksum",
+    "lattice_codes",
+    "lattice_decode",
+    "lattice_error_bound",
+    "lattice_index",
+    "lattice_levels",
+    "lattice_sides",
+    "lattice_value",
+    "pair_decodable",
+]
+
+MAX_BLOCK = 2**16
+"""Largest row length :func:`lattice_checksum` handles without int64 overflow."""
+
+_MIN_SIDE = 1e-30
+_RELATIVE_FLOOR = 2.0**-16
+_ROUNDING = 2.0**-7
+_INDEX_CLAMP = 2**20
+_WEIGHT_LIMIT = 2**26
+_SAFETY = 0.99
+_weights_cache: dict[tuple[int, str], Tensor] = {}
+
+
+def lattice_levels(bits: int) -> int:
+    """Number of code values ``q = 2**bits`` (``bits`` in [1, 16])."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16:
+        raise ValueError(f"`bits` must be an integer in [1, 16], got {bits!r}")
+    return 1 << bits
+
+
+def lattice_sides(spread: Tensor, absmax: Tensor, bits: int, margin: float) -> Tensor:
+    """Per-block sides that decode exactly for peers up to ``margin * spread`` away.
+
+    Args:
+        spread: expected ``max |x - y|`` per block (any shape; non-negative).
+        absmax: ``max |x|`` per block, same shape; floors the side at ``absmax * 2**-16``.
+        bits: bits per code.
+        margin: safety factor (> 0) on ``spread``.
+
+    Returns:
+        float32 sides, ``max(margin * spread / (q / 2), absmax * 2**-16, 1e-30)``.
+    """
+    half = lattice_levels(bits) / 2
+    side = margin * spread.double() / half
+    side = torch.maximum(side, absmax.double() * _RELATIVE_FLOOR).clamp_min(_MIN_SIDE)
+    return side.float()
+
+
+def lattice_index(x: Tensor, side: Tensor) -> Tensor:
+    """Nearest lattice index ``round(x / side)`` (int32; ties to even). Needs ``|x / side| < 2**24``."""
+    return torch.round(x.float() / side.float()).to(torch.int32)
+
+
+def lattice_codes(index: Tensor, bits: int) -> Tensor:
+    """The transmitted part of ``index``: ``index mod 2**bits`` (uint8 for ``bits <= 8``, else int32)."""
+    codes = index.to(torch.int32) & (lattice_levels(bits) - 1)
+    return codes.to(torch.uint8) if bits <= 8 else codes
+
+
+def lattice_decode(codes: Tensor, reference: Tensor, side: Tensor, bits: int) -> Tensor:
+    """Recover lattice indices (int32) from ``codes`` using the receiver's ``reference``.
+
+    Exact when ``|index - reference / side| < 2**bits / 2`` for every coordinate; otherwise the wrong
+    coordinates are off by multiples of ``2**bits`` (and clamped to ``+-2**20``).
+    """
+    q = float(lattice_levels(bits))
+    c = codes.float()
+    k = c + q * torch.round((reference.float() / side.float() - c) / q)
+    return k.clamp_(-_INDEX_CLAMP, _INDEX_CLAMP).to(torch.int32)
+
+
+def lattice_value(index: Tensor, side: Tensor) -> Tensor:
+    """Lattice point ``index * side`` (float32)."""
+    return index.float() * side.float()
+
+
+def lattice_error_bound(side: Tensor) -> Tensor:
+    """Largest ``|value - x|`` of an exact decode: ``side * (1/2 + 2**-7)`` (half a side + rounding)."""
+    return side.float() * (0.5 + _ROUNDING)
+
+
+def _checksum_weights(length: int, device: torch.device) -> Tensor:
+    key = (length, str(device))
+    weights = _weights_cache.get(key)
+    if weights is None:
+        gen = torch.Generator().manual_seed(20211206)
+        weights = torch.randint(1, _WEIGHT_LIMIT, (length,), generator=gen, dtype=torch.int64).to(device)
+        if len(_weights_cache) > 16:
+            _weights_cache.clear()
+        _weights_cache[key] = weights
+    return weights
+
+
+def lattice_checksum(index: Tensor) -> Tensor:
+    """A 31-bit checksum of ``index`` per row (over the last dimension), as int64 in ``[0, 2**31)``.
+
+    Shape: ``index.shape[:-1]`` (one checksum per block for ``(blocks, block)`` input; 0-d for a vector).
+    It folds the exact int64 sum ``sum_i w_i * index_i`` with fixed pseudo-random weights
+    ``w_i < 2**26``, so a decode that wrapped (indices off by multiples of ``2**bits``) goes unnoticed
+    only if the errors cancel, with probability about ``2**-26``. Exact (no overflow) for
+    ``|index| <= 2**20`` and rows up to :data:`MAX_BLOCK` long.
+    """
+    if index.shape[-1] > MAX_BLOCK:
+        raise ValueError(f"checksum rows must have at most {MAX_BLOCK} elements, got {index.shape[-1]}")
+    total = (index.long() * _checksum_weights(index.shape[-1], index.device)).sum(dim=-1)
+    return (total ^ (total >> 32)) & 0x7FFFFFFF
+
+
+def pair_decodable(value_a: Tensor, value_b: Tensor, side_a: Tensor, side_b: Tensor, bits: int,
+                   valid: Optional[Tensor] = None) -> Tensor:
+    """Per block, whether each end of a pair surely decoded the other's codes exactly (symmetric in a, b).
+
+    ``value_a = side_a * index_a`` is a's lattice point and ``x_a`` lies within
+    ``e_a = lattice_error_bound(side_a)`` of it, so b's decode of a's codes (reference ``x_b``) is exact
+    if ``D + e_b < (q / 2) side_a`` with ``D = max |value_a - value_b|`` over the block; this checks both
+    directions with a 1 % margin. Both ends compute it on the same numbers when their own decode was
+    exact (verified by :func:`lattice_checksum`), so they agree on the outcome without exchanging a flag.
+
+    Args:
+        value_a, value_b: lattice points of shape ``(blocks, block)``.
+        side_a, side_b: sides broadcastable to ``(blocks, 1)``.
+        bits: bits per code.
+        valid: optional mask of ``value`` entries that exist (padding excluded).
+
+    Returns:
+        bool tensor of shape ``(blocks,)``.
+    """
+    half = lattice_levels(bits) / 2
+    gap = (value_a - value_b).abs()
+    if valid is not None:
+        gap = torch.where(valid, gap, torch.zeros((), dtype=gap.dtype, device=gap.device))
+    dist = gap.amax(dim=-1, keepdim=True).double()
+    sa, sb = side_a.double(), side_b.double()
+    ok = (dist + lattice_error_bound(side_b).double() <= _SAFETY * half * sa) & \
+        (dist + lattice_error_bound(side_a).double() <= _SAFETY * half * sb)
+    return ok.reshape(ok.shape[:-1])

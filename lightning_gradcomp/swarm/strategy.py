@@ -1,0 +1,536 @@
+"""SwarmStrategy: decentralized SGD with local steps and quantized pairwise model averaging (SwarmSGD).
+
+Design choice: the strategy subclasses Lightning's ``DDPStrategy`` for its launchers, process-group
+setup, distributed samplers and logging collectives, but **does not wrap the model in
+DistributedDataParallel**: there is no gradient reducer at all, so every rank steps on its own
+gradient with no per-step collective (a DDP wrapper with a no-op hook would still copy gradients into
+buckets, and its construction-time broadcast would overwrite per-rank models on resume). The initial
+parameters are broadcast from rank 0 once at the start of ``fit`` (skipped when resuming per-rank
+models).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
+from lightning_gradcomp.compressors.base import check_number
+from lightning_gradcomp.strategy import check_timeout
+from lightning_gradcomp.swarm.exchange import LatticeCodec, PairwiseGossip, PendingExchange, SwarmStats
+from lightning_gradcomp.swarm.pairing import TOPOLOGIES, Edges, Topology, matching, round_local_steps, topology_edges
+
+__all__ = ["CHECKPOINT_KEY", "SwarmStrategy"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "swarm"
+"""Top-level checkpoint key holding every rank's model, optimizer and gossip state."""
+
+_CHECKPOINT_VERSION = 1
+_EVAL_MODELS = ("mean", "rank0", "local")
+
+
+class SwarmStrategy(DDPStrategy):
+    """SwarmSGD: each rank trains its own model and averages it with one random partner every H steps.
+
+    Every rank steps on its own gradient (no gradient all-reduce). After every ``local_steps``
+    optimizer steps all ranks enter a gossip round: a matching of ``topology`` drawn from
+    ``(seed, round)`` (the same on every rank, so nobody has to ask) pairs them up, and each pair
+    exchanges its models point-to-point as ``bits``-bit lattice codes decoded against the receiver's own
+    model; both ends then hold ``(Q(x_a) + Q(x_b)) / 2``. With ``non_blocking`` (default) the exchange
+    overlaps the next local steps and the average is applied at the next round, together with the local
+    progress made meanwhile: ``x <- avg(x_old, x_partner_old) + (x_now - x_old)``.
+
+    Example::
+
+        trainer = Trainer(accelerator="cpu", devices=4, strategy=SwarmStrategy(local_steps=4, bits=8))
+        trainer.fit(model)
+        trainer.strategy.comm_stats.wire_bytes   # gossip bytes sent by this rank
+        trainer.strategy.swarm_stats.fallback_blocks   # blocks resent in fp32 (wrap-around guard)
+
+    Tuning: small ``local_steps`` (1-4) keep the models close (raise it when the link is slow);
+    lower ``bits`` shrink messages further but coarsen the average (per-coordinate error at most half a
+    lattice side, the side being about ``lattice_margin * distance / 2**(bits - 1)``); if
+    ``swarm_stats.fallback_blocks`` grows by more than a few percent of the blocks exchanged, the
+    distance estimate is too tight: raise ``lattice_margin``.
+
+    Args:
+        local_steps: optimizer steps between gossip rounds (H, >= 1).
+        geometric_local_steps: draw each round's H from a geometric distribution with mean
+            ``local_steps`` (shared draw, so ranks stay in lock-step) instead of using it fixed.
+        topology: ``"complete"``, ``"ring"``, ``"torus"``, or a connected graph as a list of edges
+            ``[(i, j), ...]`` over ranks.
+        torus_shape: ``(rows, cols)`` of the torus (default: the most square factorization of W).
+        bits: bits per coordinate of the lattice codes, 1 to 8; ``None`` exchanges fp32 models.
+        block_size: coordinates sharing one lattice side and one checksum (8 bytes per block).
+        lattice_margin: sides decode exactly for partners up to this many times the estimated
+            distance away (>= 1); blocks that wrap (or could have) are resent in fp32.
+        non_blocking: overlap the exchange with the next local steps (``False``: average at once).
+        eval_model: model used by validation/test/predict: ``"mean"`` of all ranks (one all-reduce
+            at evaluation start, local models restored after), ``"rank0"`` (broadcast) or ``"local"``.
+        average_at_end: replace every rank's model with the mean when ``fit`` ends.
+        monitor_every: every this many rounds measure the consensus distance
+            ``max_i ||x_i - mean||`` (two global collectives; 0 disables).
+        seed: shared seed of the pairings and of geometric H.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+        process_group_backend, timeout, start_method: as for
+            :class:`~lightning.pytorch.strategies.DDPStrategy`.
+    """
+
+    strategy_name = "swarmsgd"
+
+    def __init__(self, local_steps: int = 1, geometric_local_steps: bool = False, topology: Topology = "complete",
+                 torus_shape: Optional[tuple[int, int]] = None, bits: Optional[int] = 8, block_size: int = 1024,
+                 lattice_margin: float = 4.0, non_blocking: bool = True,
+                 eval_model: Literal["mean", "rank0", "local"] = "mean", average_at_end: bool = True,
+                 monitor_every: int = 0, seed: int = 0,
+                 accelerator: Optional["pl.accelerators.Accelerator"] = None,
+                 parallel_devices: Optional[list[torch.device]] = None,
+                 cluster_environment: Optional[ClusterEnvironment] = None,
+                 checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None,
+                 process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
+                 start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen") -> None:
+        self.local_steps = int(check_number("local_steps", local_steps, 1, float("inf"), low_open=False,
+                                            integer=True))
+        self.geometric_local_steps = _check_bool("geometric_local_steps", geometric_local_steps)
+        self.topology = _check_topology(topology)
+        self.torus_shape = None if torus_shape is None else _check_shape(torus_shape)
+        self.codec = None if bits is None else LatticeCodec(bits=bits, block_size=block_size,
+                                                           margin=lattice_margin)
+        self.bits = bits
+        self.non_blocking = _check_bool("non_blocking", non_blocking)
+        if eval_model not in _EVAL_MODELS:
+            raise ValueError(f"`eval_model` must be one of {_EVAL_MODELS}, got {eval_model!r}")
+        self.eval_model = eval_model
+        self.average_at_end = _check_bool("average_at_end", average_at_end)
+        self.monitor_every = int(check_number("monitor_every", monitor_every, 0, float("inf"), low_open=False,
+                                              integer=True))
+        self.seed = int(check_number("seed", seed, 0, 2**63 - 1, low_open=False, integer=True))
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=check_timeout(timeout), start_method=start_method)
+        self._swarm_stats = SwarmStats()
+        self._comm_stats = CommStats()
+        self._aux_stats = CommStats()
+        self._comm: Optional[Comm] = None
+        self._aux: Optional[Comm] = None
+        self._engine: Optional[PairwiseGossip] = None
+        self._params: list[Tensor] = []
+        self._edges: Optional[Edges] = None
+        self._pending: Optional[PendingExchange] = None
+        self._round_index = 0
+        self._steps_in_round = 0
+        self._round_length = round_local_steps(self.local_steps, self.geometric_local_steps, self.seed, 0)
+        self._eval_backup: Optional[dict[str, Tensor]] = None
+        self._restored: Optional[dict[str, Any]] = None
+        self._restored_counters: Optional[dict[str, Any]] = None
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def comm_stats(self) -> CommStats:
+        """This rank's gossip traffic (``wire_bytes``) next to what DDP would send (``dense_bytes``)."""
+        return self._comm_stats
+
+    @property
+    def aux_comm_stats(self) -> CommStats:
+        """Traffic outside gossip rounds: start broadcast, evaluation averages, monitoring, checkpoints."""
+        return self._aux_stats
+
+    @property
+    def swarm_stats(self) -> SwarmStats:
+        """Rounds, exchanges, rounds sat out, fp32 fallbacks and the last consensus distance."""
+        return self._swarm_stats
+
+    @property
+    def round_index(self) -> int:
+        """Number of gossip rounds started so far (identical on all ranks)."""
+        return self._round_index
+
+    def message_bytes(self, numel: int) -> int:
+        """Bytes one rank sends per exchange of a ``numel``-parameter model (no fallback)."""
+        return self.codec.message_bytes(numel) if self.codec is not None else 4 * numel
+
+    def partners(self, round_index: int) -> list[int]:
+        """Partner of every rank in ``round_index`` (``-1``: sits out)."""
+        return matching(self.topology, self.world_size, self.seed, round_index, shape=self.torus_shape,
+                        edges=self._edges)
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        if self._layer_sync is not None:
+            raise ValueError("SwarmStrategy does not support `sync_batchnorm=True`: ranks train separate models "
+                             "(BatchNorm statistics stay local and are averaged for evaluation)")
+        super().setup(trainer)
+        self._ensure_comms()
+
+    @override
+    def configure_ddp(self) -> None:
+        """Keep the LightningModule unwrapped (no gradient reducer) and prepare the gossip engine."""
+        assert isinstance(self.model, pl.LightningModule)
+        self._ensure_comms()
+        assert self._comm is not None
+        if self._edges is None and not isinstance(self.topology, str):
+            self._edges = topology_edges(self.topology, self.world_size)
+        elif isinstance(self.topology, str):
+            topology_edges(self.topology, self.world_size, self.torus_shape)  # validates torus_shape
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        numel = sum(p.numel() for p in self._params)
+        self._engine = PairwiseGossip(self._comm, numel, self.codec, self._swarm_stats)
+        restored = self._restored
+        if restored is None:
+            self._broadcast_start()
+        else:
+            self._engine.load_state_dict(restored["gossip"])
+            self._comm_stats.load_state_dict(restored["comm_stats"])
+            if restored.get("pending") is not None:
+                self._pending = self._engine.restore_pending(restored["pending"])
+        if self._restored_counters is not None:
+            self._round_index = int(self._restored_counters["round_index"])
+            self._steps_in_round = int(self._restored_counters["steps_in_round"])
+            self._round_length = int(self._restored_counters["round_length"])
+        if self.codec is not None and restored is None:
+            self._engine.anchor = self._flat_params().clone()  # the common start: first distance estimate
+
+    @override
+    def on_train_start(self) -> None:
+        self._restored = self._restored_counters = None  # consumed by setup and the optimizer restore
+        super().on_train_start()
+
+    def _ensure_comms(self) -> None:
+        if self._comm is None and dist.is_available() and dist.is_initialized():
+            self._comm = Comm(None, self._comm_stats)
+            self._aux = Comm(None, self._aux_stats)
+
+    def _broadcast_start(self) -> None:
+        """Give every rank rank 0's parameters and buffers (the common starting point)."""
+        if self._aux is None or self.world_size < 2:
+            return
+        tensors = list(self.lightning_module.parameters()) + list(self.lightning_module.buffers())
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            group = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self._aux.broadcast(flat, 0)
+            _write_flat(group, flat)
+
+    # ------------------------------------------------------------------ training
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
+        """Run the local step, then a gossip round every ``local_steps`` steps (first optimizer only)."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._engine is not None and self._is_first_optimizer(optimizer):
+            self._local_step_done()
+        return output
+
+    def _is_first_optimizer(self, optimizer: Optimizer) -> bool:
+        if not self.optimizers:
+            return True
+        first = self.optimizers[0]
+        return getattr(optimizer, "_optimizer", optimizer) is getattr(first, "_optimizer", first)
+
+    def _local_step_done(self) -> None:
+        assert self._engine is not None
+        self._comm_stats.steps += 1
+        self._comm_stats.dense_bytes += all_reduce_bytes(4 * self._engine.numel, self.world_size)
+        self._steps_in_round += 1
+        if self._steps_in_round < self._round_length:
+            return
+        self._gossip_round()
+        self._steps_in_round = 0
+        self._round_index += 1
+        self._round_length = round_local_steps(self.local_steps, self.geometric_local_steps, self.seed,
+                                               self._round_index)
+
+    def _gossip_round(self) -> None:
+        assert self._engine is not None
+        x = self._flat_params()
+        if self._pending is not None:
+            x = self._engine.complete(self._pending, x)
+            self._pending = None
+            _write_flat(self._params, x)
+        partner = self.partners(self._round_index)[self.global_rank] if self.world_size > 1 else -1
+        self._swarm_stats.rounds += 1
+        if partner < 0:
+            self._swarm_stats.sat_out += 1
+        else:
+            self._swarm_stats.exchanges += 1
+            pending = self._engine.post(x, partner, self._round_index)
+            if self.non_blocking:
+                self._pending = pending
+            else:
+                _write_flat(self._params, self._engine.complete(pending))
+        if self.monitor_every and (self._round_index + 1) % self.monitor_every == 0:
+            self._measure_consensus()
+
+    def flush(self) -> None:
+        """Apply a posted, not yet applied exchange now (no-op in blocking mode)."""
+        if self._pending is not None and self._engine is not None:
+            _write_flat(self._params, self._engine.complete(self._pending, self._flat_params()))
+            self._pending = None
+
+    def _measure_consensus(self) -> None:
+        assert self._aux is not None
+        x = self._flat_params().double()
+        mean = x.clone()
+        self._aux.all_reduce(mean)
+        mean /= self.world_size
+        distance = torch.linalg.vector_norm(x - mean).reshape(1)
+        self._aux.all_reduce(distance, op=dist.ReduceOp.MAX)
+        self._swarm_stats.consensus = float(distance)
+        self._swarm_stats.consensus_history.append(float(distance))
+
+    @override
+    def on_train_end(self) -> None:
+        """Apply the last exchange and (``average_at_end``) give every rank the mean model."""
+        self.flush()
+        if self.average_at_end and self._aux is not None and self.world_size > 1:
+            _write_named(self.lightning_module, self._mean_of(self._model_tensors()))
+        super().on_train_end()
+
+    # ------------------------------------------------------------------ evaluation on the averaged model
+    def _model_tensors(self) -> dict[str, Tensor]:
+        """Parameters and floating-point buffers, by name (what evaluation averages)."""
+        module = self.lightning_module
+        named = {n: p.detach() for n, p in module.named_parameters()}
+        named.update({n: b.detach() for n, b in module.named_buffers() if b.is_floating_point()})
+        return named
+
+    def _mean_of(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Element-wise mean over ranks of named floating tensors (one all-reduce)."""
+        assert self._aux is not None
+        names = list(tensors)
+        flat = torch.cat([tensors[n].reshape(-1).double() for n in names])
+        self._aux.all_reduce(flat)
+        flat /= self.world_size
+        out, offset = {}, 0
+        for n in names:
+            t = tensors[n]
+            out[n] = flat[offset: offset + t.numel()].view_as(t).to(t.dtype)
+            offset += t.numel()
+        return out
+
+    def _enter_eval(self) -> None:
+        self._ensure_comms()
+        if self._aux is None or self.world_size < 2 or self.eval_model == "local" or self._eval_backup is not None:
+            return
+        tensors = self._model_tensors()
+        self._eval_backup = {n: t.clone() for n, t in tensors.items()}
+        if self.eval_model == "mean":
+            _write_named(self.lightning_module, self._mean_of(tensors))
+        else:
+            flat = torch.cat([t.reshape(-1).double() for t in tensors.values()])
+            self._aux.broadcast(flat, 0)
+            out, offset = {}, 0
+            for n, t in tensors.items():
+                out[n] = flat[offset: offset + t.numel()].view_as(t).to(t.dtype)
+                offset += t.numel()
+            _write_named(self.lightning_module, out)
+
+    def _exit_eval(self) -> None:
+        if self._eval_backup is not None:
+            _write_named(self.lightning_module, self._eval_backup)
+            self._eval_backup = None
+
+    @override
+    def on_validation_start(self) -> None:
+        self._enter_eval()
+        super().on_validation_start()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._exit_eval()
+        super().on_validation_end()
+
+    @override
+    def on_test_start(self) -> None:
+        self._enter_eval()
+        super().on_test_start()
+
+    @override
+    def on_test_end(self) -> None:
+        self._exit_eval()
+        super().on_test_end()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._enter_eval()
+        super().on_predict_start()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._exit_eval()
+        super().on_predict_end()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _local_model_state(self) -> dict[str, Any]:
+        """This rank's own model state dict (its training model even during evaluation)."""
+        state = {k: v.detach().clone() if isinstance(v, Tensor) else v
+                 for k, v in self.lightning_module.state_dict().items()}
+        if self._eval_backup is not None:
+            state.update({k: v.clone() for k, v in self._eval_backup.items() if k in state})
+        return state
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The checkpoint's ``state_dict``: the mean over ranks of every floating tensor (an all-reduce).
+
+        Integer buffers (e.g. ``num_batches_tracked``) are this rank's. Every rank must call this (as
+        ``Trainer.save_checkpoint`` does).
+        """
+        state = self._local_model_state()
+        self._ensure_comms()
+        if self._aux is None or self.world_size < 2:
+            return state
+        floating = {k: v for k, v in state.items() if isinstance(v, Tensor) and v.is_floating_point()}
+        state.update(self._mean_of(floating))
+        return state
+
+    def _rank_state(self) -> dict[str, Any]:
+        return {
+            "model": self._local_model_state(),
+            "optimizers": [copy.deepcopy(self.optimizer_state(o)) for o in self.optimizers],
+            "counters": {"round_index": self._round_index, "steps_in_round": self._steps_in_round,
+                         "round_length": self._round_length},
+            "gossip": self._engine.state_dict() if self._engine is not None else None,
+            "pending": self._pending.state_dict() if self._pending is not None else None,
+            "comm_stats": self._comm_stats.state_dict(),
+        }
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Gather every rank's model, optimizer and gossip state under ``"swarm"`` (runs on all ranks)."""
+        local = self._rank_state()
+        per_rank: list[Any] = [local]
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            per_rank = [None] * self.world_size if self.global_rank == 0 else []
+            dist.gather_object(local, per_rank if self.global_rank == 0 else None, dst=0)
+        checkpoint[CHECKPOINT_KEY] = {"version": _CHECKPOINT_VERSION, "world_size": self.world_size,
+                                      "bits": self.bits, "per_rank": per_rank}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load the checkpoint and pick this rank's entry (see the world-size policy in docs/swarm.md)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        self._restored = self._restored_counters = None
+        if saved is None:
+            return checkpoint
+        if not isinstance(saved, dict) or saved.get("version") != _CHECKPOINT_VERSION or "per_rank" not in saved:
+            raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} is malformed or from an unknown version "
+                             f"(expected version {_CHECKPOINT_VERSION})")
+        if saved["bits"] != self.bits:
+            raise ValueError(f"checkpoint was written with bits={saved['bits']}, this strategy uses "
+                             f"bits={self.bits}; resume with the same setting")
+        self._restored_counters = saved["per_rank"][0]["counters"]
+        if saved["world_size"] == self.world_size:
+            self._restored = saved["per_rank"][self.global_rank]
+        else:
+            rank_zero_warn(f"SwarmStrategy: checkpoint was written by {saved['world_size']} ranks, resuming on "
+                           f"{self.world_size}: every rank starts from the mean model with rank 0's optimizer "
+                           f"state; the round counter is kept, the in-flight exchange is dropped")
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Load this rank's own model when the checkpoint has it, else the mean model."""
+        if self._restored is not None:
+            self.lightning_module.load_state_dict(self._restored["model"], strict=strict)
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Load this rank's own optimizer states when the checkpoint has them, else rank 0's."""
+        if self._restored is not None:
+            checkpoint = {**checkpoint, "optimizer_states": self._restored["optimizers"]}
+        super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def teardown(self) -> None:
+        self._pending = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``swarmsgd`` (+ ``_spawn`` / ``_fork``) with the defaults (H=1, 8 bits, non-blocking)."""
+        from lightning_gradcomp.strategy import register_names
+
+        register_names(strategy_registry, cls, "swarmsgd",
+                       "SwarmSGD: local steps + random pairwise gossip of 8-bit lattice-coded models")
+
+    # ------------------------------------------------------------------ helpers
+    def _flat_params(self) -> Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self._params])
+
+
+def _write_flat(tensors: list[Tensor], flat: Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _write_named(module: torch.nn.Module, values: dict[str, Tensor]) -> None:
+    live = dict(module.named_parameters())
+    live.update(dict(module.named_buffers()))
+    with torch.no_grad():
+        for name, value in values.items():
+            if name in live:
+                live[name].copy_(value)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool, got {value!r}")
+    return value
+
+
+def _check_topology(topology: Any) -> Topology:
+    if isinstance(topology, str):
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"`topology` must be one of {TOPOLOGIES} or a list of edges, got {topology!r}")
+        return topology
+    try:
+        edges = [tuple(edge) for edge in topology]
+    except TypeError:
+        raise TypeError(f"`topology` must be a name {TOPOLOGIES} or a list of (i, j) edges, got {topology!r}") from None
+    for edge in edges:
+        if len(edge) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in edge):
+            raise ValueError(f"`topology` edges must be pairs of non-negative integer ranks, got {edge!r}")
+        if edge[0] == edge[1]:
+            raise ValueError(f"`topology` edge {edge!r} is a self-loop")
+    if not edges:
+        raise ValueError("`topology` edge list is empty")
+    return [(int(i), int(j)) for i, j in edges]
+
+
+def _check_shape(shape: Any) -> tuple[int, int]:
+    try:
+        rows, cols = shape
+    except (TypeError, ValueError):
+        raise TypeError(f"`torus_shape` must be a (rows, cols) pair, got {shape!r}") from None
+    for v in (rows, cols):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"`torus_shape` entries must be integers >= 1, got {shape!r}")
+    return int(rows), int(cols)

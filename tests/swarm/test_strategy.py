@@ -1,0 +1,227 @@
+"""SwarmStrategy end to end on forked CPU ranks: pairs, bytes, consensus, odd W, evaluation, resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_gradcomp  # noqa: F401 - registers "swarmsgd"
+from helpers.models import TinyNet, fit
+from lightning_gradcomp import SwarmStrategy
+
+
+class SwarmProbe(pl.Callback):
+    """Saves every rank's swarm figures and partners per round, plus eval-time and epoch-end parameters."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = Path(out)
+        self.eval_params: list[torch.Tensor] = []
+        self.start_params = torch.empty(0)
+        self.epoch_end_params: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start_params = _flat(pl_module)
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.eval_params.append(_flat(pl_module))
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.epoch_end_params.append(_flat(pl_module))
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        s = trainer.strategy
+        numel = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        torch.save({"swarm": s.swarm_stats.state_dict(), "comm": s.comm_stats.state_dict(),
+                    "rounds": s.round_index, "numel": numel, "message": s.message_bytes(numel),
+                    "partners": [s.partners(r) for r in range(s.round_index)], "final": _flat(pl_module),
+                    "eval": self.eval_params, "epoch_end": self.epoch_end_params, "start": self.start_params},
+                   self.out / f"probe{trainer.global_rank}.pt")
+
+
+class ValNet(TinyNet):
+    """TinyNet with a validation loop over its training data."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=self.hparams.batch_size)
+
+
+def _flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+
+
+def _run(tmp_path: Path, name: str, devices: int, strategy: Any, **kwargs: Any) -> tuple[list, list]:
+    out = tmp_path / name
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs.setdefault("callbacks", [])
+    kwargs["callbacks"] = [SwarmProbe(out), *kwargs["callbacks"]]
+    records = fit(strategy, out, devices=devices, **kwargs)
+    probes = [torch.load(out / f"probe{r}.pt", weights_only=True) for r in range(devices)]
+    return records, probes
+
+
+def _consensus(records: list) -> list[float]:
+    out = []
+    for t in range(len(records[0]["params"])):
+        xs = torch.stack([r["params"][t] for r in records])
+        out.append(float((xs - xs.mean(0)).norm(dim=1).max()))
+    return out
+
+
+def test_registry_name_and_local_steps_without_gradient_allreduce(tmp_path: Path) -> None:
+    records, probes = _run(tmp_path, "reg", 2, "swarmsgd_fork", max_epochs=1)
+    # both ranks stepped on their own gradient: after the first batch the models differ (the first
+    # average is applied one round later in non-blocking mode)
+    assert not torch.equal(records[0]["params"][0], records[1]["params"][0])
+    assert torch.equal(probes[0]["final"], probes[1]["final"])  # average_at_end
+    assert probes[0]["comm"]["wire_bytes"] > 0 and probes[0]["swarm"]["exchanges"] == probes[0]["rounds"]
+
+
+def test_blocking_rounds_leave_pairs_identical_and_count_one_message_each(tmp_path: Path) -> None:
+    strategy = SwarmStrategy(local_steps=1, non_blocking=False, start_method="fork", average_at_end=False)
+    records, probes = _run(tmp_path, "blocking", 4, strategy, max_epochs=3)
+    partners = probes[0]["partners"]
+    assert all(p["partners"] == partners for p in probes)  # every rank derived the same pairings
+    assert len(partners) == len(records[0]["params"]) == 6
+    for step, pairing in enumerate(partners):
+        for i, j in enumerate(pairing):
+            assert j >= 0 and torch.equal(records[i]["params"][step], records[j]["params"][step]), (step, i, j)
+    not_all_equal = any(not torch.equal(records[0]["params"][t], records[min({1, 2, 3} - {pairing[0]})]["params"][t])
+                        for t, pairing in enumerate(partners))
+    assert not_all_equal  # pairs agree, but not everybody (this is gossip, not an all-reduce)
+    for p in probes:
+        swarm = p["swarm"]
+        assert swarm["exchanges"] == swarm["rounds"] == 6 and swarm["sat_out"] == 0
+        assert p["comm"]["wire_bytes"] == swarm["exchanges"] * p["message"] + swarm["fallbacks"] * 4 * p["numel"]
+
+
+def test_bytes_per_rank_per_round_do_not_depend_on_world_size(tmp_path: Path) -> None:
+    per_world = {}
+    for world in (2, 4):
+        strategy = SwarmStrategy(local_steps=1, lattice_margin=64.0, topology="ring", start_method="fork")
+        _, probes = _run(tmp_path, f"w{world}", world, strategy, max_epochs=100, max_steps=6)
+        for p in probes:
+            assert p["swarm"]["fallbacks"] == 0 and p["swarm"]["exchanges"] == p["rounds"] == 6
+        per_world[world] = [p["comm"]["wire_bytes"] / p["rounds"] for p in probes]
+        assert per_world[world] == [probes[0]["message"]] * world
+    assert per_world[2][0] == per_world[4][0]
+    numel = probes[0]["numel"]
+    assert per_world[4][0] == 8 * ((numel + 1023) // 1024) + numel  # 8-bit codes + side and checksum per block
+
+
+def test_consensus_distance_stays_bounded(tmp_path: Path) -> None:
+    model = TinyNet(samples=64, batch_size=8)
+    gossip, probes = _run(tmp_path, "gossip", 4, SwarmStrategy(local_steps=2, start_method="fork", monitor_every=1,
+                                                                average_at_end=False), model=model, max_epochs=20)
+    alone, _ = _run(tmp_path, "alone", 4, SwarmStrategy(local_steps=10**6, start_method="fork",
+                                                         average_at_end=False), model=TinyNet(samples=64, batch_size=8),
+                    max_epochs=20)
+    c, a = _consensus(gossip), _consensus(alone)
+    quarter = len(c) // 4
+    assert max(c[-quarter:]) <= 1.25 * max(c[quarter:2 * quarter])  # not growing
+    assert max(c[-quarter:]) <= 0.5 * max(a[-quarter:])  # and far below models that never talk
+    monitored = probes[0]["swarm"]["consensus_history"]  # measured in-run after every round (every 2nd step)
+    assert len(monitored) == len(c) // 2
+    assert monitored == pytest.approx(c[1::2], rel=1e-4)
+
+
+def test_odd_world_size_one_rank_sits_out_per_round(tmp_path: Path) -> None:
+    strategy = SwarmStrategy(local_steps=1, start_method="fork")
+    records, probes = _run(tmp_path, "odd", 3, strategy, model=TinyNet(samples=48, batch_size=8), max_epochs=3)
+    rounds = probes[0]["rounds"]
+    assert rounds == 6
+    assert sum(p["swarm"]["sat_out"] for p in probes) == rounds
+    for p in probes:
+        assert p["swarm"]["exchanges"] + p["swarm"]["sat_out"] == rounds
+    assert torch.equal(probes[0]["final"], probes[2]["final"])
+
+
+@pytest.mark.parametrize("eval_model", ["mean", "rank0"])
+def test_evaluation_uses_the_averaged_model_then_restores_local_ones(tmp_path: Path, eval_model: str) -> None:
+    strategy = SwarmStrategy(local_steps=1, eval_model=eval_model, start_method="fork", average_at_end=False)
+    records, probes = _run(tmp_path, eval_model, 4, strategy, model=ValNet(samples=64, batch_size=8),
+                           max_epochs=2, num_sanity_val_steps=0)
+    for epoch in range(2):
+        last = 2 * epoch + 1  # two batches per epoch
+        local = torch.stack([r["params"][last] for r in records])
+        expected = local.double().mean(0).float() if eval_model == "mean" else local[0]
+        for rank, p in enumerate(probes):
+            assert torch.allclose(p["eval"][epoch], expected, atol=1e-6, rtol=0)
+            assert torch.equal(p["epoch_end"][epoch], records[rank]["params"][last])  # local model restored
+    assert not torch.equal(records[0]["params"][-1], records[1]["params"][-1])
+
+
+def test_resume_is_exact(tmp_path: Path) -> None:
+    def strategy() -> SwarmStrategy:
+        return SwarmStrategy(local_steps=2, geometric_local_steps=True, start_method="fork")
+
+    def ckpt(dirpath: Path) -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=dirpath, save_top_k=-1, every_n_epochs=1)
+
+    model = lambda: TinyNet(samples=128, batch_size=8)  # noqa: E731 - 4 steps per epoch on 4 ranks
+    straight, probes_a = _run(tmp_path, "straight", 4, strategy(), model=model(), max_epochs=2,
+                              callbacks=[ckpt(tmp_path / "ck_a")], enable_checkpointing=True)
+    _, _ = _run(tmp_path, "first", 4, strategy(), model=model(), max_epochs=1,
+                callbacks=[ckpt(tmp_path / "ck_b")], enable_checkpointing=True)
+    path = next((tmp_path / "ck_b").glob("epoch=0*.ckpt"))
+    saved = torch.load(path, weights_only=True)
+    per_rank = saved["swarm"]["per_rank"]
+    assert len(per_rank) == 4 and saved["swarm"]["world_size"] == 4
+    assert any(entry["pending"] is not None for entry in per_rank)  # an exchange was in flight at the save
+    name = next(iter(saved["state_dict"]))
+    mean = torch.stack([entry["model"][name] for entry in per_rank]).double().mean(0).float()
+    assert torch.allclose(saved["state_dict"][name], mean, atol=1e-6, rtol=0)
+
+    resumed, probes_b = _run(tmp_path, "resumed", 4, strategy(), model=model(), max_epochs=2, ckpt_path=str(path),
+                             callbacks=[ckpt(tmp_path / "ck_c")], enable_checkpointing=True)
+    for rank in range(4):
+        assert len(resumed[rank]["params"]) == 4
+        for a, b in zip(straight[rank]["params"][4:], resumed[rank]["params"]):
+            assert torch.equal(a, b)
+        assert torch.equal(probes_a[rank]["final"], probes_b[rank]["final"])
+        counts = ("rounds", "exchanges", "sat_out", "fallbacks")
+        assert [probes_a[rank]["swarm"][k] for k in counts] == [probes_b[rank]["swarm"][k] for k in counts]
+        assert probes_a[rank]["comm"]["wire_bytes"] == probes_b[rank]["comm"]["wire_bytes"]
+
+
+def test_resume_on_another_world_size_starts_every_rank_from_the_mean_model(tmp_path: Path) -> None:
+    model = lambda: TinyNet(samples=64, batch_size=8)  # noqa: E731
+    _run(tmp_path, "w2", 2, SwarmStrategy(start_method="fork"), model=model(), max_epochs=1,
+         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1)], enable_checkpointing=True)
+    path = next((tmp_path / "ck").glob("*.ckpt"))
+    saved = torch.load(path, weights_only=True)
+    mean = torch.cat([v.reshape(-1) for v in saved["state_dict"].values()])
+    assert not torch.equal(mean, torch.cat([v.reshape(-1) for v in saved["swarm"]["per_rank"][0]["model"].values()]))
+    _, probes = _run(tmp_path, "w4", 4, SwarmStrategy(start_method="fork"), model=model(), max_epochs=2,
+                     ckpt_path=str(path))
+    for p in probes:
+        assert torch.equal(p["start"], mean)
+        assert p["rounds"] == saved["swarm"]["per_rank"][0]["counters"]["round_index"] + 2  # counter kept
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"local_steps": 0}, ValueError, "local_steps"),
+    ({"bits": 9}, ValueError, "bits"),
+    ({"block_size": 0}, ValueError, "block_size"),
+    ({"lattice_margin": 0.5}, ValueError, "lattice_margin"),
+    ({"topology": "star"}, ValueError, "topology"),
+    ({"topology": [(0, 0)]}, ValueError, "topology"),
+    ({"topology": 3}, TypeError, "topology"),
+    ({"torus_shape": (0, 2)}, ValueError, "torus_shape"),
+    ({"eval_model": "best"}, ValueError, "eval_model"),
+    ({"non_blocking": "yes"}, TypeError, "non_blocking"),
+    ({"monitor_every": -1}, ValueError, "monitor_every"),
+])
+def test_bad_arguments_are_rejected(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        SwarmStrategy(**kwargs)
