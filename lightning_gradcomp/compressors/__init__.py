@@ -3,6 +3,7 @@
 from lightning_gradcomp.compressors import registry
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
 from lightning_gradcomp.compressors.cast import Cast
+from lightning_gradcomp.compressors.cltk import CLTK
 from lightning_gradcomp.compressors.diana import DIANA, BlockQuantizer
 from lightning_gradcomp.compressors.none import NoCompression
 from lightning_gradcomp.compressors.powersgd import PowerSGD
@@ -16,6 +17,7 @@ from lightning_gradcomp.compressors.topk import TopK
 
 __all__ = [
     "BlockQuantizer",
+    "CLTK",
     "Cast",
     "Compressor",
     "DIANA",

@@ -1,0 +1,175 @@
+"""CLTK: ScaleCom's cyclic local top-k (one leader's indices, all-reduced values).
+
+Per step and bucket, one **leader** rank selects, for every compressed layer, the ``k`` largest
+entries of *its own* error-compensated ``p = m + g``. The indices of all layers travel in **one
+broadcast** from the leader, every rank gathers its own values at those indices, and the values
+travel in **one all-reduce**. The support is the same on every rank, so the compressor commutes with
+the average: ``mean_i CLT(p_i) == CLT(mean_i p_i)``, and bytes per rank stay ``O(k)`` for any W::
+
+    int32 indices, fp32 values:  4 k  +  2 (W-1)/W * 4 k        (dense: 2 (W-1)/W * 4 n)
+
+Each rank's residual (its memory update) is its *local* ``p`` with the kept entries removed.
+
+Leader: ``step mod W``, the paper's rule (see :func:`leader_rank`). ``spread_leaders=True`` uses
+``(step + bucket_index) mod W`` instead, so that with several buckets the selection work of one step is
+spread over several ranks; that opt-in is not resume-exact with several buckets, because DDP groups layers
+into different buckets in the first step after a resume.
+
+Wire options:
+
+* ``value_dtype``: fp32 (default), fp16 or bf16 values; 16-bit values are divided by W before the
+  cast (no overflow in the 16-bit sum), and the cast's rounding stays in the residual.
+* ``index_coding``: ``"int32"`` (default), or ``"delta16"``: the sorted indices of a layer as uint16
+  gaps, where code 0 means "advance 65535 without keeping" (so any gap fits). A layer of ``n``
+  elements uses ``k + (n - 1) // 65535`` codes, a fixed size all ranks know: about half the index bytes.
+* ``selection``: ``"exact"`` (``torch.topk``) or ``"approx"`` (sampled threshold,
+  :func:`~lightning_gradcomp.functional.selection.approx_topk_indices`). The wire always has ``k``
+  value slots per layer; ``approx`` keeps between ``ceil(0.9 k)`` and ``k`` of them (the band
+  ``(0.9, 1.0)``: a surplus is trimmed to the exact top-k of the candidates), and unused slots carry
+  index padding and zero values.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
+from lightning_gradcomp.compressors.registry import register
+from lightning_gradcomp.compressors.sparse import SparseCompressor, pack_bytes, unpack_bytes
+from lightning_gradcomp.functional.selection import approx_topk_indices, exact_topk_indices
+from lightning_gradcomp.functional.sparsify import kept_count, scatter_dense
+from lightning_gradcomp.presets import register_preset
+
+__all__ = ["CLTK", "decode_delta16", "delta16_capacity", "encode_delta16", "leader_rank"]
+
+_ESCAPE = 65535
+"""A delta16 code 0 advances the position by this much without keeping an entry."""
+
+_APPROX_BAND = (0.9, 1.0)
+
+
+def leader_rank(step: int, bucket_index: int, world_size: int) -> int:
+    """The rank selecting indices for ``bucket_index`` at ``step``: ``(step + bucket_index) mod W``."""
+    return (step + bucket_index) % world_size
+
+
+def delta16_capacity(numel: int, k: int) -> int:
+    """Codes reserved for ``k`` sorted indices of a ``numel``-element layer: ``k + (numel - 1) // 65535``."""
+    return k + (numel - 1) // _ESCAPE
+
+
+def encode_delta16(indices: Tensor, capacity: int) -> Tensor:
+    """Sorted distinct indices -> ``capacity`` uint16 codes (gaps; 0 = advance 65535; zero padding)."""
+    gaps = torch.diff(indices, prepend=indices.new_full((1,), -1))  # >= 1
+    escapes = (gaps - 1) // _ESCAPE
+    ends = torch.cumsum(escapes + 1, 0) - 1  # position of each kept entry's code
+    codes = torch.zeros(capacity, dtype=torch.int32, device=indices.device)
+    codes[ends] = (gaps - escapes * _ESCAPE).to(torch.int32)  # in [1, 65535]
+    return codes.to(torch.uint16)
+
+
+def decode_delta16(codes: Tensor) -> Tensor:
+    """Inverse of :func:`encode_delta16`: the sorted int64 indices."""
+    c = codes.to(torch.int64)
+    positions = torch.cumsum(torch.where(c == 0, _ESCAPE, c), 0) - 1
+    return positions[c != 0]
+
+
+@register("cltk")
+class CLTK(SparseCompressor):
+    """ScaleCom's cyclic local top-k with error feedback (memory low-pass: ``GradCompStrategy(beta=)``
+    or :class:`~lightning_gradcomp.callbacks.LowPassMemoryFilter`).
+
+    Args:
+        ratio: fraction of each layer's elements kept, in (0, 1] (per layer via ``set_layer_params``).
+        selection: ``"exact"`` (``torch.topk``) or ``"approx"`` (sampled threshold, 0.9k..k kept).
+        value_dtype: wire dtype of the values (fp32, fp16 or bf16).
+        index_coding: ``"int32"`` or ``"delta16"`` (uint16 gaps, about half the index bytes).
+        spread_leaders: offset the leader by the bucket index (spreads top-k work over ranks; not
+            resume-exact with several buckets). Default: the paper's ``step mod W``.
+    """
+
+    def __init__(self, ratio: float = 0.01, selection: Literal["exact", "approx"] = "exact",
+                 value_dtype: "torch.dtype | str" = torch.float32,
+                 index_coding: Literal["int32", "delta16"] = "int32", spread_leaders: bool = False) -> None:
+        super().__init__(ratio, value_dtype)
+        if selection not in ("exact", "approx"):
+            raise ValueError(f"`selection` must be 'exact' or 'approx', got {selection!r}")
+        if index_coding not in ("int32", "delta16"):
+            raise ValueError(f"`index_coding` must be 'int32' or 'delta16', got {index_coding!r}")
+        if not isinstance(spread_leaders, bool):
+            raise TypeError(f"`spread_leaders` must be a bool, got {spread_leaders!r}")
+        self.selection = selection
+        self.spread_leaders = spread_leaders
+        self.index_coding = index_coding
+
+    def index_slots(self, numel: int, k: int) -> int:
+        """Index entries on the wire for a layer of ``numel`` elements keeping ``k``."""
+        return delta16_capacity(numel, k) if self.index_coding == "delta16" else k
+
+    def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
+        """Leader selects, one broadcast of the indices, one all-reduce of the values."""
+        numels = [t.numel() for t in tensors]
+        ks = [kept_count(n, r) for n, r in zip(numels, ctx.params)]
+        slots = [self.index_slots(n, k) for n, k in zip(numels, ks)]
+        index_dtype = torch.uint16 if self.index_coding == "delta16" else torch.int32
+        leader = leader_rank(ctx.step, ctx.bucket_index if self.spread_leaders else 0, ctx.world_size)
+        device = tensors[0].device
+        if ctx.rank == leader:
+            chosen = [self._select(t, k, ctx, i) for i, (t, k) in enumerate(zip(tensors, ks))]
+            payload = pack_bytes([self._encode(idx, s) for idx, s in zip(chosen, slots)])
+        else:
+            nbytes = sum(slots) * torch.empty((), dtype=index_dtype).element_size()
+            payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        ctx.comm.broadcast(payload, leader, shares=ctx.shares(slots))
+        codes = unpack_bytes(payload, [(index_dtype, s) for s in slots])
+        indices = [self._decode(c) for c in codes]
+
+        world = ctx.world_size
+        values = torch.zeros(sum(ks), dtype=torch.float32, device=device)
+        for t, idx, v in zip(tensors, indices, split_flat(values, ks)):
+            v[:idx.numel()] = t[idx]
+        if self.value_dtype == torch.float32:
+            sent, local, divisor = values, values, world
+        else:  # pre-divided by W (no 16-bit overflow); the cast's rounding stays in the residual
+            sent, divisor = values.div(world).to(self.value_dtype), 1
+            local = sent.to(torch.float32).mul_(world)  # this rank's contribution c as the wire carries it
+        for t, idx, v, c in zip(tensors, indices, split_flat(values, ks), split_flat(local, ks)):
+            t[idx] = v[:idx.numel()] - c[:idx.numel()]  # residual p - c, in p's storage
+        fut = ctx.comm.all_reduce(sent, async_op=True, shares=ctx.shares(ks))
+
+        def decode(f: torch.futures.Future) -> list[Tensor]:
+            mean = f.value().to(torch.float32).div_(divisor)
+            return [scatter_dense(n, idx, v[:idx.numel()]) for n, idx, v in zip(numels, indices, split_flat(mean, ks))]
+
+        return Reduction(averaged=fut.then(decode), residuals=tensors)
+
+    def _select(self, p: Tensor, k: int, ctx: ReduceContext, slot: int) -> Tensor:
+        if self.selection == "exact":
+            return exact_topk_indices(p, k)
+        gen = ctx.generator(p.device, shared=True, salt=slot)
+        return approx_topk_indices(p, k, gen, band=_APPROX_BAND)
+
+    def _encode(self, indices: Tensor, slots: int) -> Tensor:
+        if self.index_coding == "delta16":
+            return encode_delta16(indices, slots)
+        out = torch.full((slots,), -1, dtype=torch.int32, device=indices.device)
+        out[:indices.numel()] = indices.to(torch.int32)
+        return out
+
+    def _decode(self, codes: Tensor) -> Tensor:
+        if self.index_coding == "delta16":
+            return decode_delta16(codes)
+        return codes[codes >= 0].to(torch.int64)
+
+    def extra_repr(self) -> str:
+        extra = "" if self.selection == "exact" else f", selection={self.selection!r}"
+        extra += "" if self.index_coding == "int32" else f", index_coding={self.index_coding!r}"
+        return super().extra_repr() + extra
+
+
+register_preset("scalecom", "DDP + ScaleCom CLT-k 1% with error feedback (leader broadcast + all-reduce)",
+                lambda: {"compressor": CLTK(ratio=0.01)})
