@@ -223,11 +223,11 @@ def make_cnn(seed: int) -> nn.Sequential:
 class Classifier(pl.LightningModule):
     """The CNN with SGD (momentum 0.9, weight decay 5e-4) and a per-step cosine learning rate."""
 
-    def __init__(self, data: tuple[torch.Tensor, ...], seed: int, lr: float) -> None:
+    def __init__(self, data: tuple[torch.Tensor, ...], seed: int, lr: float, batch: int = BATCH) -> None:
         super().__init__()
         self.net = make_cnn(seed)
         self.xtr, self.ytr, self.xte, self.yte = data
-        self.lr = lr
+        self.lr, self.batch = lr, batch
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -239,7 +239,7 @@ class Classifier(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(self.xtr, self.ytr), batch_size=BATCH, shuffle=True)
+        return DataLoader(TensorDataset(self.xtr, self.ytr), batch_size=self.batch, shuffle=True)
 
     def test_accuracy(self) -> float:
         self.net.eval()

@@ -40,33 +40,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scalecom_fidelity import load_data, make_cnn  # noqa: E402 - the shared task
+from scalecom_fidelity import Classifier, load_data, make_cnn  # noqa: E402 - the shared task
 
 from lightning_gradcomp import GradCompStrategy, SwarmStrategy  # noqa: E402
 
 WORLD = 4
-
-
-class Classifier(pl.LightningModule):
-    """The CNN with SGD (momentum 0.9, weight decay 5e-4) and a per-step cosine learning rate."""
-
-    def __init__(self, data: tuple[torch.Tensor, ...], seed: int, lr: float, batch: int) -> None:
-        super().__init__()
-        self.net = make_cnn(seed)
-        self.xtr, self.ytr = data[0], data[1]
-        self.lr, self.batch = lr, batch
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self) -> Any:
-        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=5e-4)
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.trainer.estimated_stepping_batches)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(self.xtr, self.ytr), batch_size=self.batch, shuffle=True)
 
 
 class SaveRank(pl.Callback):
