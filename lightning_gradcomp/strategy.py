@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import re
+import zipfile
+from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
@@ -26,12 +30,19 @@ from lightning_gradcomp.memory import ErrorFeedback, validate_beta
 from lightning_gradcomp.plan import SlotPolicy
 from lightning_gradcomp.presets import PRESETS, register_preset
 
-__all__ = ["CHECKPOINT_KEY", "GradCompStrategy"]
+__all__ = ["CHECKPOINT_KEY", "DEFAULT_TIMEOUT", "GradCompStrategy", "check_timeout", "verify_checkpoint_file"]
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "gradcomp"
 """Top-level checkpoint key holding every rank's compression state."""
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+"""Default process-group timeout: how long a collective waits for a rank that stopped responding.
+
+A rank that *dies* is noticed at once (its connections close); this bounds the wait on a rank that *hangs*.
+Lightning's default is 30 minutes; see docs/reliability.md for the trade-off.
+"""
 
 _CHECKPOINT_VERSION = 1
 _INCOMPATIBLE = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
@@ -63,6 +74,9 @@ class GradCompStrategy(DDPStrategy):
         layerwise: a callback that tunes per-layer parameters, e.g.
             :class:`~lightning_gradcomp.callbacks.LGreCo`; the strategy keeps a private copy and adds it to
             the Trainer's callbacks itself (so a strategy name can bundle it).
+        timeout: process-group timeout, a ``timedelta`` or seconds (> 0); ``None`` uses PyTorch's backend
+            default. A collective raises after waiting this long for a rank that hangs (a rank that dies is
+            noticed at once). Default :data:`DEFAULT_TIMEOUT` (10 minutes).
         **kwargs: any :class:`~lightning.pytorch.strategies.DDPStrategy` argument, except the comm-hook
             and model-averaging ones, which this strategy replaces.
     """
@@ -71,7 +85,8 @@ class GradCompStrategy(DDPStrategy):
 
     def __init__(self, compressor: Union[Compressor, str, None] = None, start_step: int = 2, min_numel: int = 1024,
                  compress_1d: bool = False, beta: float = 1.0, seed: int = 0, nonfinite: str = "dense",
-                 layerwise: Optional[Callback] = None, **kwargs: Any) -> None:
+                 layerwise: Optional[Callback] = None,
+                 timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT, **kwargs: Any) -> None:
         for name in _INCOMPATIBLE:
             if kwargs.get(name) is not None:
                 raise ValueError(f"`{name}` cannot be combined with GradCompStrategy: it installs its own "
@@ -89,7 +104,7 @@ class GradCompStrategy(DDPStrategy):
         if layerwise is not None and not isinstance(layerwise, Callback):
             raise TypeError(f"`layerwise` must be a Lightning Callback such as LGreCo(...), got {layerwise!r}")
         self.layerwise: Optional[Callback] = copy.deepcopy(layerwise)
-        super().__init__(**kwargs)
+        super().__init__(timeout=check_timeout(timeout), **kwargs)
         self._hook: Optional[GradCompHook] = None
         self._pending: Optional[tuple[dict[str, Any], bool]] = None
 
@@ -172,9 +187,25 @@ class GradCompStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load the checkpoint and stash this rank's compression state for the hook."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._pending = self._select_state(checkpoint.get(CHECKPOINT_KEY))
+        """Load the checkpoint and stash this rank's compression state for the hook.
+
+        Raises:
+            RuntimeError: the file is truncated or corrupted (CRC check of a local file), or unreadable; the
+                message names the file.
+            ValueError: the checkpoint was written with another compressor, or its ``"gradcomp"`` entry is
+                malformed.
+        """
+        verify_checkpoint_file(checkpoint_path)
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except FileNotFoundError:
+            raise  # Lightning's message names the file
+        except Exception as err:  # noqa: BLE001 - garbage makes the unpickler fail in arbitrary ways
+            raise _unreadable(checkpoint_path, err) from err
+        try:
+            self._pending = self._select_state(checkpoint.get(CHECKPOINT_KEY))
+        except ValueError as err:
+            raise ValueError(f"cannot resume from '{checkpoint_path}': {err}") from None
         if self._pending is not None and self._hook is not None:
             self._hook.load_state_dict(*self._pending)
             self._pending = None
@@ -182,10 +213,17 @@ class GradCompStrategy(DDPStrategy):
 
     def _select_state(self, saved: Optional[dict[str, Any]]) -> Optional[tuple[dict[str, Any], bool]]:
         if saved is None:
+            if self._fitting():
+                rank_zero_warn(f"GradCompStrategy: the checkpoint has no {CHECKPOINT_KEY!r} entry (written by plain "
+                               f"DDP or another strategy): compression state (error-feedback memories, compressor "
+                               f"state, per-layer parameters, step counter) starts fresh")
             return None
-        if not isinstance(saved, dict) or saved.get("version") != _CHECKPOINT_VERSION or "per_rank" not in saved:
+        per_rank = saved.get("per_rank") if isinstance(saved, dict) else None
+        if (not isinstance(saved, dict) or saved.get("version") != _CHECKPOINT_VERSION
+                or not isinstance(per_rank, list) or len(per_rank) != saved.get("world_size")
+                or not all(isinstance(entry, dict) for entry in per_rank) or "compressor" not in saved):
             raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} is malformed or from an unknown version "
-                             f"(expected version {_CHECKPOINT_VERSION})")
+                             f"(expected version {_CHECKPOINT_VERSION} with one state per rank)")
         ours = type(self.compressor).__name__
         if saved["compressor"] != ours:
             raise ValueError(f"checkpoint was written with compressor {saved['compressor']}, but this strategy "
@@ -196,6 +234,25 @@ class GradCompStrategy(DDPStrategy):
                            f"the step counter and per-layer parameters are kept")
             return saved["per_rank"][0], False
         return saved["per_rank"][self.global_rank], True
+
+    def _fitting(self) -> bool:
+        trainer = getattr(self._lightning_module, "_trainer", None)
+        return trainer is None or trainer.state.fn in (None, "fit")
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Say what a failed collective most likely means (a rank died or hung) in front of its message."""
+        super().on_exception(exception)
+        if not _is_collective_failure(exception) or not exception.args or not isinstance(exception.args[0], str):
+            return
+        if exception.args[0].startswith("GradCompStrategy"):
+            return
+        timeout = getattr(self, "_timeout", None)
+        hint = (f"GradCompStrategy (rank {self.global_rank} of {self.world_size}): a collective failed. Another "
+                f"rank has most likely died (its connection closed) or stopped responding for longer than the "
+                f"process-group timeout ({timeout}, `timeout=`). Check the other ranks' logs, then restart "
+                f"every rank from the last checkpoint (`trainer.fit(..., ckpt_path=...)`). Original error: ")
+        exception.args = (hint + exception.args[0], *exception.args[1:])
 
     @classmethod
     @override
@@ -221,10 +278,20 @@ register_preset("gradcomp_randomk", "DDP + shared random-1% with error feedback"
                 lambda: {"compressor": RandomK(ratio=0.01)})
 
 
+class _UnknownCompressorError(KeyError, ValueError):
+    """An unknown compressor name: a ``ValueError`` (and a ``KeyError``, as ``registry.create`` raises)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 def _as_compressor(compressor: Union[Compressor, str, None]) -> Compressor:
     if compressor is None:
         return NoCompression()
     if isinstance(compressor, str):
+        if compressor.lower() not in registry.list():
+            raise _UnknownCompressorError(f"unknown compressor {compressor!r}: `compressor` must be a Compressor "
+                                          f"instance or a registered name ({', '.join(registry.list())})")
         return registry.create(compressor)
     if not isinstance(compressor, Compressor):
         raise TypeError(f"`compressor` must be a Compressor instance or a registered name "
@@ -236,3 +303,68 @@ def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be a bool, got {value!r}")
     return value
+
+
+def check_timeout(timeout: Any) -> Optional[timedelta]:
+    """Validate a process-group timeout: a positive ``timedelta``, positive seconds (YAML), or ``None``.
+
+    Raises:
+        TypeError: not a ``timedelta``, a number or ``None``.
+        ValueError: not positive and finite.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"`timeout` must be a datetime.timedelta, a number of seconds or None, got {timeout!r}")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"`timeout` must be positive and finite (seconds in (0, inf)), got {timeout!r}")
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
+
+
+_COLLECTIVE_ERROR = re.compile(r"gloo|nccl|c10d|ProcessGroup|pair closure|Timed out waiting|"
+                               r"Connection (closed|reset) by peer|Broken pipe", re.IGNORECASE)
+"""Messages of failed collectives (gloo's timeout reads "Application timeout caused pair closure")."""
+
+
+def _is_collective_failure(exception: BaseException) -> bool:
+    """Whether ``exception`` comes from a failed collective (a peer died, hung or the network broke)."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exception, dist_error):
+        return True
+    return isinstance(exception, RuntimeError) and bool(_COLLECTIVE_ERROR.search(str(exception)))
+
+
+def verify_checkpoint_file(path: Any) -> None:
+    """Check the CRC-32 of every member of a local zip-format checkpoint (what ``torch.save`` writes).
+
+    ``torch.load`` does not verify the checksums, so a flipped bit in a tensor would load silently. Remote
+    paths, non-zip (legacy) files and missing files are left to the loader (which reports them itself).
+
+    Raises:
+        RuntimeError: a member's data does not match its checksum, or the archive is damaged; the message
+            names the file.
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path) or not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        raise _unreadable(path, err) from err
+    if bad is not None:
+        raise RuntimeError(f"checkpoint file '{path}' is corrupted: member {bad!r} does not match its "
+                           f"CRC-32 checksum; resume from an earlier checkpoint")
+
+
+def _unreadable(path: Any, err: BaseException) -> RuntimeError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
+    if "weights only" in str(err).lower():
+        why = "it holds pickled objects that `weights_only=True` loading refuses"
+    else:
+        why = ("the file is truncated or corrupted (for example, copied or written only partly) or is not a "
+               "PyTorch checkpoint; resume from an earlier checkpoint")
+    return RuntimeError(f"cannot load checkpoint file '{path}': {why} ({type(err).__name__}: {first})")

@@ -84,7 +84,10 @@ class BlockQuantizer:
         if isinstance(spec, cls):
             return spec
         if isinstance(spec, Mapping):
-            return cls(**dict(spec))
+            try:
+                return cls(**dict(spec))
+            except (TypeError, ValueError) as err:  # name the argument the user set
+                raise type(err)(f"`quantizer` {dict(spec)!r}: {err}") from None
         if isinstance(spec, str):
             norm, _, block = spec.partition(":")
             try:
@@ -92,7 +95,10 @@ class BlockQuantizer:
             except ValueError:
                 raise ValueError(f"`quantizer` string must look like 'linf', 'l2' or 'linf:128', "
                                  f"got {spec!r}") from None
-            return cls(norm, size)
+            try:
+                return cls(norm, size)
+            except ValueError as err:  # name the argument the user set
+                raise ValueError(f"`quantizer` {spec!r}: {err}") from None
         raise TypeError(f"`quantizer` must be a BlockQuantizer, a string like 'linf:128' or a mapping, got {spec!r}")
 
     def __str__(self) -> str:

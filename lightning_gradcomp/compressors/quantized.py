@@ -414,7 +414,10 @@ class QuantizedCompressor(Compressor):
 
 def check_p(p: PNorm) -> float:
     """Validate a scale norm for stochastic rounding: 2 or inf."""
-    value = parse_p(p)
+    try:
+        value = parse_p(p)
+    except ValueError:
+        value = 1.0  # not a norm at all: report the values allowed here, not parse_p's
     if value == 1.0:
         raise ValueError(f"`p` must be 2 or inf, got {p!r}")
     return value

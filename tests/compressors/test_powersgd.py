@@ -117,7 +117,8 @@ def _resume_worker(rank: int, world: int) -> dict[str, Any]:
     slots = make_slots(SHAPES)
     a, comm = PowerSGD(rank=2), Comm()
     for step in range(3):
-        a.reduce([t.clone() for t in rank_inputs(rank, SHAPES, step)], ReduceContext(comm, step, 0, slots, [2, 2]))
+        ctx = ReduceContext(comm, step, 0, slots, [2, 2])
+        a.reduce([t.clone() for t in rank_inputs(rank, SHAPES, step)], ctx).averaged.wait()  # as DDP does
     buf = io.BytesIO()
     torch.save(a.state_dict(), buf)
     buf.seek(0)

@@ -1,0 +1,385 @@
+"""Independent rank processes for the reliability tests: launch, pause, kill, stop, reap, find leftovers.
+
+Each rank is its own OS process with torchrun-like environment variables (``MASTER_ADDR``, ``MASTER_PORT``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``NODE_RANK``), so Lightning treats it as externally launched and starts no
+launcher of its own. Two ways to start the processes:
+
+* ``mode="subprocess"``: ``python launch.py CONFIG.json RANK`` (a fresh interpreter, what a user runs);
+* ``mode="fork"``: a forked child of the test process (no interpreter start-up: fast).
+
+A rank runs :func:`rank_main`: a small Lightning fit of ``TinyNet`` with a case of :func:`build_case`, recording
+per rank, in ``config["out"]``: ``losses<r>.jsonl`` (one line per batch, written as it goes), ``start<r>.pt``
+and ``end<r>.pt`` (state at train start / end), ``warnings<r>.txt`` and, on failure, ``error<r>.txt``. It can
+*pause* mid-step (inside the compression hook, after its collectives were issued, or in a gradient hook) and
+write ``paused<r>`` so that the test can kill or stop it there, and it can inject NaN/Inf into one gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+
+from lightning_gradcomp import GradCompStrategy, SwarmStrategy
+from lightning_gradcomp.callbacks import LGreCo
+from lightning_gradcomp.compressors import CLTK, DIANA, QSGD, Compressor, PowerSGD, RandomK, SignSGD, TernGrad, TopK
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
+
+MARKER_ENV = "GRADCOMP_RELIABILITY_RUN"
+"""Environment variable carrying a per-launch token: any process holding it belongs to that launch."""
+
+STATEFUL = ("topk", "cltk", "powersgd", "diana", "signsgd", "lgreco", "swarm")
+"""Cases whose checkpoints carry per-rank state that resume must restore exactly."""
+
+
+# ---------------------------------------------------------------------------------------------- cases
+def build_case(case: str, *, timeout: Optional[float] = None, nonfinite: str = "dense") -> Strategy:
+    """The strategy of ``case``: ``"ddp"``, ``"swarm"``, a compressor name below, or ``"lgreco"`` (PowerSGD with
+    L-GreCo choosing per-layer ranks at steps 4, 7, 10...). ``timeout`` in seconds."""
+    extra: dict[str, Any] = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    if case == "ddp":
+        return DDPStrategy(**extra)
+    if case == "swarm":
+        return SwarmStrategy(local_steps=2, bits=8, **extra)
+    compressors: dict[str, Callable[[], Compressor]] = {
+        "topk": lambda: TopK(0.05),
+        "randomk": lambda: RandomK(0.1),
+        "cltk": lambda: CLTK(0.05),
+        "powersgd": lambda: PowerSGD(rank=2),
+        "lgreco": lambda: PowerSGD(rank=2),
+        "diana": lambda: DIANA(quantizer="linf:64"),
+        "signsgd": lambda: SignSGD(bucket_size=128),
+        "qsgd": lambda: QSGD(bits=4, bucket_size=128),
+        "terngrad": lambda: TernGrad(bucket_size=128),
+    }
+    layerwise = LGreCo(period=3, warmup_steps=4, accumulate_steps=2, alpha=1.3) if case == "lgreco" else None
+    return GradCompStrategy(compressor=compressors[case](), nonfinite=nonfinite, layerwise=layerwise, **extra)
+
+
+# ---------------------------------------------------------------------------------------------- the rank
+def rank_main(config: dict[str, Any], rank: int) -> None:
+    """Run one rank of the fit described by ``config`` (environment variables already set)."""
+    torch.set_num_threads(1)
+    out = Path(config["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    caught: list[str] = []
+    try:
+        with warnings.catch_warnings(record=True) as records:
+            warnings.simplefilter("always")
+            try:
+                _fit(config, rank, out)
+            finally:
+                caught = [str(w.message) for w in records]
+    except BaseException as err:  # noqa: BLE001 - record why this rank stopped, then exit non-zero
+        (out / f"error{rank}.txt").write_text(f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
+        traceback.print_exc()  # what a user would see on this rank's stderr
+        raise SystemExit(1) from None
+    finally:
+        (out / f"warnings{rank}.txt").write_text("\n".join(caught))
+
+
+def _fit(config: dict[str, Any], rank: int, out: Path) -> None:
+    from helpers.models import TinyNet
+
+    strategy = build_case(config["case"], timeout=config.get("timeout"), nonfinite=config.get("nonfinite", "dense"))
+    callbacks: list[pl.Callback] = [Probe(out, rank, config)]
+    if config.get("ckpt_dir"):
+        callbacks.append(ModelCheckpoint(dirpath=config["ckpt_dir"], save_top_k=-1, every_n_epochs=1,
+                                         save_last=True))
+    trainer = pl.Trainer(accelerator="cpu", devices=config["world"], num_nodes=1, strategy=strategy,
+                         max_epochs=config["max_epochs"], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=bool(config.get("ckpt_dir")),
+                         callbacks=callbacks, default_root_dir=str(out))
+    trainer.fit(TinyNet(), ckpt_path=config.get("ckpt_path"))
+
+
+class Probe(pl.Callback):
+    """Records one rank: losses as they happen, snapshots at train start and end; installs pause/injection."""
+
+    def __init__(self, out: Path, rank: int, config: dict[str, Any]) -> None:
+        self.out, self.rank, self.config = out, rank, config
+        self.losses = open(out / f"losses{rank}.jsonl", "a", buffering=1)  # noqa: SIM115 - line-buffered log
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.save(_snapshot(trainer, pl_module), self.out / f"start{self.rank}.pt")
+        pause, inject = self.config.get("pause"), self.config.get("inject")
+        if pause and pause["rank"] == self.rank:
+            _install_pause(trainer, pl_module, pause, self.out / f"paused{self.rank}")
+        if inject and inject["rank"] == self.rank:
+            _install_injection(trainer, pl_module, inject)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        finite = bool(_flat_params(pl_module).isfinite().all())
+        self.losses.write(json.dumps({"step": trainer.global_step, "loss": float(outputs["loss"]),
+                                      "finite": finite}) + "\n")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.save(_snapshot(trainer, pl_module), self.out / f"end{self.rank}.pt")
+
+
+def _flat_params(module: Any) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+
+
+def _snapshot(trainer: Any, module: Any) -> dict[str, Any]:
+    """What the tests compare: parameters, global step, and the strategy's per-rank state."""
+    strategy = trainer.strategy
+    snap: dict[str, Any] = {"global_step": trainer.global_step, "params": _flat_params(module)}
+    hook = getattr(strategy, "hook", None)
+    if hook is not None:
+        snap["hook"] = hook.state_dict()
+    if hasattr(strategy, "swarm_stats"):
+        snap["round_index"] = strategy.round_index
+        snap["swarm_stats"] = strategy.swarm_stats.state_dict()
+    return snap
+
+
+def _install_pause(trainer: Any, module: Any, pause: dict[str, Any], marker: Path) -> None:
+    """Stop this rank mid-step at ``pause["step"]`` and announce it in ``marker``."""
+
+    def stall() -> None:
+        marker.write_text(str(os.getpid()))
+        time.sleep(pause.get("seconds", 600))
+
+    hook = getattr(trainer.strategy, "hook", None)
+    if hook is not None:  # inside the compression hook, after the compressor issued its collectives
+
+        class Stall:
+            def wants(self, step: int) -> bool:
+                return step == pause["step"]
+
+            def __call__(self, record: Any) -> None:
+                stall()
+
+        hook.observers.append(Stall())
+        return
+
+    def grad_hook(grad: Any) -> Any:  # no compression hook (SwarmSGD): in the middle of backward
+        if trainer.global_step == pause["step"]:
+            stall()
+        return grad
+
+    module.body[2].weight.register_hook(grad_hook)
+
+
+def _install_injection(trainer: Any, module: Any, inject: dict[str, Any]) -> None:
+    """Put ``inject["value"]`` into this rank's gradient of ``body.2.weight`` at step ``inject["step"]``."""
+    value = float(inject["value"])
+
+    def grad_hook(grad: Any) -> Any:
+        if trainer.global_step != inject["step"]:
+            return grad
+        return grad.index_fill(0, torch.tensor([0], device=grad.device), value)
+
+    module.body[2].weight.register_hook(grad_hook)
+
+
+# ---------------------------------------------------------------------------------------------- launching
+def free_port() -> int:
+    """A currently free TCP port on localhost."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fork_entry(config: dict[str, Any], rank: int, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    rank_main(config, rank)
+
+
+@dataclass
+class Ranks:
+    """Handles on the W rank processes of one launch (``Popen`` or ``multiprocessing.Process``)."""
+
+    procs: list[Any]
+    mode: str
+    out: Path
+    marker: str
+    logs: list[Any] = field(default_factory=list)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids by rank."""
+        return [p.pid for p in self.procs]
+
+    def exitcode(self, rank: int) -> Optional[int]:
+        """Exit code of ``rank`` (negative: killed by that signal), ``None`` while it runs."""
+        proc = self.procs[rank]
+        return proc.poll() if self.mode == "subprocess" else proc.exitcode
+
+    def signal(self, rank: int, sig: int) -> None:
+        """Send ``sig`` to one rank."""
+        os.kill(self.procs[rank].pid, sig)
+
+    def wait(self, rank: int, timeout: float) -> Optional[int]:
+        """Wait up to ``timeout`` seconds for ``rank`` to exit; its exit code, or ``None`` if still running."""
+        proc = self.procs[rank]
+        if self.mode == "subprocess":
+            try:
+                return proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return None
+        proc.join(timeout)
+        return proc.exitcode
+
+    def wait_all(self, timeout: float) -> list[Optional[int]]:
+        """Wait for every rank (``timeout`` seconds in total)."""
+        deadline = time.monotonic() + timeout
+        return [self.wait(r, max(0.0, deadline - time.monotonic())) for r in range(len(self.procs))]
+
+    def wait_for_file(self, path: Path, timeout: float) -> bool:
+        """Poll until ``path`` exists; False on timeout or when a rank exited first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists():
+                return True
+            if any(self.exitcode(r) is not None for r in range(len(self.procs))):
+                return path.exists()
+            time.sleep(0.05)
+        return False
+
+    def stderr(self, rank: int) -> str:
+        """A subprocess rank's captured stderr."""
+        path = self.out / f"stderr{rank}.txt"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def running(self) -> list[int]:
+        """Pids of the ranks not yet exited (exited ranks are reaped here, so their pids are never reused)."""
+        return [proc.pid for rank, proc in enumerate(self.procs) if self.exitcode(rank) is None]
+
+    def leftovers(self) -> list[int]:
+        """Processes of this launch still there: running ranks, their children, anything holding the marker."""
+        return leftovers(self.marker, self.running())
+
+    def cleanup(self) -> None:
+        """SIGKILL what is left of this launch (only processes it started), then reap the ranks."""
+        for pid in self.leftovers():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.wait_all(10.0)
+        for log in self.logs:
+            log.close()
+
+    def __enter__(self) -> "Ranks":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cleanup()
+
+
+def launch(config: dict[str, Any], mode: str = "fork") -> Ranks:
+    """Start ``config["world"]`` independent rank processes running :func:`rank_main`."""
+    import multiprocessing as mp
+
+    out = Path(config["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    marker = f"{os.getpid()}-{time.monotonic_ns()}"
+    port = free_port()
+    procs: list[Any] = []
+    logs: list[Any] = []
+    config_path = out / "config.json"
+    config_path.write_text(json.dumps(config))
+    for rank in range(config["world"]):
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(config["world"]),
+               "LOCAL_RANK": str(rank), "NODE_RANK": "0", MARKER_ENV: marker}
+        if mode == "subprocess":
+            full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")}
+            full_env.update(env, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS_DIR),
+                                                                          os.environ.get("PYTHONPATH")])))
+            stdout = open(out / f"stdout{rank}.txt", "w")  # noqa: SIM115 - closed in Ranks.cleanup
+            stderr = open(out / f"stderr{rank}.txt", "w")  # noqa: SIM115
+            logs += [stdout, stderr]
+            procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(config_path),
+                                           str(rank)], env=full_env, stdout=stdout, stderr=stderr,
+                                          stdin=subprocess.DEVNULL))
+        elif mode == "fork":
+            proc = mp.get_context("fork").Process(target=_fork_entry, args=(config, rank, env), daemon=False)
+            proc.start()
+            procs.append(proc)
+        else:
+            raise ValueError(f"mode must be 'fork' or 'subprocess', got {mode!r}")
+    return Ranks(procs, mode, out, marker, logs)
+
+
+def run(config: dict[str, Any], timeout: float = 120.0) -> list[Optional[int]]:
+    """Launch (fork), wait for every rank and clean up; the exit codes by rank."""
+    with launch(config) as ranks:
+        return ranks.wait_all(timeout)
+
+
+# ---------------------------------------------------------------------------------------------- /proc
+def leftovers(marker: str, pids: list[int]) -> list[int]:
+    """Processes in ``/proc`` that are in ``pids`` (live processes we started), children of them, or hold
+    ``marker`` in their environment (set at ``exec``, so inherited by anything a subprocess rank starts)."""
+    found = []
+    needle = f"{MARKER_ENV}={marker}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile, or not ours to read
+        if pid in pids or ppid in pids or needle in environ.split(b"\0"):
+            found.append(pid)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- results
+def losses(out: Path, rank: int) -> list[dict[str, Any]]:
+    """The per-batch records ``{"step", "loss", "finite"}`` of one rank (complete lines only)."""
+    path = Path(out) / f"losses{rank}.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def load(out: Path, name: str, rank: int) -> dict[str, Any]:
+    """``start``/``end`` snapshot of one rank (``weights_only``)."""
+    return torch.load(Path(out) / f"{name}{rank}.pt", weights_only=True)
+
+
+def text(out: Path, name: str, rank: int) -> str:
+    """``error``/``warnings`` text of one rank ('' if absent)."""
+    path = Path(out) / f"{name}{rank}.txt"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def tensors(tree: Any) -> list[Any]:
+    """Every tensor in a nested dict/list."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in tensors(v)]
+    return []
+
+
+if __name__ == "__main__":
+    rank_main(json.loads(Path(sys.argv[1]).read_text()), int(sys.argv[2]))
