@@ -8,7 +8,7 @@ import os
 import re
 import zipfile
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,8 @@ from lightning_gradcomp.memory import ErrorFeedback, validate_beta
 from lightning_gradcomp.plan import SlotPolicy
 from lightning_gradcomp.presets import PRESETS, register_preset
 
-__all__ = ["CHECKPOINT_KEY", "DEFAULT_TIMEOUT", "GradCompStrategy", "check_timeout", "verify_checkpoint_file"]
+__all__ = ["CHECKPOINT_KEY", "DEFAULT_TIMEOUT", "GradCompStrategy", "check_timeout", "load_verified",
+           "verify_checkpoint_file"]
 
 log = logging.getLogger(__name__)
 
@@ -195,13 +196,8 @@ class GradCompStrategy(DDPStrategy):
             ValueError: the checkpoint was written with another compressor, or its ``"gradcomp"`` entry is
                 malformed.
         """
-        verify_checkpoint_file(checkpoint_path)
-        try:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        except FileNotFoundError:
-            raise  # Lightning's message names the file
-        except Exception as err:  # noqa: BLE001 - garbage makes the unpickler fail in arbitrary ways
-            raise _unreadable(checkpoint_path, err) from err
+        checkpoint = load_verified(lambda: super(GradCompStrategy, self).load_checkpoint(
+            checkpoint_path, weights_only=weights_only), checkpoint_path)
         try:
             self._pending = self._select_state(checkpoint.get(CHECKPOINT_KEY))
         except ValueError as err:
@@ -358,6 +354,21 @@ def verify_checkpoint_file(path: Any) -> None:
     if bad is not None:
         raise RuntimeError(f"checkpoint file '{path}' is corrupted: member {bad!r} does not match its "
                            f"CRC-32 checksum; resume from an earlier checkpoint")
+
+
+def load_verified(load: Callable[[], dict[str, Any]], path: Any) -> dict[str, Any]:
+    """CRC-check ``path`` (:func:`verify_checkpoint_file`), then ``load()``; failures name the file.
+
+    Raises:
+        RuntimeError: the file is damaged or unreadable (a missing file keeps Lightning's own error).
+    """
+    verify_checkpoint_file(path)
+    try:
+        return load()
+    except FileNotFoundError:
+        raise  # Lightning's message names the file
+    except Exception as err:  # noqa: BLE001 - garbage makes the unpickler fail in arbitrary ways
+        raise _unreadable(path, err) from err
 
 
 def _unreadable(path: Any, err: BaseException) -> RuntimeError:

@@ -170,6 +170,7 @@ class SwarmStats:
         fallbacks: exchanges in which some blocks were resent in fp32 (a decode wrapped or could have).
         fallback_blocks: blocks resent in fp32, in all.
         consensus: last measured ``max_i ||x_i - mean||_2`` (``nan`` if never measured).
+        nonfinite_steps: local steps whose gradient held NaN/Inf and was zeroed before the update.
     """
 
     rounds: int = 0
@@ -178,17 +179,18 @@ class SwarmStats:
     fallbacks: int = 0
     fallback_blocks: int = 0
     consensus: float = float("nan")
+    nonfinite_steps: int = 0
     consensus_history: list[float] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain, ``weights_only``-loadable representation."""
         return {"rounds": self.rounds, "exchanges": self.exchanges, "sat_out": self.sat_out,
                 "fallbacks": self.fallbacks, "fallback_blocks": self.fallback_blocks, "consensus": self.consensus,
-                "consensus_history": list(self.consensus_history)}
+                "nonfinite_steps": self.nonfinite_steps, "consensus_history": list(self.consensus_history)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`."""
-        for key in ("rounds", "exchanges", "sat_out", "fallbacks", "fallback_blocks", "consensus"):
+        for key in ("rounds", "exchanges", "sat_out", "fallbacks", "fallback_blocks", "consensus", "nonfinite_steps"):
             setattr(self, key, state.get(key, getattr(self, key)))
         self.consensus_history = list(state.get("consensus_history", []))
 

@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.compressors.base import check_number
-from lightning_gradcomp.strategy import check_timeout
+from lightning_gradcomp.strategy import check_timeout, load_verified
 from lightning_gradcomp.swarm.exchange import LatticeCodec, PairwiseGossip, PendingExchange, SwarmStats
 from lightning_gradcomp.swarm.pairing import TOPOLOGIES, Edges, Topology, matching, round_local_steps, topology_edges
 
@@ -233,11 +233,30 @@ class SwarmStrategy(DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
-        """Run the local step, then a gossip round every ``local_steps`` steps (first optimizer only)."""
+        """Run the local step, then a gossip round every ``local_steps`` steps (first optimizer only).
+
+        A gradient holding NaN/Inf is zeroed before the update (counted in ``swarm_stats.nonfinite_steps``),
+        so it never reaches this rank's model and, through gossip, its partners. With a loss scaler (fp16 AMP)
+        the scaler's own skip logic is left in charge.
+        """
+        if getattr(self.precision_plugin, "scaler", None) is None:
+            closure = self._guard_nonfinite(optimizer, closure)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._engine is not None and self._is_first_optimizer(optimizer):
             self._local_step_done()
         return output
+
+    def _guard_nonfinite(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
+        def guarded() -> Any:
+            result = closure()
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            if grads and not bool(torch.isfinite(torch.stack([g.float().sum() for g in grads]).sum())):
+                for grad in grads:
+                    grad.zero_()
+                self._swarm_stats.nonfinite_steps += 1
+            return result
+
+        return guarded
 
     def _is_first_optimizer(self, optimizer: Optimizer) -> bool:
         if not self.optimizers:
@@ -427,8 +446,9 @@ class SwarmStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load the checkpoint and pick this rank's entry (see the world-size policy in docs/swarm.md)."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        """Load the (CRC-checked) checkpoint and pick this rank's entry (world-size policy: docs/swarm.md)."""
+        checkpoint = load_verified(lambda: super(SwarmStrategy, self).load_checkpoint(
+            checkpoint_path, weights_only=weights_only), checkpoint_path)
         saved = checkpoint.get(CHECKPOINT_KEY)
         self._restored = self._restored_counters = None
         if saved is None:

@@ -65,8 +65,6 @@ def test_dense_policy_passes_the_value_on_like_ddp_but_spares_the_state(tmp_path
         assert [r["finite"] for r in losses(tmp_path, rank)][STEP - 1:STEP + 1] == [True, False]
 
 
-@pytest.mark.xfail(strict=True, reason="SwarmStrategy has no non-finite guard: a NaN gradient on one rank spreads "
-                                       "to its gossip partners (reported; see docs/reliability.md)")
 def test_swarm_nan_gradient_stays_contained(tmp_path: Path) -> None:
     cfg = config(tmp_path, "swarm", inject={"rank": 1, "step": STEP, "value": "nan"})
     assert run(cfg) == [0, 0], errors(tmp_path, 2)
