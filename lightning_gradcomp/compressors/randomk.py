@@ -8,7 +8,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.sparse import SparseCompressor
-from lightning_gradcomp.functional.sparsify import kept_count, random_indices, scatter_dense
+from lightning_gradcomp.functional.sparsify import kept_count, scatter_dense, stratified_indices
 
 __all__ = ["RandomK"]
 
@@ -17,12 +17,17 @@ __all__ = ["RandomK"]
 class RandomK(SparseCompressor):
     """Keep ``k`` random entries per layer, chosen by a generator shared by all ranks.
 
+    Selection is stratified: each layer is cut into ``k`` near-equal blocks and one uniform element is
+    kept per block (O(k) random numbers instead of a permutation of the whole layer; each element is kept
+    with probability ``1/block size`` = ``k/n``).
+
     The support is identical everywhere, so the values are all-reduced: bytes per rank are
     ``2 (W-1)/W * sum_l k_l * value bytes``, independent of W. No indices travel.
 
     Args:
         ratio: fraction of each layer's elements kept, in (0, 1].
-        unbiased: scale kept values by ``n / k`` and skip error feedback (unbiased, high variance);
+        unbiased: scale kept values by their block size (``n / k``) and skip error feedback (unbiased, high
+            variance);
             the default keeps values unscaled and relies on error feedback.
         value_dtype: wire dtype of the values (fp32, fp16 or bf16).
     """
@@ -42,11 +47,12 @@ class RandomK(SparseCompressor):
         """Shared indices, one all-reduce of the concatenated values."""
         ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
         device = tensors[0].device
-        indices = [random_indices(t.numel(), k, ctx.generator(device, shared=True, salt=slot.name), device)
-                   for slot, t, k in zip(ctx.slots, tensors, ks)]
+        picks = [stratified_indices(t.numel(), k, ctx.generator(device, shared=True, salt=slot.name), device)
+                 for slot, t, k in zip(ctx.slots, tensors, ks)]
+        indices = [i for i, _ in picks]
         values = [t[i] for t, i in zip(tensors, indices)]
         if self.unbiased:
-            values = [v * (t.numel() / k) for v, t, k in zip(values, tensors, ks)]
+            values = [v * sizes.to(v.dtype) for v, (_, sizes) in zip(values, picks)]
         sent = torch.cat(values).to(self.value_dtype)
         residuals = None
         if self.uses_error_feedback:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["kept_count", "random_indices", "scatter_dense", "topk_indices"]
+__all__ = ["kept_count", "random_indices", "scatter_dense", "stratified_indices", "topk_indices"]
 
 
 def kept_count(numel: int, ratio: float) -> int:
@@ -25,6 +25,24 @@ def random_indices(numel: int, k: int, generator: torch.Generator, device: torch
     if k >= numel:
         return torch.arange(numel, device=device)
     return torch.randperm(numel, generator=generator, device=generator.device)[:k].to(device)
+
+
+def stratified_indices(numel: int, k: int, generator: torch.Generator,
+                       device: torch.device) -> tuple[Tensor, Tensor]:
+    """One uniform index in each of ``k`` near-equal blocks of ``[0, numel)``: O(k) work, not O(numel).
+
+    Every element of a block of size ``b`` is chosen with probability ``1/b`` (``= k/numel`` when ``k``
+    divides ``numel``), so scaling a kept value by its block size gives an unbiased estimate.
+
+    Returns:
+        ``(indices, block_sizes)``: int64 indices, sorted and distinct, and the size of each one's block.
+    """
+    k = min(k, numel)
+    bounds = torch.div(torch.arange(k + 1, dtype=torch.int64) * numel, k, rounding_mode="floor")
+    sizes = bounds[1:] - bounds[:-1]
+    offsets = (torch.rand(k, generator=generator, device=generator.device, dtype=torch.float64).cpu()
+               * sizes).long().clamp_max_(sizes - 1)
+    return (bounds[:-1] + offsets).to(device), sizes.to(device)
 
 
 def scatter_dense(numel: int, indices: Tensor, values: Tensor) -> Tensor:
