@@ -175,8 +175,8 @@ class GradCompHook:
         if use_ef:
             if reduction.residuals is None:
                 raise RuntimeError(f"{type(self.compressor).__name__} uses error feedback but returned no residuals")
-            for slot, p, residual in zip(comp, tensors, reduction.residuals):
-                self.memory.update(slot.name, p, residual)
+            for slot, residual in zip(comp, reduction.residuals):
+                self.memory.update(slot.name, residual)
         if watchers:
             residuals = reduction.residuals
             if residuals is None and reduction.local is not None:

@@ -55,13 +55,12 @@ class ErrorFeedback:
             return grad.to(torch.float32, copy=True)
         return memory + grad
 
-    def update(self, name: str, p: Tensor, residual: Tensor) -> None:
+    def update(self, name: str, residual: Tensor) -> None:
         """Apply ``m <- (1 - beta) m + beta * residual`` where ``residual = p - c``.
 
         ``residual`` may be ``p``'s own storage (compressors zero the kept entries in place); with
         ``beta = 1`` it is stored without a copy.
         """
-        del p  # kept in the signature for readability of call sites
         memory = self.memories.get(name)
         if self._beta == 1.0 or memory is None or memory.shape != residual.shape:
             self.memories[name] = residual if self._beta == 1.0 else residual.mul(self._beta)

@@ -25,7 +25,7 @@ def test_update_rule(beta: float) -> None:
     g = torch.randn(7)
     p = ef.compensate("w", g)
     c = torch.where(p.abs() > 0.5, p, torch.zeros_like(p))
-    ef.update("w", p, p - c)
+    ef.update("w", p - c)
     expected = (1 - beta) * m0 + beta * (m0 + g - c)
     torch.testing.assert_close(ef.memories["w"], expected)
     # identity from ALGORITHMS.md 1.2: m' = m + beta (g - c)
@@ -38,7 +38,7 @@ def test_beta_one_is_classic_error_feedback() -> None:
     p = ef.compensate("w", g)
     residual = p.clone()
     residual[0] = 0
-    ef.update("w", p, residual)
+    ef.update("w", residual)
     assert torch.equal(ef.memories["w"], residual)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["kept_count", "random_indices", "scatter_dense", "stratified_indices", "topk_indices"]
+__all__ = ["kept_count", "scatter_dense", "stratified_indices", "topk_indices"]
 
 
 def kept_count(numel: int, ratio: float) -> int:
@@ -18,13 +18,6 @@ def topk_indices(x: Tensor, k: int) -> Tensor:
     if k >= x.numel():
         return torch.arange(x.numel(), device=x.device)
     return torch.topk(x.abs(), k, sorted=False).indices
-
-
-def random_indices(numel: int, k: int, generator: torch.Generator, device: torch.device) -> Tensor:
-    """``k`` distinct indices drawn uniformly from ``[0, numel)`` with ``generator`` (int64)."""
-    if k >= numel:
-        return torch.arange(numel, device=device)
-    return torch.randperm(numel, generator=generator, device=generator.device)[:k].to(device)
 
 
 def stratified_indices(numel: int, k: int, generator: torch.Generator,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -95,5 +94,3 @@ def assert_replicas_identical(records: list[dict[str, Any]]) -> None:
         for step, (a, b) in enumerate(zip(first, rec["params"])):
             assert torch.equal(a, b), f"rank {rank} differs from rank 0 after batch {step}"
 
-
-os.environ.setdefault("PL_DISABLE_FORK", "0")
