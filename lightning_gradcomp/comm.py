@@ -2,17 +2,20 @@
 
 Every collective the library issues goes through :class:`Comm`, which adds the bytes *this rank*
 puts on the wire to a :class:`CommStats`, using the standard bandwidth-optimal algorithm formulas
-(``B`` is the payload of one rank in bytes, ``W`` the world size):
+(``B`` is the payload of one rank in bytes, ``W`` the world size). For the one asymmetric collective,
+broadcast, the figure is the mean over ranks: any broadcast tree or chain delivers ``B`` to each of the
+``W - 1`` other ranks, so ``(W - 1) B`` bytes cross the network in total, however the senders share them
+(gloo's root sends them all; NCCL's ring passes them along).
 
-=====================  ==========================
+=====================  ===============================
 collective             bytes sent per rank
-=====================  ==========================
+=====================  ===============================
 all-reduce (ring)      ``2 (W - 1) / W * B``
 all-gather             ``(W - 1) * B``
-broadcast              ``B``
+broadcast              ``(W - 1) / W * B`` (mean)
 all-to-all             ``(W - 1) / W * B``
 point-to-point send    ``B``
-=====================  ==========================
+=====================  ===============================
 
 The formulas are pure functions so tests can check counts against them without processes.
 """
@@ -54,8 +57,8 @@ def all_gather_bytes(payload_bytes: int, world_size: int) -> float:
 
 
 def broadcast_bytes(payload_bytes: int, world_size: int) -> float:
-    """Bytes one rank sends in a pipelined broadcast of ``payload_bytes`` (0 when alone)."""
-    return float(payload_bytes) if world_size > 1 else 0.0
+    """Mean bytes per rank of a broadcast of ``payload_bytes``: ``(W - 1) B`` in total over ``W`` ranks."""
+    return (world_size - 1) / world_size * payload_bytes
 
 
 def all_to_all_bytes(payload_bytes: int, world_size: int) -> float:

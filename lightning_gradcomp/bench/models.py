@@ -7,7 +7,8 @@ so DDP can wrap it directly.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from functools import partial
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -76,26 +77,31 @@ def _transformer(d_model: int = 256, layers: int = 4, batch_size: int = 16, seq:
     return Workload(_TinyLM(vocab, d_model, layers), loss, batch_size)
 
 
-BUILTIN_MODELS: dict[str, Callable[[], Workload]] = {
+BUILTIN_MODELS: dict[str, Callable[..., Workload]] = {
     "mlp": _mlp,
-    "mlp-small": lambda: _mlp(width=512, depth=3),
-    "mlp-large": lambda: _mlp(width=2048, depth=4),
+    "mlp-small": partial(_mlp, width=512, depth=3),
+    "mlp-large": partial(_mlp, width=2048, depth=4),
     "cnn": _cnn,
     "transformer": _transformer,
 }
 
 
-def load_workload(spec: str) -> Workload:
+def load_workload(spec: str, batch_size: Optional[int] = None) -> Workload:
     """A built-in model name, or ``package.module:ClassName`` naming a LightningModule.
 
-    The LightningModule is built without arguments; its first training batch is reused every step and
-    its ``training_step`` gives the loss.
+    ``batch_size`` (samples per rank and step) overrides a built-in model's default. The LightningModule is
+    built without arguments; its first training batch is reused every step and its ``training_step`` gives
+    the loss (its batch size is the data loader's).
     """
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
     if spec in BUILTIN_MODELS:
         torch.manual_seed(0)
-        return BUILTIN_MODELS[spec]()
+        return BUILTIN_MODELS[spec](**({} if batch_size is None else {"batch_size": batch_size}))
     if ":" not in spec:
         raise ValueError(f"`model` must be one of {', '.join(BUILTIN_MODELS)} or 'module.path:ClassName', got {spec!r}")
+    if batch_size is not None:
+        raise ValueError("`batch_size` applies to built-in models only; a LightningModule uses its own data loader")
     module_name, _, class_name = spec.partition(":")
     torch.manual_seed(0)
     module: Any = getattr(importlib.import_module(module_name), class_name)()

@@ -38,26 +38,34 @@ def _quantile(values: Sequence[float], q: float) -> float:
 def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-configuration figures from every rank's raw measurements (pure)."""
     world = len(ranks)
-    compute = statistics.median(ranks[0]["compute_only"]["step_times"])
+    # a step ends when the last rank ends, with or without communication
+    compute = statistics.median(max(ts) for ts in zip(*(r["compute_only"]["step_times"] for r in ranks)))
     rows: dict[str, dict[str, Any]] = {}
     for name, first in ranks[0]["configs"].items():
         per_rank = [r["configs"][name] for r in ranks]
         times = [max(ts) for ts in zip(*(p["step_times"] for p in per_rank))]  # a step ends when the last rank ends
         median = statistics.median(times)
         iface = [p["iface_tx_bytes_per_step"] for p in per_rank]
+        payload = [p.get("iface_tx_payload_bytes_per_step") for p in per_rank]
+        wire = statistics.mean(p["wire_bytes_per_step"] for p in per_rank)
         rows[name] = {
             "step_time_median_s": median,
             "step_time_p25_s": _quantile(times, 0.25),
             "step_time_p75_s": _quantile(times, 0.75),
             "throughput_samples_per_s": world * first["batch_size"] / median,
             "scaling_efficiency": compute / median,
-            "wire_bytes_per_step": statistics.mean(p["wire_bytes_per_step"] for p in per_rank),
+            "wire_bytes_per_step": wire,
             "iface_tx_bytes_per_step": statistics.mean(iface) if all(v is not None for v in iface) else None,
+            "iface_tx_payload_bytes_per_step": (statistics.mean(payload) if all(v is not None for v in payload)
+                                                else None),
             "hook_ms_per_step": 1e3 * statistics.mean(p["hook_seconds_per_step"] for p in per_rank),
             "peak_rss_mb": max((p["peak_rss_mb"] or 0.0) for p in per_rank),
         }
     dense = rows.get("ddp")
     for row in rows.values():
+        measured = row["iface_tx_payload_bytes_per_step"]
+        row["iface_payload_vs_ours"] = (measured / row["wire_bytes_per_step"]
+                                        if measured is not None and row["wire_bytes_per_step"] else None)
         if dense:
             row["speedup_vs_ddp"] = dense["step_time_median_s"] / row["step_time_median_s"]
             row["bytes_ratio_vs_ddp"] = dense["wire_bytes_per_step"] / max(row["wire_bytes_per_step"], 1e-12)
@@ -115,7 +123,7 @@ def _launch(spec: dict[str, Any], link: Optional[EmulatedLink], timeout: float) 
 
 def run_bench(model: str = "mlp", world_size: int = 2, steps: int = 20, warmup: int = 5,
               configs: Sequence[str] = DEFAULT_CONFIGS, link: Optional[str] = None, bucket_cap_mb: float = 25.0,
-              threads: int = 1, timeout: float = 1800.0) -> dict[str, Any]:
+              threads: int = 1, timeout: float = 1800.0, batch_size: Optional[int] = None) -> dict[str, Any]:
     """Run the benchmark and return ``{"summary", "recommendation", "link", "raw"}``."""
     unknown = [c for c in configs if c not in available_configs()]
     if unknown:
@@ -124,6 +132,8 @@ def run_bench(model: str = "mlp", world_size: int = 2, steps: int = 20, warmup: 
         raise ValueError(f"`world_size` must be >= 2, got {world_size}")
     if steps < 1 or warmup < 3:
         raise ValueError(f"`steps` must be >= 1 and `warmup` >= 3 (compression starts at step 2), got {steps}, {warmup}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
     note = "loopback (no link emulation requested)"
     emulate = False
     if link:
@@ -132,7 +142,7 @@ def run_bench(model: str = "mlp", world_size: int = 2, steps: int = 20, warmup: 
         note = f"emulated {link} per rank (netns + veth + tc tbf)" if ok else f"loopback: cannot emulate {link}: {why}"
     with tempfile.TemporaryDirectory(prefix="lgc-bench-") as out_dir:
         spec = {"model": model, "world_size": world_size, "steps": steps, "warmup": warmup, "configs": list(configs),
-                "bucket_cap_mb": bucket_cap_mb, "threads": threads, "out_dir": out_dir}
+                "bucket_cap_mb": bucket_cap_mb, "threads": threads, "out_dir": out_dir, "batch_size": batch_size}
         with (EmulatedLink(world_size, link) if emulate and link else nullcontext()) as emulated:
             raw = _launch(spec, emulated, timeout)
     summary = summarise(raw)
@@ -147,19 +157,22 @@ def print_report(result: dict[str, Any]) -> None:
     summary = result["summary"]
     table = Table(title=f"{result['model']} ({summary['params']:,} params), W={summary['world_size']}, {result['link']}")
     for col in ("config", "step ms (p25-p75)", "samples/s", "scaling eff.", "wire KB/step", "iface KB/step",
-                "hook ms", "peak RSS MB", "vs ddp"):
+                "iface payload KB", "payload/wire", "hook ms", "peak RSS MB", "vs ddp"):
         table.add_column(col, justify="left" if col == "config" else "right")
     for name, row in summary["configs"].items():
-        iface = row["iface_tx_bytes_per_step"]
+        iface, payload, agree = (row["iface_tx_bytes_per_step"], row["iface_tx_payload_bytes_per_step"],
+                                 row["iface_payload_vs_ours"])
         table.add_row(name, f"{row['step_time_median_s'] * 1e3:.1f} ({row['step_time_p25_s'] * 1e3:.1f}-"
                             f"{row['step_time_p75_s'] * 1e3:.1f})",
                       f"{row['throughput_samples_per_s']:.0f}", f"{row['scaling_efficiency']:.0%}",
                       f"{row['wire_bytes_per_step'] / 1e3:,.1f}", "-" if iface is None else f"{iface / 1e3:,.1f}",
+                      "-" if payload is None else f"{payload / 1e3:,.1f}", "-" if agree is None else f"{agree:.3f}",
                       f"{row['hook_ms_per_step']:.1f}", f"{row['peak_rss_mb']:.0f}",
                       f"{row.get('speedup_vs_ddp', float('nan')):.2f}x")
     console = Console(width=max(Console().width, 150))
     console.print(table)
-    console.print(f"compute-only step: {summary['compute_only_step_s'] * 1e3:.1f} ms")
+    console.print(f"compute-only step: {summary['compute_only_step_s'] * 1e3:.1f} ms; iface payload = the veth's tx "
+                  "bytes minus one Ethernet/IPv4/TCP header per packet (the TCP payload gloo sent)")
     console.print(f"[bold]recommendation:[/bold] {result['recommendation']}")
 
 
@@ -174,6 +187,8 @@ def add_arguments(parser: Any) -> None:
                         help="comma-separated: ddp, torch_fp16, torch_powersgd and any strategy preset name "
                              "(`lightning-gradcomp list`)")
     parser.add_argument("--link", default=None, help="emulate a link per rank, e.g. 100mbit or 1gbit (Linux, root)")
+    parser.add_argument("--batch-size", type=int, default=None, help="samples per rank and step (built-in models; "
+                                                                     "default: the model's own)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json", default=None, help="also write the result (with raw per-rank data) to this file")
@@ -185,7 +200,7 @@ def run_command(args: Any) -> int:
 
     result = run_bench(args.model, args.world_size, args.steps, args.warmup,
                        [c.strip() for c in args.configs.split(",") if c.strip()], args.link, args.bucket_cap_mb,
-                       args.threads)
+                       args.threads, batch_size=args.batch_size)
     print_report(result)
     public = {k: v for k, v in result.items() if k != "raw"}
     print(json.dumps(public, indent=1))

@@ -19,14 +19,31 @@ import torch.distributed as dist
 from lightning_gradcomp.bench.configs import count_step, install
 from lightning_gradcomp.bench.models import load_workload
 
-__all__ = ["run_rank"]
+__all__ = ["header_bytes_per_packet", "run_rank"]
 
 
-def _iface_tx_bytes(iface: Optional[str]) -> Optional[int]:
+def _iface_tx(iface: Optional[str]) -> tuple[int, int]:
+    """``(bytes, packets)`` the interface has sent so far (zeros without an interface)."""
     if not iface:
-        return None
-    path = Path(f"/sys/class/net/{iface}/statistics/tx_bytes")
-    return int(path.read_text()) if path.exists() else None
+        return 0, 0
+    stats = Path(f"/sys/class/net/{iface}/statistics")
+    if not stats.exists():
+        return 0, 0
+    return int((stats / "tx_bytes").read_text()), int((stats / "tx_packets").read_text())
+
+
+def header_bytes_per_packet() -> int:
+    """Ethernet + IPv4 + TCP header bytes of one packet in this network namespace.
+
+    14 (Ethernet) + 20 (IPv4) + 20 (TCP), plus the 12-byte timestamp option when ``tcp_timestamps`` is on
+    (Linux's default). A segmentation-offloaded packet is counted once with one header, so
+    ``tx_bytes - tx_packets * header`` is exactly the TCP payload the process sent.
+    """
+    try:
+        timestamps = Path("/proc/sys/net/ipv4/tcp_timestamps").read_text().strip() != "0"
+    except OSError:
+        timestamps = True
+    return 14 + 20 + 20 + (12 if timestamps else 0)
 
 
 def _reset_peak_rss() -> None:
@@ -59,7 +76,7 @@ def _run_steps(step: Any, warmup: int, steps: int) -> list[float]:
 
 def _compute_only(spec: dict[str, Any]) -> dict[str, Any]:
     """The same per-rank work with no communication (all ranks run it at the same time)."""
-    workload = load_workload(spec["model"])
+    workload = load_workload(spec["model"], spec.get("batch_size"))
     opt = torch.optim.SGD(workload.parameters(), lr=0.01)
 
     def step() -> None:
@@ -70,17 +87,17 @@ def _compute_only(spec: dict[str, Any]) -> dict[str, Any]:
     return {"step_times": _run_steps(step, spec["warmup"], spec["steps"])}
 
 
-def _barrier_tx_bytes(iface: Optional[str], count: int) -> int:
-    """Interface bytes this rank sends for ``count`` barriers (subtracted from the measured steps)."""
-    before = _iface_tx_bytes(iface)
+def _barrier_tx(iface: Optional[str], count: int) -> tuple[int, int]:
+    """Interface ``(bytes, packets)`` this rank sends for ``count`` barriers (subtracted from the steps)."""
+    before = _iface_tx(iface)
     for _ in range(count):
         dist.barrier()
-    after = _iface_tx_bytes(iface)
-    return (after - before) if before is not None and after is not None else 0
+    after = _iface_tx(iface)
+    return after[0] - before[0], after[1] - before[1]
 
 
 def _measure(name: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str, Any]:
-    workload = load_workload(spec["model"])
+    workload = load_workload(spec["model"], spec.get("batch_size"))
     installed = install(name, workload, spec["bucket_cap_mb"])
     opt = torch.optim.SGD(installed.ddp.parameters(), lr=0.01)
     counters: dict[str, float] = {}
@@ -92,21 +109,27 @@ def _measure(name: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str,
         count_step(installed)
 
     def snapshot() -> dict[str, float]:
-        return {"wire": installed.wire_bytes(), "hook": installed.hook_seconds(), "tx": _iface_tx_bytes(iface) or 0}
+        tx_bytes, tx_packets = _iface_tx(iface)
+        return {"wire": installed.wire_bytes(), "hook": installed.hook_seconds(), "tx": tx_bytes,
+                "packets": tx_packets}
 
     _run_steps(step, spec["warmup"], 0)
     n = spec["steps"]
-    barrier_tx = _barrier_tx_bytes(iface, n)
+    barrier_bytes, barrier_packets = _barrier_tx(iface, n)
     _reset_peak_rss()
     counters = snapshot()
     times = _run_steps(step, 0, n)
     end = snapshot()
+    # the per-step barrier of the measurement loop is not part of the configuration's traffic
+    frames = end["tx"] - counters["tx"] - barrier_bytes
+    packets = end["packets"] - counters["packets"] - barrier_packets
     return {
         "step_times": times,
         "wire_bytes_per_step": (end["wire"] - counters["wire"]) / n,
         "hook_seconds_per_step": (end["hook"] - counters["hook"]) / n,
-        # the per-step barrier of the measurement loop is not part of the configuration's traffic
-        "iface_tx_bytes_per_step": (end["tx"] - counters["tx"] - barrier_tx) / n if iface else None,
+        "iface_tx_bytes_per_step": frames / n if iface else None,
+        "iface_tx_packets_per_step": packets / n if iface else None,
+        "iface_tx_payload_bytes_per_step": (frames - packets * header_bytes_per_packet()) / n if iface else None,
         "peak_rss_mb": _peak_rss_mb(),
         "batch_size": workload.batch_size,
         "params": sum(p.numel() for p in workload.parameters()),

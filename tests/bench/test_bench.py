@@ -8,11 +8,14 @@ import sys
 
 import pytest
 
+from lightning_gradcomp.bench.models import load_workload
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, parse_rate, setup_commands, teardown_commands
 from lightning_gradcomp.bench.runner import recommend, run_bench, summarise
+from lightning_gradcomp.bench.worker import header_bytes_per_packet
 
 FIELDS = {"step_time_median_s", "step_time_p25_s", "step_time_p75_s", "throughput_samples_per_s", "scaling_efficiency",
-          "wire_bytes_per_step", "iface_tx_bytes_per_step", "hook_ms_per_step", "peak_rss_mb", "speedup_vs_ddp",
+          "wire_bytes_per_step", "iface_tx_bytes_per_step", "iface_tx_payload_bytes_per_step",
+          "iface_payload_vs_ours", "hook_ms_per_step", "peak_rss_mb", "speedup_vs_ddp",
           "bytes_ratio_vs_ddp"}
 
 
@@ -20,17 +23,19 @@ def _rank(times: dict[str, list[float]], compute: list[float]) -> dict:
     return {"compute_only": {"step_times": compute},
             "configs": {name: {"step_times": t, "wire_bytes_per_step": 1000.0 if name == "ddp" else 10.0,
                                "hook_seconds_per_step": 0.001, "iface_tx_bytes_per_step": None,
+                               "iface_tx_payload_bytes_per_step": None,
                                "peak_rss_mb": 100.0, "batch_size": 8, "params": 10} for name, t in times.items()}}
 
 
 def test_summary_uses_the_slowest_rank_per_step_and_recommends() -> None:
-    ranks = [_rank({"ddp": [0.10, 0.10, 0.30], "topk": [0.02, 0.03, 0.02]}, [0.01, 0.01, 0.01]),
-             _rank({"ddp": [0.20, 0.10, 0.10], "topk": [0.02, 0.02, 0.04]}, [0.01, 0.01, 0.01])]
+    ranks = [_rank({"ddp": [0.10, 0.10, 0.30], "topk": [0.02, 0.03, 0.02]}, [0.01, 0.005, 0.01]),
+             _rank({"ddp": [0.20, 0.10, 0.10], "topk": [0.02, 0.02, 0.04]}, [0.005, 0.01, 0.002])]
     summary = summarise(ranks)
     ddp, topk = summary["configs"]["ddp"], summary["configs"]["topk"]
     assert ddp["step_time_median_s"] == pytest.approx(0.2)  # max over ranks per step: .2, .1, .3
     assert topk["step_time_median_s"] == pytest.approx(0.03)
     assert topk["speedup_vs_ddp"] == pytest.approx(0.2 / 0.03)
+    assert summary["compute_only_step_s"] == pytest.approx(0.01)  # the slowest rank per step, as for the configs
     assert topk["scaling_efficiency"] == pytest.approx(0.01 / 0.03)
     assert topk["throughput_samples_per_s"] == pytest.approx(2 * 8 / 0.03)
     assert topk["bytes_ratio_vs_ddp"] == pytest.approx(100.0)
@@ -90,3 +95,21 @@ def test_invalid_bench_arguments() -> None:
         run_bench(configs=["nope"])
     with pytest.raises(ValueError, match="`world_size` must be >= 2"):
         run_bench(world_size=1)
+    with pytest.raises(ValueError, match="`batch_size` must be >= 1"):
+        run_bench(batch_size=0)
+    with pytest.raises(ValueError, match="`batch_size` applies to built-in models only"):
+        load_workload("my_package.models:MyModule", batch_size=8)
+
+
+def test_batch_size_overrides_a_builtin_model() -> None:
+    assert load_workload("mlp-small", 12).batch_size == 12
+    assert load_workload("cnn").batch_size == 32
+
+
+def test_interface_payload_is_frames_minus_one_header_per_packet() -> None:
+    header = header_bytes_per_packet()
+    assert header in (54, 66)  # Ethernet 14 + IPv4 20 + TCP 20 (+ 12 with timestamps)
+    rank = _rank({"ddp": [0.1]}, [0.05])
+    rank["configs"]["ddp"].update(iface_tx_bytes_per_step=1300.0, iface_tx_payload_bytes_per_step=990.0)
+    row = summarise([rank, rank])["configs"]["ddp"]
+    assert row["iface_tx_payload_bytes_per_step"] == 990.0 and row["iface_payload_vs_ours"] == pytest.approx(0.99)

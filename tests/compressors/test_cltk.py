@@ -12,7 +12,7 @@ from helpers.distributed import run_workers
 from helpers.models import TinyNet, assert_replicas_identical, fit
 from helpers.reduce import make_slots
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.comm import Comm, all_reduce_bytes
+from lightning_gradcomp.comm import Comm, all_reduce_bytes, broadcast_bytes
 from lightning_gradcomp.compressors import CLTK, TopK, registry
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext
 from lightning_gradcomp.compressors.cltk import decode_delta16, delta16_capacity, encode_delta16, leader_rank
@@ -121,7 +121,7 @@ def test_leader_indices_shared_mean_and_local_residuals(world: int) -> None:
                 assert torch.equal(residual, torch.where(mask, 0.0, ps[r][layer]))
         k_total = sum(kept_count(int(torch.tensor(s).prod()), ratio) for s in SHAPES)
         assert rec["collectives"] == 2  # one broadcast + one all-reduce per bucket
-        assert rec["bytes"] == pytest.approx(4 * k_total + all_reduce_bytes(4 * k_total, world))
+        assert rec["bytes"] == pytest.approx(broadcast_bytes(4 * k_total, world) + all_reduce_bytes(4 * k_total, world))
 
 
 def test_approx_selection_keeps_within_band_on_the_wire() -> None:
@@ -143,7 +143,8 @@ def test_approx_selection_keeps_within_band_on_the_wire() -> None:
         expected = torch.where(support, (ps[0] + ps[1]) / 2, 0.0)
         torch.testing.assert_close(rec["averaged"][0], expected, rtol=2e-3, atol=2e-3)
         # delta16 indices (k codes + escapes) and fp16 values
-        assert rec["bytes"] == pytest.approx(2 * delta16_capacity(200_000, k) + all_reduce_bytes(2 * k, world))
+        assert rec["bytes"] == pytest.approx(broadcast_bytes(2 * delta16_capacity(200_000, k), world)
+                                              + all_reduce_bytes(2 * k, world))
 
 
 def _ratio(comp: Compressor, world: int, shapes: list[tuple[int, ...]]) -> float:
@@ -156,8 +157,9 @@ def test_wire_ratio_holds_as_world_grows_unlike_local_topk() -> None:
     shapes = [(300, 200), (50_000,)]
     cltk = {w: _ratio(CLTK(0.01), w, shapes) for w in (2, 4)}
     topk = {w: _ratio(TopK(0.01), w, shapes) for w in (2, 4)}
-    assert cltk[2] == pytest.approx(50.0, rel=0.01)  # 4n / (4k + 4k) at W=2, ratio 1 %
-    assert cltk[4] >= 0.9 * cltk[2]
+    # dense 2(W-1)/W 4n over (W-1)/W 4k (index broadcast) + 2(W-1)/W 4k (values): 2n / 3k at every W
+    assert cltk[2] == pytest.approx(200 / 3, rel=0.01)  # ratio 1 %
+    assert cltk[4] == pytest.approx(cltk[2], rel=0.01)
     assert topk[4] < 0.6 * topk[2]  # all-gather: (W-1) * 8k bytes
 
 
@@ -177,7 +179,8 @@ def test_replicas_identical_and_bytes_match_formula(world: int, tmp_path: Path) 
     for name in ("body.0.weight", "body.2.weight"):
         layer = stats["layers"][name]
         n, k = layer["numel"], kept_count(layer["numel"], ratio)
-        expected = 2 * all_reduce_bytes(4 * n, world) + compressed_steps * (4 * k + all_reduce_bytes(4 * k, world))
+        per_step = broadcast_bytes(4 * k, world) + all_reduce_bytes(4 * k, world)
+        expected = 2 * all_reduce_bytes(4 * n, world) + compressed_steps * per_step
         assert layer["wire_bytes"] == pytest.approx(expected, rel=1e-9)
 
 
@@ -188,5 +191,5 @@ def test_replicas_identical_with_approx_delta16_fp16(tmp_path: Path) -> None:
     stats = records[0]["stats"]
     layer = stats["layers"]["body.2.weight"]  # 512 x 512: large enough for the sampled selection
     n, k = layer["numel"], kept_count(layer["numel"], 0.01)
-    per_step = 2 * delta16_capacity(n, k) + all_reduce_bytes(2 * k, 2)
+    per_step = broadcast_bytes(2 * delta16_capacity(n, k), 2) + all_reduce_bytes(2 * k, 2)
     assert layer["wire_bytes"] == pytest.approx(2 * all_reduce_bytes(4 * n, 2) + (stats["steps"] - 2) * per_step)
