@@ -81,12 +81,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_strategy(key: str, seed: int) -> pl.strategies.Strategy:
+def make_strategy(key: str, seed: int, start_method: str = "fork") -> pl.strategies.Strategy:
     if key == "ddp":
-        return GradCompStrategy(compressor=None, seed=seed, start_method="fork")
+        return GradCompStrategy(compressor=None, seed=seed, start_method=start_method)
     local_steps = 4 if "h4" in key else 1
     return SwarmStrategy(local_steps=local_steps, bits=None if "fp32" in key else 4 if "4bit" in key else 8,
-                         non_blocking="blocking" not in key, average_at_end=False, seed=seed, start_method="fork")
+                         non_blocking="blocking" not in key, average_at_end=False, seed=seed,
+                         start_method=start_method)
 
 
 def run(key: str, data: tuple[torch.Tensor, ...], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
