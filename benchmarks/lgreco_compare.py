@@ -1,22 +1,47 @@
-"""L-GreCo reproduction and PowerSGD vs ``torch``'s ``powerSGD_hook``, on 2 CPU ranks (gloo).
+"""L-GreCo reproduction (uniform vs layer-wise at the same error budget) and PowerSGD vs ``torch``'s hook.
 
-Task: 10-class classification of synthetic data (256 Gaussian features with a power-law spectrum, labelled by a
-fixed random teacher network; 8192 training and 4096 test samples generated from a seed, no download), learned
-by an MLP with layers of very different sizes (256-1024-512-256-128-64-32-10: 320 to 524k weights).
+Two CPU ranks (gloo, fork, one thread each). Four offline tasks whose layers differ in shape and gradients:
 
-Part ``lgreco`` (Lightning, ``GradCompStrategy``): for each family (PowerSGD rank 4, TopK 1 %, QSGD 4 bits)
-one run with the uniform default and one with :class:`~lightning_gradcomp.callbacks.LGreCo` at the **same
-error budget** (``alpha = 1``). Prints the bytes rank 0 sent (all layers, and the compressed layers only),
-the final test accuracy, and saves the per-layer choice to ``docs/figures/lgreco_layers.png``.
+``resnet``
+    Fashion-MNIST (Debian ``dataset-fashion-mnist``, loaded by ``benchmarks/scalecom_fidelity.py``; the first
+    ``--train-size`` training images and the full 10k test set) learned by the recipes' ResNet-8
+    (``recipes.models.resnet.resnet8``: a 3x3 stem and three BasicBlocks at 16/32/64 channels with batch norm,
+    78k parameters). Its compressed layers are 3x3 and 1x1 convolutions, reshaped to ``(out, in * kh * kw)``
+    matrices from 16x144 to 64x576, and the 10x64 classifier. SGD with momentum 0.9, weight decay 5e-4,
+    lr 0.1 with a per-step cosine decay, 4 epochs.
+``cnn``
+    The same data learned by the ScaleCom check's CNN (``scalecom_fidelity.make_cnn``: conv 1-32, conv 32-32,
+    fc 1568-320, fc 320-10). SGD with momentum 0.9, weight decay 5e-4, lr 0.05 with cosine decay, 4 epochs.
+``lm``
+    Next-token prediction on the English sentences of the Ding dictionary (Debian ``trans-de-en``, read by
+    ``recipes.data.parallel_text.read_ding``; a CRC32 split holds out 1 sentence in 10) with a word vocabulary of
+    4000, learned by a 2-layer pre-norm Transformer (width 64, tied embedding, context 32). AdamW (lr 2e-3,
+    weight decay 0.01) with cosine decay, 32 sequences per rank, 6 epochs; the metric is next-token accuracy.
+``mlp``
+    10-class classification of synthetic data (256 Gaussian features with a power-law spectrum, labelled by a
+    fixed random teacher; 8192 training and 4096 test samples generated from a seed) learned by an MLP with
+    layers of very different sizes (256-1024-512-256-128-64-32-10: 320 to 524k weights). SGD with momentum
+    0.9, lr 0.05 with a per-step cosine decay, 6 epochs.
 
-Part ``torch`` (raw DDP, no Lightning): the same model trained with our ``PowerSGD(rank=4)`` hook engine and
-with ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` (rank 4, error feedback, warm start).
-torch's hook issues collectives from Future callbacks, which deadlocks gloo with several buckets, so both
-run with a single DDP bucket (``bucket_cap_mb=1000``). Prints bytes per compressed step (ours from
-:class:`~lightning_gradcomp.comm.CommStats`, torch's from its own ``compression_stats`` counters with the
-same all-reduce formula), time inside the hook function per step, step time, and final accuracy.
+Part ``lgreco`` (Lightning, ``GradCompStrategy``, compression from step 2): for each task, family
+(PowerSGD rank 4, TopK 1 %, QSGD 4 bits) and seed, one run with the uniform default and one with
+:class:`~lightning_gradcomp.callbacks.LGreCo` at the **same error budget** (``alpha = 1``), both with the same
+seed (initialisation, data order and compressor randomness). L-GreCo first re-plans a quarter epoch in, then
+every half epoch, each time from the last 10 steps' compressor inputs. Prints the bytes rank 0 sent (all layers,
+and the compressed layers only), the final test accuracy and loss, the compression error each run actually
+incurred per step (:class:`ErrorMeter`), and draws every family's per-layer choice (last re-plan of the first seed)
+to ``--figure``.
 
-    python benchmarks/lgreco_compare.py [--part all|lgreco|torch] [--epochs 6] [--seeds 0 1]
+Part ``torch`` (raw DDP, no Lightning, ``mlp`` task): the MLP trained with our ``PowerSGD(rank=4)`` hook engine
+and with ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` (rank 4, error feedback, warm start).
+torch's hook issues collectives from Future callbacks, which deadlocks gloo with several buckets, so both run
+with a single DDP bucket (``bucket_cap_mb=1000``). Prints bytes per compressed step (ours from
+:class:`~lightning_gradcomp.comm.CommStats`, torch's from its own ``compression_stats`` counters with the same
+all-reduce formula), time inside the hook function per step, step time, and final accuracy.
+
+    python benchmarks/lgreco_compare.py [--part all|lgreco|torch] [--tasks resnet cnn lm mlp] [--seeds 0 1]
+        [--families powersgd topk qsgd] [--epochs N] [--train-size 20000] [--error norm|squared]
+        [--json out.json] [--plot-from out.json]
 """
 
 from __future__ import annotations
@@ -25,58 +50,79 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.callbacks import LGreCo
-from lightning_gradcomp.comm import Comm, all_reduce_bytes
-from lightning_gradcomp.compressors import PowerSGD, TopK
-from lightning_gradcomp.compressors.qsgd import QSGD
-from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.plan import SlotPolicy
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "tests")]
+from helpers.distributed import free_port, run_workers  # noqa: E402 - the tests' fork/gloo runner
+from scalecom_fidelity import load_data as load_fashion_mnist  # noqa: E402 - the shared Fashion-MNIST loader
+from scalecom_fidelity import make_cnn  # noqa: E402 - the ScaleCom check's CNN (conv 1-32-32, fc 1568-320-10)
 
-ROOT = Path(__file__).resolve().parents[1]
-WIDTHS = (256, 1024, 512, 256, 128, 64, 32, 10)
+from lightning_gradcomp import GradCompStrategy  # noqa: E402
+from lightning_gradcomp.callbacks import LGreCo  # noqa: E402
+from lightning_gradcomp.comm import Comm, all_reduce_bytes  # noqa: E402
+from lightning_gradcomp.compressors import PowerSGD, TopK  # noqa: E402
+from lightning_gradcomp.compressors.qsgd import QSGD  # noqa: E402
+from lightning_gradcomp.functional.lowrank import matrix_shape  # noqa: E402
+from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook  # noqa: E402
+from lightning_gradcomp.plan import SlotPolicy  # noqa: E402
+from recipes.data.parallel_text import DING_PATH, is_held_out, read_ding  # noqa: E402 - Debian trans-de-en
+from recipes.data.vocab import EOS, WordVocab  # noqa: E402
+from recipes.models.resnet import resnet8  # noqa: E402 - the image recipe's CPU model
+from recipes.models.seq2seq import sinusoidal_positions  # noqa: E402
+
 WORLD = 2
 BATCH = 64  # per rank
-MIN_NUMEL = 256  # every weight matrix is compressed (biases stay dense)
-TRAIN = 8192
-TEACHER_SCALE = 1.0
-SPECTRUM = 1.0
+START_STEP = 2  # first compressed step (both settings)
+ACCUMULATE = 10  # steps summed into L-GreCo's statistic before each re-plan
 
 
-# ---------------------------------------------------------------------------------------------- task
-def make_data(seed: int = 0, train: int = TRAIN, test: int = 4096) -> tuple[torch.Tensor, ...]:
+# ---------------------------------------------------------------------------------------------- families
+FAMILIES: dict[str, tuple[str, Callable[[], Any], dict[str, Any]]] = {
+    # key: (label, uniform compressor, LGreCo candidate arguments); the same for every task
+    "powersgd": ("PowerSGD rank 4", lambda: PowerSGD(rank=4), {"min_factor": 0.25, "max_factor": 4.0}),
+    "topk": ("TopK 1 %", lambda: TopK(ratio=0.01), {"min_factor": 1 / 16, "max_factor": 4.0, "num_candidates": 13}),
+    "qsgd": ("QSGD 4 bits", lambda: QSGD(bits=4, bucket_size=512), {"min_factor": 0.5, "max_factor": 2.0}),
+}
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+WIDTHS = (256, 1024, 512, 256, 128, 64, 32, 10)
+
+
+def make_data(seed: int = 0, train: int = 8192, test: int = 4096) -> tuple[torch.Tensor, ...]:
     """Gaussian inputs with a power-law spectrum (like natural signals), labelled by a random teacher.
 
-    ``x = (z * i^-SPECTRUM) R`` with ``z ~ N(0, I)`` and a random rotation ``R``; labels are the argmax of a
-    fixed ``d -> 32 (tanh) -> 10`` teacher applied to ``x``, normalised to unit variance per direction.
+    ``x = (z * i^-1) R`` with ``z ~ N(0, I)`` and a random rotation ``R``; labels are the argmax of a fixed
+    ``d -> 32 (tanh) -> 10`` teacher applied to ``x``, normalised to unit variance per direction.
     """
     gen = torch.Generator().manual_seed(1234 + seed)
     d = WIDTHS[0]
-    scales = torch.arange(1, d + 1, dtype=torch.float32) ** -SPECTRUM
+    scales = torch.arange(1, d + 1, dtype=torch.float32) ** -1.0
     rotation, _ = torch.linalg.qr(torch.randn(d, d, generator=gen))
     x = (torch.randn(train + test, d, generator=gen) * scales) @ rotation.T
     x = x / x.std()
     w1 = torch.randn(d, 32, generator=gen) / d ** 0.5
     w2 = torch.randn(32, 10, generator=gen)
-    y = (torch.tanh(x @ w1 * TEACHER_SCALE) @ w2).argmax(1)
+    y = (torch.tanh(x @ w1) @ w2).argmax(1)
     return x[:train], y[:train], x[train:], y[train:]
 
 
 def make_mlp(seed: int) -> nn.Sequential:
+    """The ``WIDTHS`` MLP with ReLUs, initialised from ``seed``."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(WIDTHS[:-1], WIDTHS[1:])):
@@ -86,182 +132,372 @@ def make_mlp(seed: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+def make_resnet(seed: int) -> nn.Module:
+    """The image recipe's ResNet-8 for 1-channel 28x28 images, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    return resnet8(num_classes=10, in_channels=1)
+
+
+CONTEXT = 32  # tokens per language-model sequence
+VOCAB = 4000
+
+
+class TinyLM(nn.Module):
+    """Decoder-only Transformer language model: tied token embedding, sine positions, pre-norm causal blocks.
+
+    ``(N, T)`` token ids -> ``(N, T, vocab)`` next-token logits.
+    """
+
+    def __init__(self, vocab: int = VOCAB, d_model: int = 64, nhead: int = 4, layers: int = 2, ff: int = 256,
+                 dropout: float = 0.1, context: int = CONTEXT) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        nn.init.normal_(self.embed.weight, std=d_model ** -0.5)
+        self.register_buffer("positions", sinusoidal_positions(context, d_model), persistent=False)
+        block = nn.TransformerEncoderLayer(d_model, nhead, ff, dropout, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.scale = d_model ** 0.5
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        h = self.embed(tokens) * self.scale + self.positions[:t]
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device)
+        h = self.norm(self.blocks(h, mask=mask, is_causal=True))
+        return h @ self.embed.weight.T  # output projection tied to the embedding
+
+
+def make_lm(seed: int) -> nn.Module:
+    """:class:`TinyLM` with the default sizes, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def load_ding_lm(vocab_size: int = VOCAB, context: int = CONTEXT) -> tuple[Any, ...]:
+    """``(name, x_train, y_train, x_test, y_test)``: next-token sequences of the Ding dictionary's English sentences.
+
+    Sentences whose CRC32 is divisible by 10 are held out (``recipes.data.parallel_text.is_held_out``); the
+    word vocabulary is the ``vocab_size - 4`` most frequent words of the training sentences (others map to
+    ``<unk>``). Each split is one stream of sentences, each ended by ``</s>``, cut into ``context + 1``-token
+    windows: ``x`` is a window's first ``context`` tokens, ``y`` its last ``context``.
+    """
+    english = [en for en, _ in read_ding()]
+    train = [s for s in english if not is_held_out(s, 10)]
+    test = [s for s in english if is_held_out(s, 10)]
+    vocab = WordVocab.from_texts(train, vocab_size)
+
+    def windows(sentences: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = torch.tensor([i for s in sentences for i in [*vocab.encode(s), EOS]], dtype=torch.int64)
+        n = (len(stream) - 1) // context
+        x = stream[:n * context].view(n, context)
+        y = stream[1:n * context + 1].view(n, context)
+        return x, y
+
+    (xtr, ytr), (xte, yte) = windows(train), windows(test)
+    name = (f"English sentences of the Ding dictionary ({DING_PATH}, Debian trans-de-en): {len(train)} training / "
+            f"{len(test)} held-out sentences, {xtr.numel()} / {xte.numel()} tokens, {len(vocab)} words")
+    return name, xtr, ytr, xte, yte
+
+
+@dataclass
+class Task:
+    """A model, its data and its optimiser settings."""
+
+    name: str
+    description: str
+    make_net: Callable[[int], nn.Module]
+    data: tuple[torch.Tensor, ...]
+    epochs: int
+    batch: int  # per rank
+    optimizer: str  # "sgd" (momentum 0.9) or "adamw"
+    lr: float
+    weight_decay: float
+    min_numel: int  # smallest weight tensor that is compressed (biases and norms always go dense)
+
+
+def build_task(name: str, args: argparse.Namespace) -> Task:
+    """Load the data of task ``name`` (``mlp``, ``lm``, ``cnn`` or ``resnet``) and fix its settings."""
+    if name == "mlp":
+        return Task("mlp", "synthetic 256-feature task, MLP 256-1024-512-256-128-64-32-10", make_mlp, make_data(),
+                    args.epochs or 6, 64, "sgd", 0.05, 0.0, 256)
+    if name == "lm":
+        data_name, *data = load_ding_lm()
+        return Task("lm", f"{data_name}; Transformer LM (2 pre-norm layers, d 64, 4 heads, ff 256, tied "
+                          f"{VOCAB}x64 embedding, context {CONTEXT})", make_lm, tuple(data),
+                    args.epochs or 6, 32, "adamw", 2e-3, 0.01, 256)
+    data_name, *data = load_fashion_mnist(args.train_size)
+    if name == "cnn":
+        return Task("cnn", f"{data_name}, CNN conv 1-32-32 (3x3) + fc 1568-320-10 (benchmarks/scalecom_fidelity.py)",
+                    make_cnn, tuple(data), args.epochs or 4, 64, "sgd", 0.05, 5e-4, 256)
+    return Task("resnet", f"{data_name}, ResNet-8 (16/32/64 channels, batch norm)", make_resnet, tuple(data),
+                args.epochs or 4, 64, "sgd", 0.1, 5e-4, 256)
+
+
+def evaluate(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """``(top-1 accuracy, mean cross-entropy)`` in eval mode over every target (image, sample or token)."""
+    was_training = net.training
+    net.eval()
+    hits, loss = 0, 0.0
     with torch.no_grad():
-        return float((model(x).argmax(1) == y).float().mean())
+        for a, b in zip(x.split(500), y.split(500)):
+            logits = net(a)
+            logits = logits.reshape(-1, logits.shape[-1])
+            hits += int((logits.argmax(1) == b.reshape(-1)).sum())
+            loss += float(nn.functional.cross_entropy(logits, b.reshape(-1), reduction="sum"))
+    net.train(was_training)
+    return hits / y.numel(), loss / y.numel()
+
+
+def accuracy(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Top-1 accuracy in eval mode."""
+    return evaluate(net, x, y)[0]
 
 
 class Classifier(pl.LightningModule):
-    """The MLP on the synthetic task, SGD with momentum and a cosine learning-rate decay."""
+    """A task's network, SGD with momentum 0.9 and a per-step cosine learning-rate decay."""
 
-    def __init__(self, seed: int, epochs: int, lr: float = 0.05) -> None:
+    def __init__(self, task: Task, seed: int) -> None:
         super().__init__()
-        self.net = make_mlp(seed)
-        self.seed, self.epochs, self.lr = seed, epochs, lr
-        self.xtr, self.ytr, self.xte, self.yte = make_data()  # one data set; the seed varies init and order
+        self.net = task.make_net(seed)
+        self.task = task
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
+        logits = self.net(x)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
-        steps = self.trainer.estimated_stepping_batches
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(
-            opt, T_max=steps), "interval": "step"}}
+        task = self.task
+        if task.optimizer == "adamw":
+            opt = torch.optim.AdamW(self.parameters(), lr=task.lr, weight_decay=task.weight_decay)
+        else:
+            opt = torch.optim.SGD(self.parameters(), lr=task.lr, momentum=0.9, weight_decay=task.weight_decay)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.trainer.estimated_stepping_batches)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(self.xtr, self.ytr), batch_size=BATCH, shuffle=True)
+        xtr, ytr = self.task.data[:2]
+        return DataLoader(TensorDataset(xtr, ytr), batch_size=self.task.batch, shuffle=True)
+
+
+class ErrorMeter:
+    """Engine observer (rank 0): the compression error each compressed step actually incurred.
+
+    Per step, over the compressed layers: ``sum_l ||p_l - c_l||`` (the metric L-GreCo's budget bounds, here
+    per step instead of on the 10-step sum), ``sum_l ||p_l - c_l||^2`` and ``sum_l ||p_l||``, where ``p_l`` is the
+    compressor input (error-compensated with error feedback) and ``c_l`` this rank's compressed contribution.
+    """
+
+    def __init__(self) -> None:
+        self.steps: dict[int, list[float]] = {}
+
+    def wants(self, step: int) -> bool:
+        return True
+
+    def __call__(self, record: Any) -> None:
+        if record.residuals is None:
+            return
+        acc = self.steps.setdefault(record.step, [0.0, 0.0, 0.0])
+        for x, r in zip(record.inputs, record.residuals):
+            e = float(r.detach().double().norm())
+            acc[0] += e
+            acc[1] += e * e
+            acc[2] += float(x.detach().double().norm())
+
+    def summary(self) -> dict[str, float]:
+        rows = list(self.steps.values())
+        if not rows:
+            return {}
+        return {"error": statistics.fmean(r[0] for r in rows), "squared_error": statistics.fmean(r[1] for r in rows),
+                "input_norm": statistics.fmean(r[2] for r in rows), "error_steps": len(rows)}
 
 
 class Probe(pl.Callback):
-    """Rank 0 writes accuracy, bytes, per-layer figures and the LGreCo history to a JSON file."""
+    """Rank 0 writes accuracy, bytes, incurred errors, per-layer figures and the LGreCo history to a JSON file."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
+        self.meter = ErrorMeter()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        hook = getattr(trainer.strategy, "hook", None)
+        if trainer.global_rank == 0 and hook is not None and getattr(hook, "compressor", None) is not None:
+            hook.observers.append(self.meter)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Classifier) -> None:
         if trainer.global_rank != 0:
             return
         stats = trainer.strategy.comm_stats
         lg = [cb for cb in trainer.callbacks if isinstance(cb, LGreCo)]
-        compressed = {k: v for k, v in stats.layers.items() if v.compressed}
+        shapes = {name: list(p.shape) for name, p in pl_module.named_parameters()}
+        order = [name for name in shapes if name in stats.layers and stats.layers[name].compressed]
+        compressed = {k: stats.layers[k] for k in order}  # model order
+        xte, yte = pl_module.task.data[2:]
+        acc, loss = evaluate(pl_module.net, xte, yte)
         result = {
-            "accuracy": accuracy(pl_module.net, pl_module.xte, pl_module.yte),
+            "accuracy": acc,
+            "test_loss": loss,
             "wire_bytes": stats.wire_bytes,
             "dense_bytes": stats.dense_bytes,
             "compressed_layer_bytes": sum(v.wire_bytes for v in compressed.values()),
             "steps": stats.steps,
-            "layers": {k: {"numel": v.numel, "param": v.param, "wire_bytes": v.wire_bytes}
+            "layers": {k: {"numel": v.numel, "shape": shapes.get(k), "param": v.param, "wire_bytes": v.wire_bytes}
                        for k, v in compressed.items()},
             "history": lg[0].history if lg else [],
+            **self.meter.summary(),
         }
         self.out.write_text(json.dumps(result))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def steps_per_epoch(task: Task) -> int:
+    """Optimizer steps per epoch (the distributed sampler pads every rank to ``ceil(N / W)`` samples)."""
+    per_rank = -(-len(task.data[1]) // WORLD)
+    return -(-per_rank // task.batch)
 
 
-def run_fit(compressor: Any, layerwise: Optional[LGreCo], seed: int, epochs: int, workdir: Path) -> dict[str, Any]:
+def lgreco_for(kwargs: dict[str, Any], spe: int, error: str = "norm") -> LGreCo:
+    """Re-plan a quarter epoch in, then every half epoch, from the last 10 steps (``alpha = 1``)."""
+    return LGreCo(warmup_steps=max(spe // 4, START_STEP + ACCUMULATE + 1), period=max(spe // 2, ACCUMULATE),
+                  accumulate_steps=ACCUMULATE, alpha=1.0, error=error, **kwargs)
+
+
+def run_fit(task: Task, compressor: Any, layerwise: Optional[LGreCo], seed: int, workdir: Path) -> dict[str, Any]:
     """One 2-rank fit (fork launcher); returns rank 0's :class:`Probe` record plus the wall time."""
     os.environ["MASTER_PORT"] = str(free_port())
     os.environ["MASTER_ADDR"] = "127.0.0.1"
+    pl.seed_everything(seed, verbose=False)  # the data order (DistributedSampler) follows PL_GLOBAL_SEED
     out = workdir / f"probe_{time.monotonic_ns()}.json"
-    strategy = GradCompStrategy(compressor=compressor, start_step=2, min_numel=MIN_NUMEL, start_method="fork",
-                                layerwise=layerwise)
-    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=epochs, logger=False,
+    strategy = GradCompStrategy(compressor=compressor, start_step=START_STEP, min_numel=task.min_numel, seed=seed,
+                                start_method="fork", layerwise=layerwise)
+    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=task.epochs, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[Probe(out)], default_root_dir=str(workdir))
     start = time.perf_counter()
-    trainer.fit(Classifier(seed, epochs))
+    trainer.fit(Classifier(task, seed))
     record = json.loads(out.read_text())
     record["seconds"] = time.perf_counter() - start
     return record
 
 
 # ---------------------------------------------------------------------------------------------- part 1
-FAMILIES: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
-    # name: (uniform compressor, LGreCo candidate arguments)
-    "PowerSGD rank": (lambda: PowerSGD(rank=4), {"min_factor": 0.25, "max_factor": 4.0}),
-    "TopK ratio": (lambda: TopK(ratio=0.01), {"min_factor": 1 / 16, "max_factor": 4.0, "num_candidates": 13}),
-    "QSGD bits": (lambda: QSGD(bits=4, bucket_size=512), {"min_factor": 0.5, "max_factor": 2.0}),
-}
-
-
-def lgreco_for(kwargs: dict[str, Any], steps_per_epoch: int) -> LGreCo:
-    """Re-plan after the first epoch's first quarter, then every half epoch, from 10 accumulated steps."""
-    return LGreCo(warmup_steps=steps_per_epoch // 4, period=steps_per_epoch // 2, accumulate_steps=10, alpha=1.0,
-                  **kwargs)
-
-
-def part_lgreco(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    steps_per_epoch = TRAIN // (BATCH * WORLD)
+def part_lgreco(task: Task, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    spe = steps_per_epoch(task)
+    print(f"\n[{task.name}] {task.description}; W={WORLD}, batch {task.batch}/rank, {task.epochs} epochs of {spe} steps, "
+          f"seeds {args.seeds}", flush=True)
     results: dict[str, Any] = {}
-    for family, (make, kwargs) in FAMILIES.items():
+    for key in args.families:
+        label, make, kwargs = FAMILIES[key]
         for seed in args.seeds:
-            uni = run_fit(make(), None, seed, args.epochs, workdir)
-            lg = run_fit(make(), lgreco_for(kwargs, steps_per_epoch), seed, args.epochs, workdir)
-            results.setdefault(family, []).append({"uniform": uni, "lgreco": lg})
+            uni = run_fit(task, make(), None, seed, workdir)
+            lg = run_fit(task, make(), lgreco_for(kwargs, spe, args.error), seed, workdir)
+            results.setdefault(key, []).append({"seed": seed, "uniform": uni, "lgreco": lg})
             saving = uni["compressed_layer_bytes"] / lg["compressed_layer_bytes"]
-            print(f"{family:14s} seed {seed}: uniform {uni['compressed_layer_bytes'] / 1e6:8.2f} MB "
+            print(f"[{task.name}] {label:15s} seed {seed}: uniform {uni['compressed_layer_bytes'] / 1e6:8.2f} MB "
                   f"acc {uni['accuracy']:.4f} | L-GreCo {lg['compressed_layer_bytes'] / 1e6:8.2f} MB "
-                  f"acc {lg['accuracy']:.4f} | saving {saving:.2f}x "
-                  f"(all layers {uni['wire_bytes'] / lg['wire_bytes']:.2f}x)", flush=True)
-    dense = run_fit(None, None, args.seeds[0], args.epochs, workdir)
-    results["dense"] = dense
-    print(f"dense DDP seed {args.seeds[0]}: {dense['wire_bytes'] / 1e6:.2f} MB acc {dense['accuracy']:.4f}")
-    print_lgreco_table(results, args)
-    plot_layers(results, ROOT / "docs" / "figures" / "lgreco_layers.png")
+                  f"acc {lg['accuracy']:.4f} | saving {saving:.2f}x (all layers "
+                  f"{uni['wire_bytes'] / lg['wire_bytes']:.2f}x) | {uni['seconds']:.0f} s, {lg['seconds']:.0f} s",
+                  flush=True)
+    if args.dense:
+        dense = run_fit(task, None, None, args.seeds[0], workdir)
+        results["dense"] = dense
+        print(f"[{task.name}] dense DDP seed {args.seeds[0]}: {dense['wire_bytes'] / 1e6:.2f} MB "
+              f"acc {dense['accuracy']:.4f}", flush=True)
+    print_lgreco_table(task, results, args)
     return results
 
 
-def _mean(xs: list[float]) -> float:
-    return statistics.fmean(xs)
-
-
-def print_lgreco_table(results: dict[str, Any], args: argparse.Namespace) -> None:
-    print(f"\nL-GreCo vs uniform at alpha = 1, {args.epochs} epochs, W={WORLD}, mean over seeds {args.seeds}")
+def print_lgreco_table(task: Task, results: dict[str, Any], args: argparse.Namespace) -> None:
+    mean = statistics.fmean
+    print(f"\n[{task.name}] L-GreCo vs uniform at alpha = 1, {task.epochs} epochs, W={WORLD}, mean over seeds "
+          f"{args.seeds}")
     print("| family | setting | MB sent, compressed layers | MB sent, all layers | bytes saving (compressed / all) "
-          "| test accuracy | error budget used (last re-plan) |")
-    print("|---|---|---|---|---|---|---|")
-    for family in FAMILIES:
-        runs = results[family]
+          "| test accuracy | test loss | incurred error per step, vs uniform | last re-plan: error / budget, saving |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for key in args.families:
+        runs = results[key]
+        label = FAMILIES[key][0]
         for setting in ("uniform", "lgreco"):
-            comp = _mean([r[setting]["compressed_layer_bytes"] for r in runs]) / 1e6
-            total = _mean([r[setting]["wire_bytes"] for r in runs]) / 1e6
-            acc = _mean([r[setting]["accuracy"] for r in runs])
+            comp = mean([r[setting]["compressed_layer_bytes"] for r in runs]) / 1e6
+            total = mean([r[setting]["wire_bytes"] for r in runs]) / 1e6
+            acc = mean([r[setting]["accuracy"] for r in runs])
+            loss = mean([r[setting]["test_loss"] for r in runs])
             if setting == "uniform":
-                print(f"| {family} | uniform | {comp:.2f} | {total:.2f} | 1.00x / 1.00x | {acc:.4f} | 1.000 |")
+                print(f"| {label} | uniform | {comp:.2f} | {total:.2f} | 1.00x / 1.00x | {acc:.4f} | {loss:.4f} | 1.00 "
+                      f"| - |")
                 continue
-            save_c = _mean([r["uniform"]["compressed_layer_bytes"] / r["lgreco"]["compressed_layer_bytes"]
-                            for r in runs])
-            save_t = _mean([r["uniform"]["wire_bytes"] / r["lgreco"]["wire_bytes"] for r in runs])
+            incurred = mean([r["lgreco"]["error"] / r["uniform"]["error"] for r in runs])
+            save_c = mean([r["uniform"]["compressed_layer_bytes"] / r["lgreco"]["compressed_layer_bytes"]
+                           for r in runs])
+            save_t = mean([r["uniform"]["wire_bytes"] / r["lgreco"]["wire_bytes"] for r in runs])
             last = [r["lgreco"]["history"][-1] for r in runs if r["lgreco"]["history"]]
-            used = _mean([h["error"] / h["budget"] for h in last if h.get("feasible")]) if last else float("nan")
-            print(f"| {family} | L-GreCo | {comp:.2f} | {total:.2f} | {save_c:.2f}x / {save_t:.2f}x | {acc:.4f} "
-                  f"| {used:.3f} |")
-    dense = results["dense"]
-    print(f"| dense DDP | - | - | {dense['wire_bytes'] / 1e6:.2f} | - | {dense['accuracy']:.4f} | - |")
+            last = [h for h in last if h.get("feasible")]
+            used = mean([h["error"] / h["budget"] for h in last]) if last else math.nan
+            plan = mean([h["uniform_bytes"] / h["bytes"] for h in last]) if last else math.nan
+            print(f"| {label} | L-GreCo | {comp:.2f} | {total:.2f} | {save_c:.2f}x / {save_t:.2f}x | {acc:.4f} "
+                  f"| {loss:.4f} | {incurred:.2f} | {used:.3f}, {plan:.2f}x |")
+    if "dense" in results:
+        dense = results["dense"]
+        print(f"| dense DDP (seed {args.seeds[0]}) | - | - | {dense['wire_bytes'] / 1e6:.2f} | - "
+              f"| {dense['accuracy']:.4f} | {dense['test_loss']:.4f} | - | - |")
+    for key in args.families:
+        per_seed = "; ".join(
+            f"seed {r['seed']}: {r['uniform']['compressed_layer_bytes'] / 1e6:.2f} MB / {r['uniform']['accuracy']:.4f}"
+            f" vs {r['lgreco']['compressed_layer_bytes'] / 1e6:.2f} MB / {r['lgreco']['accuracy']:.4f} "
+            f"({r['uniform']['compressed_layer_bytes'] / r['lgreco']['compressed_layer_bytes']:.2f}x, incurred error "
+            f"{r['uniform']['error']:.4g} vs {r['lgreco']['error']:.4g})"
+            for r in results[key])
+        print(f"[{task.name}] {FAMILIES[key][0]} per seed (compressed MB / accuracy, uniform vs L-GreCo): {per_seed}")
 
 
-def _numel(n: int) -> str:
-    return f"{n // 1000}k" if n >= 1000 else str(n)
+def _layer_label(info: dict[str, Any]) -> str:
+    if info.get("shape"):
+        n, m = matrix_shape(info["shape"])
+        return f"{n}x{m}"
+    return str(info["numel"])
 
 
-def plot_layers(results: dict[str, Any], path: Path) -> None:
-    """Per-layer chosen parameter (last re-plan of seed 0's L-GreCo run) relative to the uniform default."""
+def plot_layers(all_results: dict[str, dict[str, Any]], families: list[str], path: Path) -> None:
+    """Per-layer chosen parameter (last re-plan of the first seed's L-GreCo run) relative to the uniform default.
+
+    One row per task, one panel per family; layers in model order, labelled with their matrix shape.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(FAMILIES), figsize=(4.2 * len(FAMILIES), 3.6), constrained_layout=True)
-    for ax, (family, (make, _)) in zip(axes, FAMILIES.items()):
-        run = results[family][0]["lgreco"]
-        default = make().default_param
-        names = sorted(run["layers"], key=lambda n: int(n.split(".")[1]))
-        chosen = [run["layers"][n]["param"] for n in names]
-        labels = [f"{n.split('.')[1]}\n{_numel(run['layers'][n]['numel'])}" for n in names]
-        rel = [c / default for c in chosen]
-        ax.bar(range(len(names)), [r - 1.0 for r in rel], bottom=1.0,
-               color=["tab:orange" if r < 1 else "tab:blue" for r in rel])
-        ax.axhline(1.0, color="k", lw=0.8, ls="--", label=f"uniform ({default:g})")
-        ax.set_yscale("log", base=2)
-        span = max(max(abs(math.log2(r)) for r in rel), 1.0) + 0.5
-        ax.set_ylim(2 ** -span, 2 ** span)
-        ax.set_xticks(range(len(names)), labels, fontsize=8)
-        for i, c in enumerate(chosen):
-            ax.annotate(f"{c:.3g}", (i, c / default), ha="center", va="bottom" if c >= default else "top",
-                        fontsize=7)
-        saving = run["history"][-1]["uniform_bytes"] / run["history"][-1]["bytes"] if run["history"] else 1.0
-        ax.set_title(f"{family}: last re-plan {saving:.2f}x fewer bytes", fontsize=10)
-        ax.set_xlabel("layer (net.<i>, numel)")
-        ax.legend(fontsize=8)
-    axes[0].set_ylabel("chosen / uniform default")
-    fig.suptitle("L-GreCo per-layer parameters at the uniform setting's error budget (alpha = 1)", fontsize=11)
+    tasks = list(all_results)
+    fig, axes = plt.subplots(len(tasks), len(families), figsize=(4.6 * len(families), 3.9 * len(tasks)),
+                             constrained_layout=True, squeeze=False)
+    for row, task in enumerate(tasks):
+        for ax, key in zip(axes[row], families):
+            label, make, _ = FAMILIES[key]
+            run = all_results[task][key][0]["lgreco"]
+            default = make().default_param
+            names = list(run["layers"])  # model order (the order of the strategy's layer plan)
+            chosen = [run["layers"][n]["param"] for n in names]
+            rel = [c / default for c in chosen]
+            ax.bar(range(len(names)), [r - 1.0 for r in rel], bottom=1.0,
+                   color=["tab:orange" if r < 1 else "tab:blue" for r in rel])
+            uniform = f"{100 * default:g}%" if key == "topk" else f"{default:g}"
+            ax.axhline(1.0, color="k", lw=0.8, ls="--", label=f"uniform ({uniform})")
+            ax.set_yscale("log", base=2)
+            span = max(max(abs(math.log2(r)) for r in rel), 1.0) + 0.6
+            ax.set_ylim(2 ** -span, 2 ** span)
+            ax.set_xticks(range(len(names)), [_layer_label(run["layers"][n]) for n in names], fontsize=7,
+                          rotation=60)
+            for i, c in enumerate(chosen):
+                text = f"{100 * c:.2g}%" if key == "topk" else f"{c:g}"
+                ax.annotate(text, (i, c / default), ha="center", va="bottom" if c >= default else "top", fontsize=6)
+            runs = all_results[task][key]
+            whole = statistics.fmean([r["uniform"]["compressed_layer_bytes"] / r["lgreco"]["compressed_layer_bytes"]
+                                      for r in runs])
+            ax.set_title(f"{task}: {label}\n{whole:.2f}x fewer bytes over the run (seed mean)", fontsize=9)
+            ax.set_xlabel("compressed layer (matrix shape n x m), input to output", fontsize=8)
+            ax.legend(fontsize=7)
+        axes[row][0].set_ylabel("chosen / uniform default (log2)")
+    fig.suptitle("L-GreCo per-layer parameters at the uniform setting's error budget (alpha = 1), last re-plan",
+                 fontsize=11)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -291,20 +527,8 @@ def _timed(hook_fn: Callable, box: list[float]) -> Callable:
     return wrapper
 
 
-def _torch_worker(rank: int, which: str, seed: int, epochs: int, port: int, queue: Any) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        queue.put((rank, _train_torch(rank, which, seed, epochs)))
-    except BaseException as err:  # report instead of leaving the parent waiting
-        queue.put((rank, {"error": repr(err)}))
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _train_torch(rank: int, which: str, seed: int, epochs: int) -> dict[str, Any]:
+def _train_torch(rank: int, world: int, which: str, seed: int, epochs: int) -> dict[str, Any]:
+    """One rank of the raw-DDP comparison (run by :func:`run_workers`, which set up gloo and one thread)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -321,15 +545,14 @@ def _train_torch(rank: int, which: str, seed: int, epochs: int) -> dict[str, Any
                                   min_compression_rate=2, use_error_feedback=True, warm_start=True, random_seed=0)
         model.register_comm_hook(hook, _timed(psgd.powerSGD_hook, box))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    n = xtr.shape[0] // WORLD
-    steps_per_epoch = n // BATCH
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps_per_epoch * epochs)
+    n = xtr.shape[0] // world
+    spe = n // BATCH
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=spe * epochs)
     step_times, hook_times, resolve_times = [], [], []
-    numel_after_before = 0
     for epoch in range(epochs):
         perm = torch.randperm(xtr.shape[0], generator=torch.Generator().manual_seed(seed * 1000 + epoch))
         mine = perm[rank * n:(rank + 1) * n]
-        for i in range(steps_per_epoch):
+        for i in range(spe):
             idx = mine[i * BATCH:(i + 1) * BATCH]
             box[0] = box[1] = 0.0
             start = time.perf_counter()
@@ -341,58 +564,48 @@ def _train_torch(rank: int, which: str, seed: int, epochs: int) -> dict[str, Any
             step_times.append(time.perf_counter() - start)
             hook_times.append(box[0])
             resolve_times.append(box[1])
-    compressed_steps = epochs * steps_per_epoch - 2
+    compressed_steps = epochs * spe - 2
     if which == "ours":
-        dense_steps_bytes = 2 * all_reduce_bytes(4 * sum(p.numel() for p in net.parameters()), WORLD)
+        dense_steps_bytes = 2 * all_reduce_bytes(4 * sum(p.numel() for p in net.parameters()), world)
         per_step = (hook.stats.wire_bytes - dense_steps_bytes) / compressed_steps
     else:
         _, _, after = hook.compression_stats()
-        numel_after_before = after
-        per_step = all_reduce_bytes(4 * after / compressed_steps, WORLD)
+        per_step = all_reduce_bytes(4 * after / compressed_steps, world)
     params = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     skip = 2 + 5
     return {"accuracy": accuracy(net, xte, yte), "bytes_per_step": per_step,
             "hook_ms": 1e3 * statistics.median(hook_times[skip:]),
             "resolve_ms": 1e3 * statistics.median(resolve_times[skip:]),
-            "step_ms": 1e3 * statistics.median(step_times[skip:]),
-            "numel_after": numel_after_before, "checksum": float(params.double().sum())}
+            "step_ms": 1e3 * statistics.median(step_times[skip:]), "checksum": float(params.double().sum())}
 
 
 def run_torch_compare(which: str, seed: int, epochs: int) -> dict[str, Any]:
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_torch_worker, args=(r, which, seed, epochs, port, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in range(WORLD))
-    for p in procs:
-        p.join()
-    for r in results.values():
-        if "error" in r:
-            raise RuntimeError(f"{which} worker failed: {r['error']}")
+    """Rank 0's figures of one raw-DDP run (``which``: ``"torch"`` or ``"ours"``); checks the replicas agree."""
+    results = run_workers(_train_torch, WORLD, which, seed, epochs, timeout=3600.0)
     assert results[0]["checksum"] == results[1]["checksum"], f"{which}: replicas differ"
     return results[0]
 
 
 def part_torch(args: argparse.Namespace) -> dict[str, Any]:
+    epochs = args.epochs or 6
     out: dict[str, Any] = {}
     for seed in args.seeds:
         for which in ("torch", "ours", "torch", "ours"):  # alternate so machine noise hits both alike
-            out.setdefault(which, []).append(run_torch_compare(which, seed, args.epochs))
+            out.setdefault(which, []).append(run_torch_compare(which, seed, epochs))
     dense_bytes = all_reduce_bytes(4 * sum(p.numel() for p in make_mlp(0).parameters()), WORLD)
-    print(f"\nPowerSGD rank 4, single bucket, W={WORLD}, {args.epochs} epochs, seeds {args.seeds} (2 runs each)")
+    mean = statistics.fmean
+    print(f"\nPowerSGD rank 4, single bucket, W={WORLD}, {epochs} epochs, seeds {args.seeds} (2 runs each)")
     print("| hook | bytes per compressed step | vs dense | hook body ms/step | hook call to result ms/step "
           "| step ms | test accuracy |")
     print("|---|---|---|---|---|---|---|")
     for which, label in (("torch", "torch `powerSGD_hook`"), ("ours", "`PowerSGD(rank=4)` (this library)")):
         runs = out[which]
-        b = _mean([r["bytes_per_step"] for r in runs])
-        print(f"| {label} | {b:,.0f} | {dense_bytes / b:.1f}x less | {_mean([r['hook_ms'] for r in runs]):.2f} "
-              f"| {_mean([r['resolve_ms'] for r in runs]):.2f} | {_mean([r['step_ms'] for r in runs]):.2f} "
-              f"| {_mean([r['accuracy'] for r in runs]):.4f} |")
+        b = mean([r["bytes_per_step"] for r in runs])
+        print(f"| {label} | {b:,.0f} | {dense_bytes / b:.1f}x less | {mean([r['hook_ms'] for r in runs]):.2f} "
+              f"| {mean([r['resolve_ms'] for r in runs]):.2f} | {mean([r['step_ms'] for r in runs]):.2f} "
+              f"| {mean([r['accuracy'] for r in runs]):.4f} |")
     for key, what in (("resolve_ms", "hook call to result"), ("step_ms", "step")):
-        ratio = _mean([r[key] for r in out["ours"]]) / _mean([r[key] for r in out["torch"]])
+        ratio = mean([r[key] for r in out["ours"]]) / mean([r[key] for r in out["torch"]])
         print(f"{what} time ratio ours / torch (medians, same run set): {ratio:.2f}")
     return out
 
@@ -400,15 +613,44 @@ def part_torch(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("all", "lgreco", "torch"), default="all")
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--tasks", nargs="+", choices=("resnet", "cnn", "lm", "mlp"),
+                        default=["resnet", "cnn", "lm", "mlp"])
+    parser.add_argument("--families", nargs="+", choices=tuple(FAMILIES), default=list(FAMILIES))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--epochs", type=int, default=None, help="default: 4 (resnet), 6 (mlp)")
+    parser.add_argument("--train-size", type=int, default=20000, help="Fashion-MNIST training images (resnet)")
+    parser.add_argument("--no-dense", dest="dense", action="store_false", help="skip the dense DDP reference run")
+    parser.add_argument("--figure", default=str(ROOT / "docs" / "figures" / "lgreco_layers.png"),
+                        help="per-layer chart (PNG; '' to skip)")
+    parser.add_argument("--error", choices=("norm", "squared"), default="norm",
+                        help="LGreCo(error=...): budget on the sum of norms (paper) or on the total squared error")
+    parser.add_argument("--json", type=Path, default=None, help="also write every run's record here")
+    parser.add_argument("--plot-from", type=Path, default=None,
+                        help="only redraw --figure from a --json file written by an earlier run")
     args = parser.parse_args()
+    if args.plot_from is not None:
+        lgreco = json.loads(args.plot_from.read_text())["lgreco"]
+        plot_layers(lgreco, [f for f in args.families if all(f in r for r in lgreco.values())], Path(args.figure))
+        return
     torch.set_num_threads(1)
+    records: dict[str, Any] = {}
+
+    def save() -> None:
+        if args.json is not None:
+            args.json.write_text(json.dumps(records))
+
     with tempfile.TemporaryDirectory() as tmp:
         if args.part in ("all", "lgreco"):
-            part_lgreco(args, Path(tmp))
+            lgreco: dict[str, Any] = {}
+            records["lgreco"] = lgreco
+            for name in args.tasks:
+                lgreco[name] = part_lgreco(build_task(name, args), args, Path(tmp))
+                save()
+            if args.figure:
+                plot_layers(lgreco, args.families, Path(args.figure))
         if args.part in ("all", "torch"):
-            part_torch(args)
+            records["torch"] = part_torch(args)
+            save()
 
 
 if __name__ == "__main__":
