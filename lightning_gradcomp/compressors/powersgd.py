@@ -80,8 +80,7 @@ class PowerSGD(Compressor):
         shapes = [matrix_shape(slot.shape) for slot in ctx.slots]
         ranks = [effective_rank(n, m, r) for (n, m), r in zip(shapes, ctx.params)]
         mats = [t.view(n, m) for t, (n, m) in zip(tensors, shapes)]
-        qs = [self._start_factor(slot.name, m, r, ctx, i, device)
-              for i, (slot, (_, m), r) in enumerate(zip(ctx.slots, shapes, ranks))]
+        qs = [self._start_factor(slot.name, m, r, ctx, device) for slot, (_, m), r in zip(ctx.slots, shapes, ranks)]
 
         p_counts = [n * r for (n, _), r in zip(shapes, ranks)]
         p_flat = torch.empty(sum(p_counts), dtype=torch.float32, device=device)
@@ -115,16 +114,19 @@ class PowerSGD(Compressor):
         return Reduction(averaged=fut.then(decode), residuals=tensors)
 
     # ------------------------------------------------------------------ state
-    def _start_factor(self, name: str, m: int, rank: int, ctx: ReduceContext, salt: int,
-                      device: torch.device) -> Tensor:
-        """This step's ``Q`` (``m x rank``): the warm start, resized if the rank changed, or a fresh one."""
+    def _start_factor(self, name: str, m: int, rank: int, ctx: ReduceContext, device: torch.device) -> Tensor:
+        """This step's ``Q`` (``m x rank``): the warm start, resized if the rank changed, or a fresh one.
+
+        Fresh columns are drawn from a stream salted with the layer name, so they do not depend on the
+        layer's position in its bucket (DDP re-buckets after its first step and after a resume).
+        """
         previous = self._factors.get(name) if self.warm_start else None
         if previous is not None and previous.shape[0] == m:
             previous = previous.to(device)
             if previous.shape[1] == rank:
                 return previous
-            return adapt_factor(previous, rank, ctx.generator(device, shared=True, salt=salt))
-        return random_factor(m, rank, ctx.generator(device, shared=True, salt=salt), device)
+            return adapt_factor(previous, rank, ctx.generator(device, shared=True, salt=name))
+        return random_factor(m, rank, ctx.generator(device, shared=True, salt=name), device)
 
     def state_dict(self) -> dict[str, Any]:
         """The warm-start factors ``Q`` by layer name (identical on every rank)."""

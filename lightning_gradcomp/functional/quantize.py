@@ -152,7 +152,8 @@ def stochastic_quantize(x: Tensor, levels: int, group_size: int, p: PNorm, gener
 
     Returns:
         :class:`Quantized` with ``n`` codes in ``[0, 2L]`` and ``ceil(n / group_size)`` fp32 scales.
-        Zero groups get scale 0 and decode to exact zeros.
+        Zero groups, and groups whose scale is too small to invert in fp32 (subnormal), get scale 0 and
+        decode to exact zeros.
     """
     if levels < 1:
         raise ValueError(f"`levels` must be >= 1, got {levels!r}")
@@ -162,7 +163,11 @@ def stochastic_quantize(x: Tensor, levels: int, group_size: int, p: PNorm, gener
     mag = grouped.abs()
     scales = _norms(mag, parse_p(p)).to(torch.float32)
     wire = scales.to(x.dtype)  # probabilities use the scale exactly as it is sent
-    inverse = torch.where(wire > 0, levels / torch.where(wire > 0, wire, torch.ones_like(wire)), torch.zeros_like(wire))
+    inverse = levels / torch.where(wire > 0, wire, torch.ones_like(wire))
+    # A group whose scale is zero, or so small (subnormal) that levels / scale overflows, is sent as zeros.
+    usable = (wire > 0) & torch.isfinite(inverse)
+    inverse = torch.where(usable, inverse, torch.zeros_like(inverse))
+    scales = torch.where(usable.to(scales.device), scales, torch.zeros_like(scales))
     y = mag.mul_(inverse.unsqueeze(-1)).clamp_(max=float(levels))
     y.add_(torch.rand(y.shape, generator=generator, dtype=y.dtype, device=y.device)).floor_()
     codes = torch.copysign(y, grouped).add_(float(levels))  # copysign(0, -x) + L == L

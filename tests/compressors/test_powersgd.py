@@ -88,6 +88,32 @@ def test_warm_start_converges_to_best_rank_r() -> None:
     assert min(cold) > warm[-1] * 1.01  # ... and without warm start it never gets there
 
 
+def _layout_worker(rank: int, world: int, order: list[int]) -> dict[str, torch.Tensor]:
+    """Reduce the two layers of SHAPES in the given bucket order, fresh and after a rank change."""
+    comp, comm = PowerSGD(rank=2), Comm()
+    named = make_slots(SHAPES)
+    slots, offset = [], 0
+    for i in order:
+        slots.append(LayerSlot(named[i].name, offset, named[i].shape, compressed=True))
+        offset += named[i].numel
+    out: dict[str, torch.Tensor] = {}
+    for step, r in enumerate([2, 3]):  # step 0: fresh factors; step 1: adapt_factor draws a new column
+        tensors = rank_inputs(rank, SHAPES, step)
+        red = comp.reduce([tensors[i].clone() for i in order], ReduceContext(comm, step, 0, slots, [r, r]))
+        for i, t in zip(order, red.averaged.wait()):
+            out[f"{step}/{named[i].name}"] = t.clone()
+    return out
+
+
+def test_factors_do_not_depend_on_bucket_layout() -> None:
+    """DDP re-buckets after its first step and after a resume: a layer's random factors must follow its name."""
+    forward = run_workers(_layout_worker, 2, [0, 1])[0]
+    backward = run_workers(_layout_worker, 2, [1, 0])[0]
+    assert forward.keys() == backward.keys()
+    for key in forward:
+        assert torch.equal(forward[key], backward[key]), key
+
+
 def _rank_change_worker(rank: int, world: int) -> dict[str, Any]:
     comp = PowerSGD(rank=2)
     comm = Comm()

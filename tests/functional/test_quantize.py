@@ -190,3 +190,20 @@ def test_bits_levels_and_norm_validation() -> None:
         alpha_p(0, 2)
     with pytest.raises(ValueError, match="levels"):
         stochastic_quantize(torch.ones(3), 0, 2, 2, torch.Generator())
+
+
+@pytest.mark.parametrize("tiny", [1e-40, 1e-44, 1.2e-38, 1e-37])
+def test_subnormal_group_is_sent_as_zero_or_quantized_finitely(tiny: float) -> None:
+    """A group whose scale is subnormal would overflow ``levels / scale``: it must not yield NaN codes."""
+    x = torch.zeros(64)
+    x[0] = tiny
+    x[40] = 1.0  # a second, normal group
+    q = stochastic_quantize(x, 7, 32, math.inf, torch.Generator().manual_seed(0))
+    assert int(q.codes.min()) >= 0 and int(q.codes.max()) <= 14
+    out = dequantize(q.codes, q.scales, q.levels, q.group_size)
+    assert torch.isfinite(out).all()
+    assert abs(float(out[0])) <= 2 * tiny  # zero, or a finite stochastic rounding of the tiny value
+    assert torch.equal(out[1:32], torch.zeros(31))  # exact zeros stay exact zeros (no 0 * inf = NaN codes)
+    expected = torch.zeros(32)
+    expected[8] = 1.0
+    assert torch.equal(out[32:], expected)  # the normal group is unaffected
