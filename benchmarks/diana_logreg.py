@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_gradcomp.bench.runner import free_port
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.compressors import DIANA
 from lightning_gradcomp.compressors.base import ReduceContext
@@ -116,12 +116,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def floor_of(curve: list[float]) -> float:
     """Median of the last quarter of a curve: the level where a method stalls."""
     tail = sorted(curve[-max(1, len(curve) // 4):])
@@ -173,7 +167,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, queue)) for r in range(args.world)]
     for p in procs:
         p.start()

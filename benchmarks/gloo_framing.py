@@ -14,19 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 
 SIZES = (256, 2560, 25600, 256000)
 """fp32 elements per collective."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_main(repeats: int) -> None:
@@ -74,13 +67,14 @@ def main() -> int:
         rank_main(args.repeats)
         return 0
     from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address
+    from lightning_gradcomp.bench.runner import free_port
     from lightning_gradcomp.comm import all_reduce_bytes, broadcast_bytes
 
     ok, why = can_emulate()
     if not ok:
         print(f"cannot emulate a link here: {why}")
         return 1
-    world, port = args.world_size, _free_port()
+    world, port = args.world_size, free_port()
     with EmulatedLink(world, args.link) as link:
         procs = [subprocess.Popen(["ip", "netns", "exec", link.namespace(r), sys.executable, __file__, "--rank-main",
                                    "--repeats", str(args.repeats)],

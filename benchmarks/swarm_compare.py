@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scalecom_fidelity import Classifier, load_data, make_cnn  # noqa: E402 - the shared task
 
 from lightning_gradcomp import GradCompStrategy, SwarmStrategy  # noqa: E402
+from lightning_gradcomp.bench.runner import free_port  # noqa: E402
 
 WORLD = 4
 
@@ -75,12 +75,6 @@ def params_of(state: dict[str, torch.Tensor]) -> int:
     return sum(v.numel() for v in state.values() if v.is_floating_point())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_strategy(key: str, seed: int, start_method: str = "fork") -> pl.strategies.Strategy:
     if key == "ddp":
         return GradCompStrategy(compressor=None, seed=seed, start_method=start_method)
@@ -91,7 +85,7 @@ def make_strategy(key: str, seed: int, start_method: str = "fork") -> pl.strateg
 
 
 def run(key: str, data: tuple[torch.Tensor, ...], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     out = workdir / key
     out.mkdir()

@@ -40,10 +40,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scalecom_fidelity import Classifier, load_data  # noqa: E402 - the shared task
-from swarm_compare import LABELS, WORLD, _free_port, accuracy, make_strategy  # noqa: E402
+from swarm_compare import LABELS, WORLD, accuracy, make_strategy  # noqa: E402
 
 from lightning_gradcomp import SwarmStrategy  # noqa: E402
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address  # noqa: E402
+from lightning_gradcomp.bench.runner import free_port  # noqa: E402
 
 __all__ = ["StepClock", "first_reaching", "run_clock"]
 
@@ -159,7 +160,7 @@ def launch(key: str, link: Optional[EmulatedLink], args: argparse.Namespace, wor
     """Start the W ranks of ``key`` (each in its namespace), wait, and load what each saved."""
     out = workdir / key
     out.mkdir()
-    port = str(_free_port())
+    port = str(free_port())
     procs: list[subprocess.Popen] = []
     with ExitStack() as logs:
         for rank in range(WORLD):

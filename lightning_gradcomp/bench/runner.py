@@ -16,12 +16,13 @@ from typing import Any, Optional, Sequence
 from lightning_gradcomp.bench.configs import available_configs
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address
 
-__all__ = ["recommend", "run_bench", "summarise"]
+__all__ = ["free_port", "recommend", "run_bench", "summarise"]
 
 DEFAULT_CONFIGS = ("ddp", "torch_fp16", "torch_powersgd", "gradcomp_fp16", "gradcomp_topk", "gradcomp_randomk")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -98,7 +99,7 @@ def recommend(summary: dict[str, Any]) -> str:
 
 def _launch(spec: dict[str, Any], link: Optional[EmulatedLink], timeout: float) -> list[dict[str, Any]]:
     world = spec["world_size"]
-    port = _free_port()
+    port = free_port()
     spec_path = Path(spec["out_dir"]) / "spec.json"
     spec_path.write_text(json.dumps(spec))
     procs = []

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import traceback
 from typing import Any, Callable
 
@@ -12,12 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A currently free TCP port on localhost."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from lightning_gradcomp.bench.runner import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:

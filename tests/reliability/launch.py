@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
 from lightning_gradcomp import GradCompStrategy, SwarmStrategy
+from lightning_gradcomp.bench.runner import free_port
 from lightning_gradcomp.callbacks import LGreCo
 from lightning_gradcomp.compressors import CLTK, DIANA, QSGD, Compressor, PowerSGD, RandomK, SignSGD, TernGrad, TopK
 
@@ -194,11 +194,6 @@ def _install_injection(trainer: Any, module: Any, inject: dict[str, Any]) -> Non
 
 
 # ---------------------------------------------------------------------------------------------- launching
-def free_port() -> int:
-    """A currently free TCP port on localhost."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fork_entry(config: dict[str, Any], rank: int, env: dict[str, str]) -> None:
