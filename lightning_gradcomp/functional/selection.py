@@ -28,12 +28,15 @@ then corrects the count:
   ``n`` mask bytes for about ``k`` hits. The masks are per-thread scratch arrays kept between calls
   (2.3 bytes per entry of the largest tensor seen, up to 32M entries; fresh ones page-fault at these
   sizes); they hold no state. Other devices and dtypes use the same steps in torch (no blocks, ``nonzero``).
-* **Compiled CPU pass.** When the optional C++ kernel of :mod:`._native` is available (built on the
-  first CPU call, about 10 s once per machine; ``LIGHTNING_GRADCOMP_NO_NATIVE=1`` disables it), a
-  contiguous tensor's threshold pass is one call that scans ``x`` once and writes the sorted indices
-  (into a buffer of ``2 aim + 64`` entries, rerun with the true count if that was too small). It keeps
-  exactly the entries the NumPy pass keeps, so the result is identical; the cost per call falls from
-  about 20 NumPy calls to one, which matters on cache-resident tensors.
+* **Compiled CPU path.** When the optional C++ kernel of :mod:`._native` is available (built on the
+  first CPU call, 15-20 s once per machine; ``LIGHTNING_GRADCOMP_NO_NATIVE=1`` disables it), a
+  contiguous tensor's selection is one kernel call: the sample, its order statistic (radix selection on
+  the bits of ``|x|``), the threshold pass (a compare mask per 64 entries), and the trim of the
+  candidates to the ``k`` largest. The offset is drawn as ``randint`` draws it. Tensors too small to
+  sample use the kernel's exact selection. Each step computes exactly what the NumPy step computes
+  (order statistics in NumPy's order, NaN last; NumPy's ``argpartition`` still decides the rare ties
+  at a cut), so the result is identical; the cost per call falls from about 20 NumPy calls to one,
+  which matters on cache-resident tensors.
 
 All functions return **sorted** int64 indices (delta coding of indices relies on it).
 """
@@ -125,26 +128,64 @@ def approx_topk_indices(x: Tensor, k: int, generator: torch.Generator, *, band: 
         ``c`` sorted indices, ``band_limits(k, band)[0] <= c <= band_limits(k, band)[1]``.
     """
     n = x.numel()
-    lo, hi = band_limits(k, band)
-    sample_size = math.ceil(hits * n / max(k, 1))
+    lo, hi, sample_size, stride = _plan(n, k, tuple(band), hits)
     if k >= n or 4 * sample_size >= n:
         return _exact_small(x, k)
-    if x.device.type == "cpu" and x.dtype in _NUMPY_DTYPES:
+    if x.is_cpu and x.dtype in _NUMPY_DTYPES:
+        kernel = _native.load() if n < _native.MAX_NUMEL else None
+        if kernel is not None and not x.is_contiguous():
+            x = x.detach().reshape(-1)  # copies a non-contiguous tensor of 2+ dims
+        if kernel is not None and x.is_contiguous():
+            return _approx_native(kernel, x, k, lo, hi, generator, stride, oversample)
         flat = x.detach().reshape(-1)
-        kernel = _native.load() if flat.is_contiguous() else None
-        found = _approx_numpy(flat.numpy(), k, lo, hi, generator, sample_size, oversample,
-                              None if kernel is None else (kernel, flat))
-        return exact_topk_indices(x, k) if found is None else torch.from_numpy(found)
+        found = _approx_numpy(flat.numpy(), k, lo, hi, generator, sample_size, oversample)
+        return exact_topk_indices(flat, k) if found is None else torch.from_numpy(found)
     return _approx_torch(x.reshape(-1), k, lo, hi, generator, sample_size, oversample)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(n: int, k: int, band: tuple[float, float], hits: int) -> tuple[int, int, int, int]:
+    """``(lo, hi, sample_size, stride)`` of :func:`approx_topk_indices` (cached: layers repeat every step)."""
+    lo, hi = band_limits(k, band)
+    sample_size = math.ceil(hits * n / max(k, 1))
+    return lo, hi, sample_size, systematic_stride(n, sample_size)
+
+
+# ------------------------------------------------------------------------------------------------ CPU (kernel)
+def _approx_native(kernel: ModuleType, x: Tensor, k: int, lo: int, hi: int, generator: torch.Generator,
+                   stride: int, oversample: float) -> Tensor:
+    """:func:`_approx_numpy` in one call of the compiled kernel (``x`` contiguous): the same result.
+
+    Calls the kernel directly (the checks of :func:`._native.approx` hold by construction here).
+    """
+    offset = _draw_offset(stride, generator)
+    status, idx = kernel.approx(x.data_ptr(), x.numel(), x.dtype is torch.float64, offset, stride, oversample * k,
+                                4.0 * oversample * k, k, lo, hi, kernel.level)
+    if status == _native.DONE:
+        return torch.from_numpy(idx)
+    if status == _native.TIES:  # more than hi tie at the cut: NumPy's argpartition decides, as on its path
+        return torch.from_numpy(_trim_numpy(x.detach().reshape(-1).numpy(), idx, k, hi))
+    return exact_topk_indices(x.reshape(-1), k)
+
+
+def _draw_offset(stride: int, generator: torch.Generator) -> int:
+    """``int(torch.randint(stride, (1,), generator=generator))``: the same draw, into a kept CPU tensor.
+
+    ``randint`` is ``empty(...).random_(0, stride)``; skipping the allocation saves a third of its cost.
+    """
+    if generator.device.type != "cpu":
+        return int(torch.randint(stride, (1,), generator=generator, device=generator.device))
+    buffer = getattr(_SCRATCH, "offset", None)
+    if buffer is None:
+        with torch.inference_mode(False):  # a normal tensor: updated in place in and out of inference mode
+            buffer = _SCRATCH.offset = torch.empty(1, dtype=torch.int64)
+    return int(buffer.random_(0, stride, generator=generator))
 
 
 # ------------------------------------------------------------------------------------------------ CPU (NumPy)
 def _approx_numpy(xn: np.ndarray, k: int, lo: int, hi: int, generator: torch.Generator, sample_size: int,
-                  oversample: float, native: tuple[ModuleType, Tensor] | None = None) -> np.ndarray | None:
-    """:func:`approx_topk_indices` on a NumPy view; ``None`` when both thresholds keep fewer than ``lo``.
-
-    ``native``: the compiled kernel and ``xn`` as a contiguous tensor, for the threshold pass.
-    """
+                  oversample: float) -> np.ndarray | None:
+    """:func:`approx_topk_indices` on a NumPy view; ``None`` when both thresholds keep fewer than ``lo``."""
     n = xn.size
     stride = systematic_stride(n, sample_size)
     offset = int(torch.randint(stride, (1,), generator=generator, device=generator.device))
@@ -153,7 +194,7 @@ def _approx_numpy(xn: np.ndarray, k: int, lo: int, hi: int, generator: torch.Gen
         rank = min(sample.size, max(1, math.ceil(aim * sample.size / n)))
         sample.partition(sample.size - rank)
         threshold = float(sample[sample.size - rank])
-        idx = _at_least_numpy(xn, threshold) if native is None else _at_least_native(*native, threshold, aim)
+        idx = _at_least_numpy(xn, threshold)
         if idx.size > hi:
             return _trim_numpy(xn, idx, k, hi)
         if idx.size >= lo:
@@ -184,15 +225,6 @@ def _at_least_numpy(xn: np.ndarray, threshold: float) -> np.ndarray:
         tail = np.flatnonzero(np.abs(xn[body:]) >= threshold)
         if tail.size:
             idx = np.concatenate([idx, tail + body])
-    return idx
-
-
-def _at_least_native(kernel: ModuleType, x: Tensor, threshold: float, aim: float) -> np.ndarray:
-    """:func:`_at_least_numpy` by the compiled kernel (one pass; a second one if the buffer was short)."""
-    capacity = 2 * math.ceil(aim) + 64
-    idx, count = _native.at_least(kernel, x, threshold, capacity)
-    if count > capacity:
-        idx, count = _native.at_least(kernel, x, threshold, count)
     return idx
 
 
@@ -240,8 +272,13 @@ def _trim_numpy(xn: np.ndarray, idx: np.ndarray, k: int, hi: int) -> np.ndarray:
 def _exact_small(x: Tensor, k: int) -> Tensor:
     """Exact top-``k`` for tensors too small to sample: a NumPy selection on CPU, else ``torch.topk``."""
     n = x.numel()
-    if k >= n or x.device.type != "cpu" or x.dtype not in _NUMPY_DTYPES:
+    if k >= n or not x.is_cpu or x.dtype not in _NUMPY_DTYPES:
         return exact_topk_indices(x, k)
+    kernel = _native.load() if 1 <= k and n < _native.MAX_NUMEL else None
+    if kernel is not None and x.is_contiguous():  # the checks of _native.exact hold here
+        found = kernel.exact(x.data_ptr(), n, x.dtype is torch.float64, k, kernel.level)
+        if found is not None:
+            return torch.from_numpy(found)
     magnitudes = np.abs(x.detach().reshape(-1).numpy())
     cut = np.partition(magnitudes, n - k)[n - k]
     idx = np.flatnonzero(magnitudes >= cut)
