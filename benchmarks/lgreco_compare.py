@@ -27,10 +27,13 @@ Part ``lgreco`` (Lightning, ``GradCompStrategy``, compression from step 2): for 
 (PowerSGD rank 4, TopK 1 %, QSGD 4 bits) and seed, one run with the uniform default and one with
 :class:`~lightning_gradcomp.callbacks.LGreCo` at the **same error budget** (``alpha = 1``), both with the same
 seed (initialisation, data order and compressor randomness). L-GreCo first re-plans a quarter epoch in, then
-every half epoch, each time from the last 10 steps' compressor inputs. Prints the bytes rank 0 sent (all layers,
-and the compressed layers only), the final test accuracy and loss, the compression error each run actually
-incurred per step (:class:`ErrorMeter`), and draws every family's per-layer choice (last re-plan of the first seed)
-to ``--figure``.
+every half epoch, each time from the last 10 steps' statistics (``LGreCo``'s defaults: the raw gradients and the
+sum of un-squared errors). ``--variants`` runs several L-GreCo settings against the same uniform run, e.g.
+``statistic=input`` (the official code's error-compensated inputs), ``error=feedback`` or ``period=1`` (epochs
+between re-plans). Prints the bytes rank 0 sent (all layers, and the compressed layers only), the final test
+accuracy and loss, the compression error each run actually incurred per step (:class:`ErrorMeter`), how much the
+per-layer choice moves between re-plans (:func:`oscillation`), and draws every family's per-layer choice (last
+re-plan of the first seed, first variant) to ``--figure``.
 
 Part ``torch`` (raw DDP, no Lightning, ``mlp`` task): the MLP trained with our ``PowerSGD(rank=4)`` hook engine
 and with ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` (rank 4, error feedback, warm start).
@@ -41,6 +44,7 @@ all-reduce formula), time inside the hook function per step, step time, and fina
 
     python benchmarks/lgreco_compare.py [--part all|lgreco|torch] [--tasks resnet cnn lm mlp] [--seeds 0 1]
         [--families powersgd topk qsgd] [--epochs N] [--train-size 20000] [--error norm|squared]
+        [--variants statistic=gradient statistic=input,period=1 ...] [--uniform-from earlier.json ...]
         [--json out.json] [--plot-from out.json]
 """
 
@@ -96,6 +100,9 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any], dict[str, Any]]] = {
     "powersgd": ("PowerSGD rank 4", lambda: PowerSGD(rank=4), {"min_factor": 0.25, "max_factor": 4.0}),
     "topk": ("TopK 1 %", lambda: TopK(ratio=0.01), {"min_factor": 1 / 16, "max_factor": 4.0, "num_candidates": 13}),
     "qsgd": ("QSGD 4 bits", lambda: QSGD(bits=4, bucket_size=512), {"min_factor": 0.5, "max_factor": 2.0}),
+    # a higher default rank with a wider grid (ranks 1 to 32), for the question whether PowerSGD leaves more room
+    # for re-allocation above rank 4; not in the default set of families
+    "powersgd8": ("PowerSGD rank 8", lambda: PowerSGD(rank=8), {"min_factor": 0.125, "max_factor": 4.0}),
 }
 
 
@@ -355,10 +362,35 @@ def steps_per_epoch(task: Task) -> int:
     return -(-per_rank // task.batch)
 
 
-def lgreco_for(kwargs: dict[str, Any], spe: int, error: str = "norm") -> LGreCo:
-    """Re-plan a quarter epoch in, then every half epoch, from the last 10 steps (``alpha = 1``)."""
-    return LGreCo(warmup_steps=max(spe // 4, START_STEP + ACCUMULATE + 1), period=max(spe // 2, ACCUMULATE),
-                  accumulate_steps=ACCUMULATE, alpha=1.0, error=error, **kwargs)
+def parse_variant(text: str, error: str = "norm") -> dict[str, Any]:
+    """``"statistic=gradient,error=squared,period=1"`` -> LGreCo settings (``period`` in epochs, default 0.5)."""
+    out: dict[str, Any] = {"statistic": "gradient", "error": error, "period": 0.5}
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        if key not in out:
+            raise SystemExit(f"--variants: unknown key {key!r} in {text!r} (statistic, error, period)")
+        out[key] = float(value) if key == "period" else value
+    return out
+
+
+def lgreco_for(kwargs: dict[str, Any], spe: int, error: str = "norm", statistic: str = "gradient",
+               period: float = 0.5) -> LGreCo:
+    """Re-plan a quarter epoch in, then every ``period`` epochs (default half), from the last 10 steps
+    (``alpha = 1``)."""
+    return LGreCo(warmup_steps=max(spe // 4, START_STEP + ACCUMULATE + 1),
+                  period=max(int(round(spe * period)), ACCUMULATE), accumulate_steps=ACCUMULATE, alpha=1.0,
+                  error=error, statistic=statistic, **kwargs)
+
+
+def oscillation(history: list[dict[str, Any]]) -> tuple[float, list[float]]:
+    """``(mean |log2(v_{t+1} / v_t)| over layers and consecutive re-plans, planned saving per re-plan)``."""
+    feasible = [h for h in history if h.get("feasible")]
+    steps = []
+    for a, b in zip(feasible, feasible[1:]):
+        if a["layers"] == b["layers"]:
+            steps.extend(abs(math.log2(y / x)) for x, y in zip(a["values"], b["values"]) if x > 0 and y > 0)
+    plans = [h["uniform_bytes"] / h["bytes"] for h in feasible if h.get("bytes")]
+    return (statistics.fmean(steps) if steps else math.nan), plans
 
 
 def run_fit(task: Task, compressor: Any, layerwise: Optional[LGreCo], seed: int, workdir: Path) -> dict[str, Any]:
@@ -380,23 +412,42 @@ def run_fit(task: Task, compressor: Any, layerwise: Optional[LGreCo], seed: int,
 
 
 # ---------------------------------------------------------------------------------------------- part 1
+def reused_uniform(args: argparse.Namespace, task: str, family: str, seed: int) -> Optional[dict[str, Any]]:
+    """The uniform run of ``(task, family, seed)`` from ``--uniform-from`` (the runs are deterministic), if any."""
+    for path in args.uniform_from or []:
+        rows = json.loads(Path(path).read_text()).get("lgreco", {}).get(task, {}).get(family, [])
+        for row in rows:
+            if row["seed"] == seed:
+                print(f"[{task}] {family} seed {seed}: uniform run reused from {path}", flush=True)
+                return row["uniform"]
+    return None
+
+
 def part_lgreco(task: Task, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     spe = steps_per_epoch(task)
-    print(f"\n[{task.name}] {task.description}; W={WORLD}, batch {task.batch}/rank, {task.epochs} epochs of {spe} steps, "
-          f"seeds {args.seeds}", flush=True)
+    print(f"\n[{task.name}] {task.description}; W={WORLD}, batch {task.batch}/rank, {task.epochs} epochs of {spe} "
+          f"steps, seeds {args.seeds}", flush=True)
     results: dict[str, Any] = {}
     for key in args.families:
         label, make, kwargs = FAMILIES[key]
         for seed in args.seeds:
-            uni = run_fit(task, make(), None, seed, workdir)
-            lg = run_fit(task, make(), lgreco_for(kwargs, spe, args.error), seed, workdir)
-            results.setdefault(key, []).append({"seed": seed, "uniform": uni, "lgreco": lg})
-            saving = uni["compressed_layer_bytes"] / lg["compressed_layer_bytes"]
-            print(f"[{task.name}] {label:15s} seed {seed}: uniform {uni['compressed_layer_bytes'] / 1e6:8.2f} MB "
-                  f"acc {uni['accuracy']:.4f} | L-GreCo {lg['compressed_layer_bytes'] / 1e6:8.2f} MB "
-                  f"acc {lg['accuracy']:.4f} | saving {saving:.2f}x (all layers "
-                  f"{uni['wire_bytes'] / lg['wire_bytes']:.2f}x) | {uni['seconds']:.0f} s, {lg['seconds']:.0f} s",
-                  flush=True)
+            uni = reused_uniform(args, task.name, key, seed) or run_fit(task, make(), None, seed, workdir)
+            row: dict[str, Any] = {"seed": seed, "uniform": uni, "variants": {}}
+            for variant in args.variants:
+                lg = run_fit(task, make(), lgreco_for(kwargs, spe, **parse_variant(variant, args.error)), seed,
+                             workdir)
+                row["variants"][variant] = lg
+                row.setdefault("lgreco", lg)  # the first variant (read by --plot-from and older tools)
+                saving = uni["compressed_layer_bytes"] / lg["compressed_layer_bytes"]
+                osc, plans = oscillation(lg["history"])
+                print(f"[{task.name}] {label:15s} seed {seed} [{variant}]: uniform "
+                      f"{uni['compressed_layer_bytes'] / 1e6:8.2f} MB acc {uni['accuracy']:.4f} | L-GreCo "
+                      f"{lg['compressed_layer_bytes'] / 1e6:8.2f} MB acc {lg['accuracy']:.4f} | saving {saving:.2f}x "
+                      f"(all layers {uni['wire_bytes'] / lg['wire_bytes']:.2f}x) | incurred error x"
+                      f"{lg['error'] / uni['error']:.2f} | oscillation {osc:.2f}, planned savings "
+                      f"{' '.join(f'{x:.2f}' for x in plans)} | {uni['seconds']:.0f} s, {lg['seconds']:.0f} s",
+                      flush=True)
+            results.setdefault(key, []).append(row)
     if args.dense:
         dense = run_fit(task, None, None, args.seeds[0], workdir)
         results["dense"] = dense
@@ -411,42 +462,49 @@ def print_lgreco_table(task: Task, results: dict[str, Any], args: argparse.Names
     print(f"\n[{task.name}] L-GreCo vs uniform at alpha = 1, {task.epochs} epochs, W={WORLD}, mean over seeds "
           f"{args.seeds}")
     print("| family | setting | MB sent, compressed layers | MB sent, all layers | bytes saving (compressed / all) "
-          "| test accuracy | test loss | incurred error per step, vs uniform | last re-plan: error / budget, saving |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| test accuracy | test loss | incurred error per step, vs uniform | last re-plan: error / budget, saving "
+          "| oscillation |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for key in args.families:
         runs = results[key]
         label = FAMILIES[key][0]
-        for setting in ("uniform", "lgreco"):
-            comp = mean([r[setting]["compressed_layer_bytes"] for r in runs]) / 1e6
-            total = mean([r[setting]["wire_bytes"] for r in runs]) / 1e6
-            acc = mean([r[setting]["accuracy"] for r in runs])
-            loss = mean([r[setting]["test_loss"] for r in runs])
-            if setting == "uniform":
-                print(f"| {label} | uniform | {comp:.2f} | {total:.2f} | 1.00x / 1.00x | {acc:.4f} | {loss:.4f} | 1.00 "
-                      f"| - |")
-                continue
-            incurred = mean([r["lgreco"]["error"] / r["uniform"]["error"] for r in runs])
-            save_c = mean([r["uniform"]["compressed_layer_bytes"] / r["lgreco"]["compressed_layer_bytes"]
-                           for r in runs])
-            save_t = mean([r["uniform"]["wire_bytes"] / r["lgreco"]["wire_bytes"] for r in runs])
-            last = [r["lgreco"]["history"][-1] for r in runs if r["lgreco"]["history"]]
+        comp = mean([r["uniform"]["compressed_layer_bytes"] for r in runs]) / 1e6
+        total = mean([r["uniform"]["wire_bytes"] for r in runs]) / 1e6
+        acc = mean([r["uniform"]["accuracy"] for r in runs])
+        loss = mean([r["uniform"]["test_loss"] for r in runs])
+        print(f"| {label} | uniform | {comp:.2f} | {total:.2f} | 1.00x / 1.00x | {acc:.4f} | {loss:.4f} | 1.00 | - "
+              f"| - |")
+        for variant in args.variants:
+            lgs = [r["variants"][variant] for r in runs]
+            comp = mean([lg["compressed_layer_bytes"] for lg in lgs]) / 1e6
+            total = mean([lg["wire_bytes"] for lg in lgs]) / 1e6
+            acc = mean([lg["accuracy"] for lg in lgs])
+            loss = mean([lg["test_loss"] for lg in lgs])
+            incurred = mean([lg["error"] / r["uniform"]["error"] for lg, r in zip(lgs, runs)])
+            save_c = mean([r["uniform"]["compressed_layer_bytes"] / lg["compressed_layer_bytes"]
+                           for lg, r in zip(lgs, runs)])
+            save_t = mean([r["uniform"]["wire_bytes"] / lg["wire_bytes"] for lg, r in zip(lgs, runs)])
+            last = [lg["history"][-1] for lg in lgs if lg["history"]]
             last = [h for h in last if h.get("feasible")]
             used = mean([h["error"] / h["budget"] for h in last]) if last else math.nan
             plan = mean([h["uniform_bytes"] / h["bytes"] for h in last]) if last else math.nan
-            print(f"| {label} | L-GreCo | {comp:.2f} | {total:.2f} | {save_c:.2f}x / {save_t:.2f}x | {acc:.4f} "
-                  f"| {loss:.4f} | {incurred:.2f} | {used:.3f}, {plan:.2f}x |")
+            osc = mean([oscillation(lg["history"])[0] for lg in lgs])
+            print(f"| {label} | L-GreCo [{variant}] | {comp:.2f} | {total:.2f} | {save_c:.2f}x / {save_t:.2f}x "
+                  f"| {acc:.4f} | {loss:.4f} | {incurred:.2f} | {used:.3f}, {plan:.2f}x | {osc:.2f} |")
     if "dense" in results:
         dense = results["dense"]
         print(f"| dense DDP (seed {args.seeds[0]}) | - | - | {dense['wire_bytes'] / 1e6:.2f} | - "
               f"| {dense['accuracy']:.4f} | {dense['test_loss']:.4f} | - | - |")
     for key in args.families:
-        per_seed = "; ".join(
-            f"seed {r['seed']}: {r['uniform']['compressed_layer_bytes'] / 1e6:.2f} MB / {r['uniform']['accuracy']:.4f}"
-            f" vs {r['lgreco']['compressed_layer_bytes'] / 1e6:.2f} MB / {r['lgreco']['accuracy']:.4f} "
-            f"({r['uniform']['compressed_layer_bytes'] / r['lgreco']['compressed_layer_bytes']:.2f}x, incurred error "
-            f"{r['uniform']['error']:.4g} vs {r['lgreco']['error']:.4g})"
-            for r in results[key])
-        print(f"[{task.name}] {FAMILIES[key][0]} per seed (compressed MB / accuracy, uniform vs L-GreCo): {per_seed}")
+        for variant in args.variants:
+            per_seed = "; ".join(
+                f"seed {r['seed']}: {r['uniform']['compressed_layer_bytes'] / 1e6:.2f} MB / "
+                f"{r['uniform']['accuracy']:.4f} vs {lg['compressed_layer_bytes'] / 1e6:.2f} MB / {lg['accuracy']:.4f} "
+                f"({r['uniform']['compressed_layer_bytes'] / lg['compressed_layer_bytes']:.2f}x, incurred error "
+                f"{r['uniform']['error']:.4g} vs {lg['error']:.4g}, x{lg['error'] / r['uniform']['error']:.2f})"
+                for r in results[key] for lg in [r["variants"][variant]])
+            print(f"[{task.name}] {FAMILIES[key][0]} [{variant}] per seed (compressed MB / accuracy, uniform vs "
+                  f"L-GreCo): {per_seed}")
 
 
 def _layer_label(info: dict[str, Any]) -> str:
@@ -615,15 +673,22 @@ def main() -> None:
     parser.add_argument("--part", choices=("all", "lgreco", "torch"), default="all")
     parser.add_argument("--tasks", nargs="+", choices=("resnet", "cnn", "lm", "mlp"),
                         default=["resnet", "cnn", "lm", "mlp"])
-    parser.add_argument("--families", nargs="+", choices=tuple(FAMILIES), default=list(FAMILIES))
+    parser.add_argument("--families", nargs="+", choices=tuple(FAMILIES), default=["powersgd", "topk", "qsgd"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--epochs", type=int, default=None, help="default: 4 (resnet), 6 (mlp)")
     parser.add_argument("--train-size", type=int, default=20000, help="Fashion-MNIST training images (resnet)")
     parser.add_argument("--no-dense", dest="dense", action="store_false", help="skip the dense DDP reference run")
     parser.add_argument("--figure", default=str(ROOT / "docs" / "figures" / "lgreco_layers.png"),
                         help="per-layer chart (PNG; '' to skip)")
-    parser.add_argument("--error", choices=("norm", "squared"), default="norm",
+    parser.add_argument("--error", choices=("norm", "squared", "feedback"), default="norm",
                         help="LGreCo(error=...): budget on the sum of norms (paper) or on the total squared error")
+    parser.add_argument("--variants", nargs="+", default=["statistic=gradient"],
+                        help="L-GreCo settings compared with the same uniform run, each 'key=value,...' with keys "
+                             "statistic (gradient|input), error (norm|squared|feedback), period (epochs between "
+                             "re-plans, default 0.5); the first variant is the one drawn")
+    parser.add_argument("--uniform-from", nargs="+", default=None,
+                        help="--json files of earlier runs whose uniform runs are reused (same task, family, seed, "
+                             "epochs and train size; the runs are deterministic) instead of re-run")
     parser.add_argument("--json", type=Path, default=None, help="also write every run's record here")
     parser.add_argument("--plot-from", type=Path, default=None,
                         help="only redraw --figure from a --json file written by an earlier run")

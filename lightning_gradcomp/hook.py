@@ -46,6 +46,8 @@ class BucketRecord:
         inputs: copies of the tensors given to the compressor (``p = m + g`` with error feedback).
         residuals: per-slot ``p - c`` (from error feedback, or ``inputs - local`` when the
             compressor reported its local contribution), or ``None`` when unknown.
+        gradients: fp32 copies of this rank's raw local gradients ``g`` (before error compensation), filled
+            only when an observer recording this step has ``needs_gradients = True``; else ``None``.
     """
 
     step: int
@@ -53,10 +55,15 @@ class BucketRecord:
     slots: tuple[LayerSlot, ...]
     inputs: list[Tensor]
     residuals: Optional[list[Tensor]]
+    gradients: Optional[list[Tensor]] = None
 
 
 class HookObserver(Protocol):
-    """Something that inspects compressed buckets at the steps it asks for (callbacks use this)."""
+    """Something that inspects compressed buckets at the steps it asks for (callbacks use this).
+
+    An observer may also define ``needs_gradients = True`` to receive :attr:`BucketRecord.gradients` (the
+    raw gradients are copied only at the steps such an observer records).
+    """
 
     def wants(self, step: int) -> bool:
         """Whether to record ``step`` (inputs are copied only then)."""
@@ -170,6 +177,9 @@ class GradCompHook:
                    for s, g in zip(comp, grads)]
         watchers = [obs for obs in self.observers if obs.wants(self.step)]
         inputs = [t.clone() for t in tensors] if watchers else []
+        raw = None
+        if any(getattr(obs, "needs_gradients", False) for obs in watchers):
+            raw = [g.to(torch.float32, copy=True) for g in grads]
         ctx = ReduceContext(self.comm, self.step, plan.index, comp, [self.param_of(s.name) for s in comp], self.seed)
         reduction = self.compressor.reduce(tensors, ctx)
         if use_ef:
@@ -181,7 +191,7 @@ class GradCompHook:
             residuals = reduction.residuals
             if residuals is None and reduction.local is not None:
                 residuals = [x - c for x, c in zip(inputs, reduction.local)]
-            record = BucketRecord(self.step, plan.index, comp, inputs, residuals)
+            record = BucketRecord(self.step, plan.index, comp, inputs, residuals, raw)
             for obs in watchers:
                 obs(record)
 

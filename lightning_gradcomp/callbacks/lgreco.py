@@ -2,9 +2,10 @@
 
 Every ``period`` optimizer steps after ``warmup_steps`` the callback
 
-1. sums, per compressed layer, the compressor inputs ``A = sum_t p_t`` (``p = m + g``: the error-compensated
-   gradient with error feedback, the raw gradient otherwise) of the last ``accumulate_steps`` steps, collected
-   through the engine's observers;
+1. sums, per compressed layer, a statistic ``A`` over the last ``accumulate_steps`` steps, collected through
+   the engine's observers: with ``statistic="gradient"`` the raw local gradients ``A = sum_t g_t``; with
+   ``statistic="input"`` (the official code) the compressor inputs ``A = sum_t p_t``, i.e. ``p = m + g``, the
+   error-compensated gradient, under error feedback (without error feedback both are the same);
 2. builds for every layer a table of candidate parameters around the compressor's default (PowerSGD ranks,
    TopK/CLTK/RandomK densities, QSGD bits) with their bytes and their error ``||A - C(A)||`` (un-squared, see
    :mod:`lightning_gradcomp.functional.layerwise`);
@@ -39,9 +40,9 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import Compressor, check_number
 from lightning_gradcomp.compressors.powersgd import PowerSGD
 from lightning_gradcomp.compressors.randomk import RandomK
-from lightning_gradcomp.functional.layerwise import (lowrank_errors, lowrank_sizes, quantization_errors,
-                                                     quantized_sizes, randomk_errors, solve_layerwise, sparse_sizes,
-                                                     topk_errors)
+from lightning_gradcomp.functional.layerwise import (feedback_errors, lowrank_errors, lowrank_sizes,
+                                                     quantization_errors, quantized_sizes, randomk_errors,
+                                                     solve_layerwise, sparse_sizes, topk_errors)
 from lightning_gradcomp.functional.lowrank import lowrank_saves, matrix_shape
 from lightning_gradcomp.functional.sparsify import kept_count
 from lightning_gradcomp.hook import BucketRecord
@@ -111,7 +112,8 @@ def _default_grid(default: Any, family: str, low: float, high: float, num: int) 
 
 # ---------------------------------------------------------------------------------------------- collector
 class _Collector:
-    """Engine observer summing each compressed layer's input over the steps of the statistics window."""
+    """Engine observer summing each compressed layer's statistic (raw gradient or compressor input) over the
+    steps of the statistics window."""
 
     def __init__(self, owner: "LGreCo") -> None:
         self.owner = owner
@@ -119,12 +121,20 @@ class _Collector:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.steps: set[int] = set()
 
+    @property
+    def needs_gradients(self) -> bool:
+        """Ask the engine for the raw gradients (``BucketRecord.gradients``) with ``statistic="gradient"``."""
+        return self.owner.statistic == "gradient"
+
     def wants(self, step: int) -> bool:
         return self.owner.in_window(step)
 
     def __call__(self, record: BucketRecord) -> None:
         self.steps.add(record.step)
-        for slot, x in zip(record.slots, record.inputs):
+        # Without the raw gradients (an engine that does not provide them) the inputs are used; they are the
+        # same tensors when the compressor has no error feedback.
+        tensors = record.gradients if self.needs_gradients and record.gradients is not None else record.inputs
+        for slot, x in zip(record.slots, tensors):
             total = self.sums.get(slot.name)
             if total is None or total.shape != x.shape:
                 self.sums[slot.name] = x.detach().to(torch.float32, copy=True)
@@ -160,14 +170,23 @@ class LGreCo(Callback):
         error: ``"norm"`` (default, as in the paper's code): the budget bounds the sum of the layers'
             un-squared errors ``sum_l ||A_l - C(A_l)||``; ``"squared"``: it bounds the model's total squared
             error ``sum_l ||A_l - C(A_l)||^2`` (the squared norm of the whole compression error), which does
-            not let large-gradient layers absorb error that small layers give up.
+            not let large-gradient layers absorb error that small layers give up; ``"feedback"``: with an
+            error-feedback compressor, each error ``e`` is replaced by the steady-state memory it implies,
+            ``e / (1 - e / ||A_l||)`` (:func:`~lightning_gradcomp.functional.layerwise.feedback_errors`), which grows
+            without bound as a layer is starved (the same as ``"norm"`` without error feedback).
+        statistic: what is summed over the window and compressed to fill the error tables.
+            ``"gradient"`` (default): the raw local gradients ``g``, which do not depend on the run's own
+            error-feedback memory, so the budget and the candidates' errors describe the gradients that any
+            setting would compress. ``"input"``: the compressor inputs ``p = m + g`` (the official code); a
+            layer given a small value then fills its memory, which inflates its error and the budget at the
+            next re-plan (see docs/lgreco.md). Without error feedback both are the same.
         log_layers: also log every layer's chosen value (``lgreco/<layer>``).
     """
 
     def __init__(self, period: int = 1000, warmup_steps: int = 1000, accumulate_steps: int = 10,
                  alpha: float = 1.0, candidates: Optional[Sequence[float]] = None, min_factor: float = 0.25,
                  max_factor: float = 4.0, num_candidates: int = 9, resolution: int = 10_000,
-                 log_layers: bool = True, error: str = "norm") -> None:
+                 log_layers: bool = True, error: str = "norm", statistic: str = "gradient") -> None:
         inf = float("inf")
         self.period = int(check_number("period", period, 1, inf, low_open=False, integer=True))
         self.warmup_steps = int(check_number("warmup_steps", warmup_steps, 1, inf, low_open=False, integer=True))
@@ -188,9 +207,12 @@ class LGreCo(Callback):
         if not isinstance(log_layers, bool):
             raise TypeError(f"`log_layers` must be a bool, got {log_layers!r}")
         self.log_layers = log_layers
-        if error not in ("norm", "squared"):
-            raise ValueError(f"`error` must be 'norm' or 'squared', got {error!r}")
+        if error not in ("norm", "squared", "feedback"):
+            raise ValueError(f"`error` must be 'norm', 'squared' or 'feedback', got {error!r}")
         self.error = error
+        if statistic not in ("gradient", "input"):
+            raise ValueError(f"`statistic` must be 'gradient' or 'input', got {statistic!r}")
+        self.statistic = statistic
         self.choice: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
         self._last_step = -1
@@ -268,6 +290,8 @@ class LGreCo(Callback):
         for name, grid in zip(names, grids):
             s, e = layer_table(compressor, collector.sums[name], collector.shapes[name], grid)
             sizes.append(s)
+            if self.error == "feedback" and compressor.uses_error_feedback:
+                e = feedback_errors(e, float(collector.sums[name].double().norm()))
             local.append([x * x for x in e] if self.error == "squared" else e)
         errors = self._average(hook, local)
         default = compressor.default_param
@@ -275,7 +299,8 @@ class LGreCo(Callback):
         uniform_error = sum(errors[i][c] for i, c in enumerate(defaults))
         uniform_size = sum(sizes[i][c] for i, c in enumerate(defaults))
         budget = self.alpha * uniform_error
-        entry: dict[str, Any] = {"step": step, "stat_steps": len(collector.steps), "layers": names,
+        entry: dict[str, Any] = {"step": step, "stat_steps": len(collector.steps), "statistic": self.statistic,
+                                 "layers": names,
                                  "budget": budget, "uniform_error": uniform_error, "uniform_bytes": uniform_size}
         collector.reset()
         picks: Optional[list[int]] = None
@@ -355,7 +380,7 @@ class LGreCo(Callback):
 
     def __repr__(self) -> str:
         return (f"LGreCo(period={self.period}, warmup_steps={self.warmup_steps}, "
-                f"accumulate_steps={self.accumulate_steps}, alpha={self.alpha})")
+                f"accumulate_steps={self.accumulate_steps}, alpha={self.alpha}, statistic={self.statistic!r})")
 
 
 register_preset("lgreco", "DDP + PowerSGD rank 4 with L-GreCo per-layer ranks (re-chosen every 1000 steps)",

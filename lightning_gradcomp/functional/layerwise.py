@@ -35,6 +35,7 @@ from lightning_gradcomp.functional.quantize import PNorm, levels_for_bits, quant
 
 __all__ = [
     "error_units",
+    "feedback_errors",
     "lowrank_errors",
     "lowrank_sizes",
     "quantization_errors",
@@ -163,6 +164,26 @@ def quantized_sizes(numel: int, bits: Sequence[int], bucket_size: int, scale_byt
 
 
 # ---------------------------------------------------------------------------------------------- errors
+def feedback_errors(errors: Sequence[float], norm: float) -> list[float]:
+    """Steady-state error-feedback residuals ``e / (1 - e / ||A||)`` of compression errors ``e`` of ``A``.
+
+    If a compressor leaves a fraction ``q = e / ||A||`` of every input's norm, error feedback's memory obeys
+    ``||m'|| <= q (||m|| + ||g||)``, whose fixed point is ``||m|| = q ||g|| / (1 - q) = e / (1 - q)`` with
+    ``||g|| = ||A||``. Unlike ``e`` (which saturates at ``||A||``), this grows without bound as ``q -> 1``: it
+    is what a starved layer costs under error feedback. ``q >= 1`` maps to ``inf`` (never chosen); a zero
+    ``norm`` maps every error to 0.
+    """
+    norm = float(norm)
+    if norm <= 0.0:
+        return [0.0 for _ in errors]
+    out = []
+    for e in errors:
+        e = float(e)
+        q = e / norm
+        out.append(e / (1.0 - q) if q < 1.0 else math.inf)
+    return out
+
+
 def lowrank_errors(matrix: Tensor, ranks: Sequence[int]) -> list[float]:
     """Best rank-``r`` approximation errors ``sqrt(sum_{i>r} sigma_i^2)`` of ``matrix`` (any shape: ``(n, -1)``).
 

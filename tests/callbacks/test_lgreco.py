@@ -40,6 +40,8 @@ def test_schedule() -> None:
     ({"resolution": 0}, ValueError, "resolution"),
     ({"log_layers": 1}, TypeError, "log_layers"),
     ({"error": "l1"}, ValueError, "error"),
+    ({"error": "feedback "}, ValueError, "error"),
+    ({"statistic": "memory"}, ValueError, "statistic"),
 ])
 def test_bad_arguments(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
@@ -83,6 +85,23 @@ def _feed(cb: LGreCo, stats: dict[str, torch.Tensor]) -> None:
     cb._collector(BucketRecord(9, 0, slots, [x.reshape(-1) for x in stats.values()], None))
 
 
+@pytest.mark.parametrize("statistic", ["gradient", "input"])
+def test_statistic_selects_raw_gradients_or_compressor_inputs(statistic: str) -> None:
+    cb = LGreCo(period=5, warmup_steps=10, accumulate_steps=2, statistic=statistic)
+    assert cb._collector.needs_gradients == (statistic == "gradient")
+    assert cb._collector.wants(8) and cb._collector.wants(9) and not cb._collector.wants(7)
+    slot = (LayerSlot("w", 0, (3, 2), True),)
+    grads = [torch.arange(6.0), torch.ones(6)]
+    inputs = [g + 10.0 for g in grads]  # p = m + g with a memory of 10
+    for step, (g, x) in enumerate(zip(grads, inputs), start=8):
+        cb._collector(BucketRecord(step, 0, slot, [x], None, [g]))
+    expected = grads[0] + grads[1] if statistic == "gradient" else inputs[0] + inputs[1]
+    assert torch.equal(cb._collector.sums["w"], expected) and cb._collector.steps == {8, 9}
+    cb._collector.reset()
+    cb._collector(BucketRecord(9, 0, slot, [inputs[0]], None))  # an engine without raw gradients: the inputs
+    assert torch.equal(cb._collector.sums["w"], inputs[0])
+
+
 def test_adjustment_saves_bytes_at_equal_error() -> None:
     gen = torch.Generator().manual_seed(1)
     low = torch.randn(64, 1, generator=gen) @ torch.randn(1, 48, generator=gen)  # rank 1: rank 1 suffices
@@ -114,6 +133,38 @@ def test_squared_error_budget_bounds_the_total_squared_error() -> None:
                  for n in stats)
     assert chosen == pytest.approx(entry["error"]) and chosen <= 1.2 * uniform * (1 + 1e-9)
     assert all(applied[n] in grids[n] for n in stats)
+
+
+def test_feedback_error_budget_protects_starved_layers() -> None:
+    gen = torch.Generator().manual_seed(3)
+    stats = {"a": torch.randn(64, 48, generator=gen), "b": torch.randn(32, 40, generator=gen) * 0.1}
+    norm_cb, fb_cb = (LGreCo(period=5, warmup_steps=10, accumulate_steps=1, error=e) for e in ("norm", "feedback"))
+    entries = {}
+    for cb in (norm_cb, fb_cb):
+        hook, strategy, _ = _fake(TopK(0.1))
+        cb._hook = hook
+        _feed(cb, stats)
+        entries[cb.error] = cb.adjust(strategy)
+    fb = entries["feedback"]
+    # the feedback budget is the uniform setting's steady-state memory, sum_l e_l / (1 - e_l / ||A_l||)
+    grid = {n: fb_cb._grid(TopK(0.1), tuple(x.shape)) for n, x in stats.items()}
+    expected = 0.0
+    for x in stats.values():
+        e = layer_table(TopK(0.1), x.reshape(-1), tuple(x.shape), [0.1])[1][0]
+        expected += e / (1 - e / float(x.double().norm()))
+    assert fb["uniform_error"] == pytest.approx(expected) and fb["error"] <= fb["budget"]
+    assert fb["uniform_error"] > entries["norm"]["uniform_error"]
+    assert all(v in grid[n] for n, v in zip(fb["layers"], fb["values"]))
+    # QSGD has no error feedback: "feedback" is the plain norm there
+    tables = {}
+    for error in ("norm", "feedback"):
+        cb = LGreCo(period=5, warmup_steps=10, accumulate_steps=1, error=error)
+        hook, strategy, _ = _fake(QSGD(bits=4, bucket_size=128))
+        cb._hook = hook
+        _feed(cb, stats)
+        tables[error] = cb.adjust(strategy)
+    assert tables["norm"]["uniform_error"] == tables["feedback"]["uniform_error"]
+    assert tables["norm"]["values"] == tables["feedback"]["values"]
 
 
 def test_infeasible_keeps_previous_choice_with_warning() -> None:
@@ -188,9 +239,9 @@ def _model() -> TinyNet:
     return TinyNet(hidden=64, in_features=48, samples=64, batch_size=8)
 
 
-def _lgreco(alpha: float = 1.3) -> LGreCo:
+def _lgreco(alpha: float = 1.3, **kwargs: Any) -> LGreCo:
     # alpha > 1 so that the tiny two-layer model has a cheaper non-uniform answer (the test checks it moved).
-    return LGreCo(period=3, warmup_steps=4, accumulate_steps=2, alpha=alpha)
+    return LGreCo(period=3, warmup_steps=4, accumulate_steps=2, alpha=alpha, **kwargs)
 
 
 COMPRESSORS = {  # compressor, alpha
@@ -211,7 +262,7 @@ def test_every_family_adjusts_identically_on_all_ranks(tmp_path: Path, family: s
     dumps = _load(tmp_path, world)
     history = dumps[0]["history"]
     assert [h["step"] for h in history] == [4, 7, 10]
-    assert all(h["feasible"] and h["stat_steps"] == 2 for h in history)
+    assert all(h["feasible"] and h["stat_steps"] == 2 and h["statistic"] == "gradient" for h in history)
     assert all(h["error"] <= h["budget"] for h in history)
     assert any(h["values"] != [make().default_param] * 2 for h in history)  # a non-uniform choice was applied
     assert all(h["bytes"] < h["uniform_bytes"] for h in history if not h["uniform"])
@@ -223,6 +274,16 @@ def test_every_family_adjusts_identically_on_all_ranks(tmp_path: Path, family: s
         for name, value in dumps[0]["end"].items():
             assert rec["stats"]["layers"][name]["param"] == value
     assert dumps[0]["metrics"]["lgreco/budget"] == pytest.approx(history[-1]["budget"])
+
+
+def test_input_statistic_adjusts_identically_on_all_ranks(tmp_path: Path) -> None:
+    records = fit(GradCompStrategy(compressor=TopK(ratio=0.05), start_method="fork"), tmp_path, model=_model(),
+                  max_epochs=3, callbacks=[_lgreco(statistic="input"), _Dump(tmp_path)])
+    assert_replicas_identical(records)
+    dumps = _load(tmp_path, 2)
+    history = dumps[0]["history"]
+    assert [h["statistic"] for h in history] == ["input"] * 3 and all(h["feasible"] for h in history)
+    assert dumps[1]["history"] == history
 
 
 def test_three_ranks_and_strategy_attached(tmp_path: Path) -> None:

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from lightning_gradcomp.functional import solve_layerwise
-from lightning_gradcomp.functional.layerwise import (error_units, lowrank_errors, lowrank_sizes, quantized_sizes,
-                                                     quantization_errors, randomk_errors, sparse_sizes, topk_errors)
+from lightning_gradcomp.functional.layerwise import (error_units, feedback_errors, lowrank_errors, lowrank_sizes,
+                                                     quantized_sizes, quantization_errors, randomk_errors,
+                                                     sparse_sizes, topk_errors)
 from lightning_gradcomp.functional.quantize import qsgd_quantize
 
 
@@ -218,3 +219,22 @@ def test_sizes() -> None:
     assert sparse_sizes([3, 5]) == [24.0, 40.0]
     assert sparse_sizes([3], value_bytes=2, index_bytes=0) == [6.0]
     assert quantized_sizes(1000, [2, 4], bucket_size=512) == [250.0 + 8, 500.0 + 8]
+
+
+def test_feedback_errors_are_the_error_feedback_fixed_point() -> None:
+    # A compressor that keeps (1 - q) of its input leaves e = q ||A||; error feedback with a constant gradient
+    # A then converges to the memory q A / (1 - q), whose norm feedback_errors predicts.
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(50, generator=gen, dtype=torch.float64)
+    norm = float(a.norm())
+    for q in (0.0, 0.3, 0.9):
+        memory = torch.zeros_like(a)
+        for _ in range(2000):
+            p = memory + a
+            memory = p - (1 - q) * p
+        assert feedback_errors([q * norm], norm)[0] == pytest.approx(float(memory.norm()), rel=1e-9, abs=1e-12)
+    assert feedback_errors([0.0, 0.5, 1.0, 2.0], 1.0) == [0.0, 1.0, math.inf, math.inf]
+    assert feedback_errors([0.3, 0.7], 0.0) == [0.0, 0.0]
+    errors = [0.1, 0.5, 0.9, 0.99]  # monotone, and it grows without bound where e saturates at ||A||
+    out = feedback_errors(errors, 1.0)
+    assert out == sorted(out) and out[-1] > 90

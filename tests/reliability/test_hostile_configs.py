@@ -111,7 +111,7 @@ TABLE = [
     Bad(LGreCo, {"period": 5, "accumulate_steps": 6}, ValueError, r"`accumulate_steps` must be in \[1, 5\], got 6",
         "layerwise"),
     Bad(LGreCo, {"alpha": 0}, ValueError, r"`alpha` must be in \(0.0, inf\], got 0", "callback"),
-    Bad(LGreCo, {"error": "max"}, ValueError, r"`error` must be 'norm' or 'squared', got 'max'", "callback"),
+    Bad(LGreCo, {"error": "max"}, ValueError, r"`error` must be 'norm', 'squared' or 'feedback', got 'max'", "callback"),
     Bad(LGreCo, {"candidates": []}, TypeError, r"`candidates` must be a non-empty sequence of numbers, got \[\]"),
     Bad(LowPassMemoryFilter, {"beta": 0}, ValueError, r"`beta` must be a number in \(0, 1\], got 0", "callback"),
     Bad(LowPassMemoryFilter, {"schedule": {-1: 0.5}}, ValueError, r"`schedule` keys must be optimizer steps "
