@@ -18,8 +18,9 @@ and epochs for every configuration:
 * ``cltk``: CLTK ratio 1 %, classic error feedback (``LowPassMemoryFilter(beta=1)`` only measures);
 * ``cltk_lowpass``: CLTK ratio 1 % with ``LowPassMemoryFilter(beta=0.1)``;
 * ``cltk_compact``: the >= 100x configuration: CLTK with approximate selection, fp16 values and delta16
-  indices; ratio 0.7 % on fc1 (98 % of the compressed elements) and, per layer, 5 % on conv2 and 10 % on
-  the classifier fc2 (tiny layers starve at 1 %); after ``--warmup-epochs`` (default 1) dense epochs.
+  indices; ratio 0.7 % on fc1 (98 % of the compressed elements) and, per layer, 10 % on conv2 and 20 % on
+  the classifier fc2 (tiny layers starve at 1 %; ``--compact-ratio``, ``--compact-conv2-ratio``,
+  ``--compact-fc2-ratio``); after ``--warmup-epochs`` (default 1) dense epochs.
 
 Prints final test accuracy, bytes rank 0 sent (whole run, and per compressed step) and the ratio to
 dense, the ranks' mean memory cosine at the end, and the hook time per step.
@@ -59,7 +60,7 @@ from lightning_gradcomp.plan import LayerSlot
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 WORLD = 2
 BATCH = 64  # per rank
-SMALL_LAYERS = {"net.3.weight": 0.05, "net.9.weight": 0.1}  # cltk_compact: conv2 and fc2 (9216 and 3200 elements)
+CONV2, FC2 = "net.3.weight", "net.9.weight"  # cltk_compact's per-layer ratios (9216 and 3200 elements)
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -319,6 +320,12 @@ def part_fidelity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     print(f"\nFidelity: {name}, CNN {params:,} parameters, W={WORLD}, batch {BATCH}/rank, {args.epochs} epochs "
           f"({steps_per_epoch} steps each), seed {args.seed}, lr {args.lr}")
 
+    small = {CONV2: args.compact_conv2_ratio, FC2: args.compact_fc2_ratio}
+    compact_label = (f"CLTK {100 * args.compact_ratio:g} % (conv2 {100 * args.compact_conv2_ratio:g} %, fc2 "
+                     f"{100 * args.compact_fc2_ratio:g} %), approx, fp16 values, delta16 indices, "
+                     f"beta = {args.compact_beta:g}"
+                     f"{f', {args.warmup_epochs} dense warm-up epoch' if args.warmup_epochs else ''}")
+
     def measure(beta: float) -> LowPassMemoryFilter:
         return LowPassMemoryFilter(beta=beta, similarity_every_n_steps=25, sketch_size=None)
 
@@ -327,11 +334,8 @@ def part_fidelity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "cltk": (CLTK(0.01), lambda: [measure(1.0)], 2, "CLTK 1 %, beta = 1 (classic EF)"),
         "cltk_lowpass": (CLTK(0.01), lambda: [measure(0.1)], 2, "CLTK 1 %, LowPassMemoryFilter beta = 0.1"),
         "cltk_compact": (CLTK(args.compact_ratio, selection="approx", value_dtype=torch.float16,
-                              index_coding="delta16"), lambda: [measure(args.compact_beta), LayerRatios(SMALL_LAYERS)],
-                         warmup,
-                         f"CLTK {100 * args.compact_ratio:g} % (conv2 5 %, fc2 10 %), approx, fp16 values, delta16 "
-                         f"indices, beta = {args.compact_beta:g}"
-                         f"{f', {args.warmup_epochs} dense warm-up epoch' if args.warmup_epochs else ''}"),
+                              index_coding="delta16"), lambda: [measure(args.compact_beta), LayerRatios(small)],
+                         warmup, compact_label),
     }
     results: dict[str, Any] = {}
     for key in args.configs:
@@ -367,6 +371,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--compact-ratio", type=float, default=0.007, help="cltk_compact's ratio for fc1")
     parser.add_argument("--compact-beta", type=float, default=1.0, help="cltk_compact's low-pass beta")
+    parser.add_argument("--compact-conv2-ratio", type=float, default=0.1, help="cltk_compact's ratio for conv2")
+    parser.add_argument("--compact-fc2-ratio", type=float, default=0.2, help="cltk_compact's ratio for fc2")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--configs", nargs="+", default=["dense", "cltk", "cltk_lowpass", "cltk_compact"],
