@@ -34,7 +34,6 @@ import argparse
 import gzip
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -50,6 +49,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.bench.runner import free_port
 from lightning_gradcomp.callbacks import LowPassMemoryFilter
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes, completed_future
 from lightning_gradcomp.compressors import CLTK, TopK
@@ -162,7 +162,7 @@ def part_bytes() -> dict[str, dict[int, float]]:
     ctx = mp.get_context("fork")
     for world in (2, 3, 4):
         queue = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_bytes_worker, args=(r, world, port, queue)) for r in range(world)]
         for proc in procs:
             proc.start()
@@ -289,16 +289,10 @@ class Probe(pl.Callback):
         self.out.write_text(json.dumps(result))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_fit(compressor: Optional[CLTK], callbacks: list[pl.Callback], start_step: int, data: tuple, args: Any,
             workdir: Path) -> dict[str, Any]:
     """One 2-rank fit; returns rank 0's probe record plus the wall time."""
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     out = workdir / f"probe_{time.monotonic_ns()}.json"
     strategy = GradCompStrategy(compressor=compressor, start_step=start_step, seed=args.seed, start_method="fork")
