@@ -364,22 +364,22 @@ def steps_per_epoch(task: Task) -> int:
 
 def parse_variant(text: str, error: str = "norm") -> dict[str, Any]:
     """``"statistic=gradient,error=squared,period=1"`` -> LGreCo settings (``period`` in epochs, default 0.5)."""
-    out: dict[str, Any] = {"statistic": "gradient", "error": error, "period": 0.5}
+    out: dict[str, Any] = {"statistic": "gradient", "error": error, "period": 0.5, "window": "sum"}
     for part in filter(None, text.split(",")):
         key, _, value = part.partition("=")
         if key not in out:
-            raise SystemExit(f"--variants: unknown key {key!r} in {text!r} (statistic, error, period)")
+            raise SystemExit(f"--variants: unknown key {key!r} in {text!r} (statistic, error, period, window)")
         out[key] = float(value) if key == "period" else value
     return out
 
 
 def lgreco_for(kwargs: dict[str, Any], spe: int, error: str = "norm", statistic: str = "gradient",
-               period: float = 0.5) -> LGreCo:
+               period: float = 0.5, window: str = "sum") -> LGreCo:
     """Re-plan a quarter epoch in, then every ``period`` epochs (default half), from the last 10 steps
     (``alpha = 1``)."""
     return LGreCo(warmup_steps=max(spe // 4, START_STEP + ACCUMULATE + 1),
                   period=max(int(round(spe * period)), ACCUMULATE), accumulate_steps=ACCUMULATE, alpha=1.0,
-                  error=error, statistic=statistic, **kwargs)
+                  error=error, statistic=statistic, window=window, **kwargs)
 
 
 def oscillation(history: list[dict[str, Any]]) -> tuple[float, list[float]]:

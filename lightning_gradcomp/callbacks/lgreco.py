@@ -118,6 +118,7 @@ class _Collector:
     def __init__(self, owner: "LGreCo") -> None:
         self.owner = owner
         self.sums: dict[str, Tensor] = {}
+        self.per_step: dict[str, list[Tensor]] = {}  # window="steps": one copy per layer and step
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.steps: set[int] = set()
 
@@ -135,6 +136,8 @@ class _Collector:
         # same tensors when the compressor has no error feedback.
         tensors = record.gradients if self.needs_gradients and record.gradients is not None else record.inputs
         for slot, x in zip(record.slots, tensors):
+            if self.owner.window == "steps":
+                self.per_step.setdefault(slot.name, []).append(x.detach().to(torch.float32, copy=True))
             total = self.sums.get(slot.name)
             if total is None or total.shape != x.shape:
                 self.sums[slot.name] = x.detach().to(torch.float32, copy=True)
@@ -143,7 +146,7 @@ class _Collector:
             self.shapes[slot.name] = tuple(slot.shape)
 
     def reset(self) -> None:
-        self.sums, self.shapes, self.steps = {}, {}, set()
+        self.sums, self.per_step, self.shapes, self.steps = {}, {}, {}, set()
 
 
 # ---------------------------------------------------------------------------------------------- callback
@@ -186,7 +189,8 @@ class LGreCo(Callback):
     def __init__(self, period: int = 1000, warmup_steps: int = 1000, accumulate_steps: int = 10,
                  alpha: float = 1.0, candidates: Optional[Sequence[float]] = None, min_factor: float = 0.25,
                  max_factor: float = 4.0, num_candidates: int = 9, resolution: int = 10_000,
-                 log_layers: bool = True, error: str = "norm", statistic: str = "gradient") -> None:
+                 log_layers: bool = True, error: str = "norm", statistic: str = "gradient",
+                 window: str = "sum") -> None:
         inf = float("inf")
         self.period = int(check_number("period", period, 1, inf, low_open=False, integer=True))
         self.warmup_steps = int(check_number("warmup_steps", warmup_steps, 1, inf, low_open=False, integer=True))
@@ -213,6 +217,9 @@ class LGreCo(Callback):
         if statistic not in ("gradient", "input"):
             raise ValueError(f"`statistic` must be 'gradient' or 'input', got {statistic!r}")
         self.statistic = statistic
+        if window not in ("sum", "steps"):
+            raise ValueError(f"`window` must be 'sum' or 'steps', got {window!r}")
+        self.window = window
         self.choice: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
         self._last_step = -1
@@ -288,18 +295,17 @@ class LGreCo(Callback):
         grids = [self._grid(compressor, collector.shapes[n]) for n in names]
         sizes, local = [], []
         for name, grid in zip(names, grids):
-            s, e = layer_table(compressor, collector.sums[name], collector.shapes[name], grid)
-            sizes.append(s)
-            if self.error == "feedback" and compressor.uses_error_feedback:
-                e = feedback_errors(e, float(collector.sums[name].double().norm()))
-            local.append([x * x for x in e] if self.error == "squared" else e)
+            stats = collector.per_step[name] if self.window == "steps" else [collector.sums[name]]
+            tables = [self._errors(compressor, stat, collector.shapes[name], grid) for stat in stats]
+            sizes.append(tables[0][0])
+            local.append([sum(column) / len(tables) for column in zip(*(e for _, e in tables))])
         errors = self._average(hook, local)
         default = compressor.default_param
         defaults = [grid.index(default) for grid in grids]
         uniform_error = sum(errors[i][c] for i, c in enumerate(defaults))
         uniform_size = sum(sizes[i][c] for i, c in enumerate(defaults))
         budget = self.alpha * uniform_error
-        entry: dict[str, Any] = {"step": step, "stat_steps": len(collector.steps), "statistic": self.statistic,
+        entry: dict[str, Any] = {"step": step, "stat_steps": len(collector.steps), "statistic": self.statistic, "window": self.window,
                                  "layers": names,
                                  "budget": budget, "uniform_error": uniform_error, "uniform_bytes": uniform_size}
         collector.reset()
@@ -332,6 +338,14 @@ class LGreCo(Callback):
         log.info("LGreCo step %d: bytes %.0f -> %.0f (uniform -> chosen), error %.4g <= budget %.4g: %s", step,
                  uniform_size, entry["bytes"], entry["error"], budget, self.choice)
         return entry
+
+    def _errors(self, compressor: Compressor, stat: Tensor, shape: Sequence[int],
+                grid: Sequence[Any]) -> tuple[list[float], list[float]]:
+        """``(sizes, errors)`` of one layer's statistic, errors transformed as ``error`` asks."""
+        sizes, errors = layer_table(compressor, stat, shape, grid)
+        if self.error == "feedback" and compressor.uses_error_feedback:
+            errors = feedback_errors(errors, float(stat.double().norm()))
+        return sizes, [x * x for x in errors] if self.error == "squared" else errors
 
     def _grid(self, compressor: Compressor, shape: Sequence[int]) -> list[Any]:
         base = self.candidates if self.candidates is not None else _default_grid(
@@ -380,7 +394,7 @@ class LGreCo(Callback):
 
     def __repr__(self) -> str:
         return (f"LGreCo(period={self.period}, warmup_steps={self.warmup_steps}, "
-                f"accumulate_steps={self.accumulate_steps}, alpha={self.alpha}, statistic={self.statistic!r})")
+                f"accumulate_steps={self.accumulate_steps}, alpha={self.alpha}, statistic={self.statistic!r}, window={self.window!r})")
 
 
 register_preset("lgreco", "DDP + PowerSGD rank 4 with L-GreCo per-layer ranks (re-chosen every 1000 steps)",

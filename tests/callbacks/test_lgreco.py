@@ -42,6 +42,7 @@ def test_schedule() -> None:
     ({"error": "l1"}, ValueError, "error"),
     ({"error": "feedback "}, ValueError, "error"),
     ({"statistic": "memory"}, ValueError, "statistic"),
+    ({"window": "mean"}, ValueError, "window"),
 ])
 def test_bad_arguments(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
@@ -165,6 +166,32 @@ def test_feedback_error_budget_protects_starved_layers() -> None:
         tables[error] = cb.adjust(strategy)
     assert tables["norm"]["uniform_error"] == tables["feedback"]["uniform_error"]
     assert tables["norm"]["values"] == tables["feedback"]["values"]
+
+
+@pytest.mark.parametrize("error", ["norm", "squared"])
+def test_steps_window_averages_single_step_errors(error: str) -> None:
+    """window="steps": each candidate's error is the mean of its errors on the single steps, not the sum's."""
+    gen = torch.Generator().manual_seed(4)
+    steps = [{"a": torch.randn(1, 48, generator=gen).expand(64, 48) * torch.randn(64, 1, generator=gen),
+              "b": torch.randn(32, 40, generator=gen)} for _ in range(3)]  # "a" has rank 1 on each step only
+    entries = {}
+    for window in ("sum", "steps"):
+        cb = LGreCo(period=5, warmup_steps=10, accumulate_steps=3, window=window, error=error)
+        hook, strategy, _ = _fake(PowerSGD(rank=4))
+        cb._hook = hook
+        for step, stats in enumerate(steps, start=7):
+            slots = tuple(LayerSlot(name, 0, tuple(x.shape), True) for name, x in stats.items())
+            cb._collector(BucketRecord(step, 0, slots, [x.reshape(-1) for x in stats.values()], None))
+        entries[window] = cb.adjust(strategy)
+    power = 2 if error == "squared" else 1
+    expected = sum(sum(layer_table(PowerSGD(rank=4), stats[n], tuple(stats[n].shape), [4])[1][0] ** power
+                       for stats in steps) / len(steps) for n in ("a", "b"))
+    assert entries["steps"]["uniform_error"] == pytest.approx(expected)
+    summed = {n: sum(stats[n] for stats in steps) for n in ("a", "b")}
+    expected_sum = sum(layer_table(PowerSGD(rank=4), x, tuple(x.shape), [4])[1][0] ** power for x in summed.values())
+    assert entries["sum"]["uniform_error"] == pytest.approx(expected_sum)
+    assert entries["steps"]["window"] == "steps" and entries["steps"]["error"] <= entries["steps"]["budget"]
+    assert dict(zip(entries["steps"]["layers"], entries["steps"]["values"]))["a"] == 1  # rank 1 is exact per step
 
 
 def test_infeasible_keeps_previous_choice_with_warning() -> None:
