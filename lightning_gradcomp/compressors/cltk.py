@@ -119,7 +119,7 @@ class CLTK(SparseCompressor):
         leader = leader_rank(ctx.step, ctx.bucket_index if self.spread_leaders else 0, ctx.world_size)
         device = tensors[0].device
         if ctx.rank == leader:
-            chosen = [self._select(t, k, ctx, i) for i, (t, k) in enumerate(zip(tensors, ks))]
+            chosen = [self._select(t, k, ctx, slot.name) for slot, t, k in zip(ctx.slots, tensors, ks)]
             payload = pack_bytes([self._encode(idx, s) for idx, s in zip(chosen, slots)])
         else:
             nbytes = sum(slots) * torch.empty((), dtype=index_dtype).element_size()
@@ -147,10 +147,12 @@ class CLTK(SparseCompressor):
 
         return Reduction(averaged=fut.then(decode), residuals=tensors)
 
-    def _select(self, p: Tensor, k: int, ctx: ReduceContext, slot: int) -> Tensor:
+    def _select(self, p: Tensor, k: int, ctx: ReduceContext, name: str) -> Tensor:
+        """The leader's indices; the approximate selection's sample is seeded by the layer ``name`` (not its
+        position in the bucket, which changes when DDP re-buckets)."""
         if self.selection == "exact":
             return exact_topk_indices(p, k)
-        gen = ctx.generator(p.device, shared=True, salt=slot)
+        gen = ctx.generator(p.device, shared=True, salt=name)
         return approx_topk_indices(p, k, gen, band=_APPROX_BAND)
 
     def _encode(self, indices: Tensor, slots: int) -> Tensor:

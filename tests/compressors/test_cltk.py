@@ -156,6 +156,37 @@ def _ratio(comp: Compressor, world: int, shapes: list[tuple[int, ...]]) -> float
     return all_reduce_bytes(4 * n, world) / results[0][0]["bytes"]
 
 
+class _SaltRecorder(ReduceContext):
+    """A context that records the salts of the generators the compressor asks for."""
+
+    salts: list = []
+
+    def generator(self, device: torch.device, *, shared: bool, salt: Any) -> torch.Generator:
+        type(self).salts.append(salt)
+        return super().generator(device, shared=shared, salt=salt)
+
+
+def _salt_worker(rank: int, world: int, order: list[int]) -> dict[str, Any]:
+    named = make_slots([(300, 40), (50, 60)])
+    slots, offset = [], 0
+    for i in order:  # the same layers, in another bucket order
+        slots.append(type(named[i])(named[i].name, offset, named[i].shape, compressed=True))
+        offset += named[i].numel
+    gen = torch.Generator().manual_seed(rank)
+    tensors = [torch.randn(s.numel, generator=gen) for s in slots]
+    _SaltRecorder.salts = []
+    out = CLTK(0.01, selection="approx").reduce(tensors, _SaltRecorder(Comm(), 0, 0, slots, [0.01, 0.01]))
+    out.averaged.wait()
+    return {"salts": list(_SaltRecorder.salts), "names": [s.name for s in slots]}
+
+
+def test_approx_sample_is_seeded_by_layer_name_not_bucket_position() -> None:
+    """DDP re-buckets after its first step and after a resume: the sample must follow the layer's name."""
+    for order in ([0, 1], [1, 0]):
+        leader = run_workers(_salt_worker, 2, order)[0]  # step 0: rank 0 leads
+        assert leader["salts"] == leader["names"]
+
+
 def test_wire_ratio_holds_as_world_grows_unlike_local_topk() -> None:
     shapes = [(300, 200), (50_000,)]
     cltk = {w: _ratio(CLTK(0.01), w, shapes) for w in (2, 4)}
