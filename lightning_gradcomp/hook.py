@@ -178,8 +178,8 @@ class GradCompHook:
         watchers = [obs for obs in self.observers if obs.wants(self.step)]
         inputs = [t.clone() for t in tensors] if watchers else []
         raw = None
-        if any(getattr(obs, "needs_gradients", False) for obs in watchers):
-            raw = [g.to(torch.float32, copy=True) for g in grads]
+        if any(getattr(obs, "needs_gradients", False) for obs in watchers):  # without EF the inputs are g already
+            raw = [g.to(torch.float32, copy=True) for g in grads] if use_ef else inputs
         ctx = ReduceContext(self.comm, self.step, plan.index, comp, [self.param_of(s.name) for s in comp], self.seed)
         reduction = self.compressor.reduce(tensors, ctx)
         if use_ef:

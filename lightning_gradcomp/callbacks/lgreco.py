@@ -118,7 +118,7 @@ class _Collector:
     def __init__(self, owner: "LGreCo") -> None:
         self.owner = owner
         self.sums: dict[str, Tensor] = {}
-        self.per_step: dict[str, list[Tensor]] = {}  # window="steps": one copy per layer and step
+        self.per_step: dict[str, list[Tensor]] = {}  # window="steps" (instead of sums): one copy per step
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.steps: set[int] = set()
 
@@ -136,14 +136,15 @@ class _Collector:
         # same tensors when the compressor has no error feedback.
         tensors = record.gradients if self.needs_gradients and record.gradients is not None else record.inputs
         for slot, x in zip(record.slots, tensors):
+            self.shapes[slot.name] = tuple(slot.shape)
             if self.owner.window == "steps":
                 self.per_step.setdefault(slot.name, []).append(x.detach().to(torch.float32, copy=True))
+                continue
             total = self.sums.get(slot.name)
             if total is None or total.shape != x.shape:
                 self.sums[slot.name] = x.detach().to(torch.float32, copy=True)
             else:
                 total.add_(x)
-            self.shapes[slot.name] = tuple(slot.shape)
 
     def reset(self) -> None:
         self.sums, self.per_step, self.shapes, self.steps = {}, {}, {}, set()
@@ -285,13 +286,13 @@ class LGreCo(Callback):
         hook = self._hook
         collector = self._collector
         step = hook.step
-        if not collector.sums:
+        if not collector.shapes:
             rank_zero_warn(f"LGreCo: no compressed-gradient statistics before step {step} (warmup_steps="
                            f"{self.warmup_steps} must exceed the strategy's start_step + accumulate_steps); "
                            f"parameters unchanged")
             return None
         compressor = hook.compressor
-        names = sorted(collector.sums)
+        names = sorted(collector.shapes)
         grids = [self._grid(compressor, collector.shapes[n]) for n in names]
         sizes, local = [], []
         for name, grid in zip(names, grids):
@@ -305,9 +306,9 @@ class LGreCo(Callback):
         uniform_error = sum(errors[i][c] for i, c in enumerate(defaults))
         uniform_size = sum(sizes[i][c] for i, c in enumerate(defaults))
         budget = self.alpha * uniform_error
-        entry: dict[str, Any] = {"step": step, "stat_steps": len(collector.steps), "statistic": self.statistic, "window": self.window,
-                                 "layers": names,
-                                 "budget": budget, "uniform_error": uniform_error, "uniform_bytes": uniform_size}
+        entry: dict[str, Any] = {"step": step, "stat_steps": len(collector.steps), "statistic": self.statistic,
+                                 "window": self.window, "layers": names, "budget": budget,
+                                 "uniform_error": uniform_error, "uniform_bytes": uniform_size}
         collector.reset()
         picks: Optional[list[int]] = None
         try:
@@ -394,7 +395,8 @@ class LGreCo(Callback):
 
     def __repr__(self) -> str:
         return (f"LGreCo(period={self.period}, warmup_steps={self.warmup_steps}, "
-                f"accumulate_steps={self.accumulate_steps}, alpha={self.alpha}, statistic={self.statistic!r}, window={self.window!r})")
+                f"accumulate_steps={self.accumulate_steps}, alpha={self.alpha}, statistic={self.statistic!r}, "
+                f"window={self.window!r})")
 
 
 register_preset("lgreco", "DDP + PowerSGD rank 4 with L-GreCo per-layer ranks (re-chosen every 1000 steps)",

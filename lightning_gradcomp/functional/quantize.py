@@ -167,7 +167,7 @@ def stochastic_quantize(x: Tensor, levels: int, group_size: int, p: PNorm, gener
     # A group whose scale is zero, or so small (subnormal) that levels / scale overflows, is sent as zeros.
     usable = (wire > 0) & torch.isfinite(inverse)
     inverse = torch.where(usable, inverse, torch.zeros_like(inverse))
-    scales = torch.where(usable.to(scales.device), scales, torch.zeros_like(scales))
+    scales = torch.where(usable, scales, torch.zeros_like(scales))
     y = mag.mul_(inverse.unsqueeze(-1)).clamp_(max=float(levels))
     y.add_(torch.rand(y.shape, generator=generator, dtype=y.dtype, device=y.device)).floor_()
     codes = torch.copysign(y, grouped).add_(float(levels))  # copysign(0, -x) + L == L

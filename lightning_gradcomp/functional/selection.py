@@ -138,7 +138,7 @@ def approx_topk_indices(x: Tensor, k: int, generator: torch.Generator, *, band: 
         if kernel is not None and x.is_contiguous():
             return _approx_native(kernel, x, k, lo, hi, generator, stride, oversample)
         flat = x.detach().reshape(-1)
-        found = _approx_numpy(flat.numpy(), k, lo, hi, generator, sample_size, oversample)
+        found = _approx_numpy(flat.numpy(), k, lo, hi, generator, stride, oversample)
         return exact_topk_indices(flat, k) if found is None else torch.from_numpy(found)
     return _approx_torch(x.reshape(-1), k, lo, hi, generator, sample_size, oversample)
 
@@ -183,13 +183,11 @@ def _draw_offset(stride: int, generator: torch.Generator) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ CPU (NumPy)
-def _approx_numpy(xn: np.ndarray, k: int, lo: int, hi: int, generator: torch.Generator, sample_size: int,
+def _approx_numpy(xn: np.ndarray, k: int, lo: int, hi: int, generator: torch.Generator, stride: int,
                   oversample: float) -> np.ndarray | None:
     """:func:`approx_topk_indices` on a NumPy view; ``None`` when both thresholds keep fewer than ``lo``."""
     n = xn.size
-    stride = systematic_stride(n, sample_size)
-    offset = int(torch.randint(stride, (1,), generator=generator, device=generator.device))
-    sample = np.abs(xn[offset::stride])
+    sample = np.abs(xn[_draw_offset(stride, generator)::stride])
     for aim in (oversample * k, 4.0 * oversample * k):  # second pass: the correction for too few
         rank = min(sample.size, max(1, math.ceil(aim * sample.size / n)))
         sample.partition(sample.size - rank)
