@@ -363,7 +363,8 @@ def steps_per_epoch(task: Task) -> int:
 
 
 def parse_variant(text: str, error: str = "norm") -> dict[str, Any]:
-    """``"statistic=gradient,error=squared,period=1"`` -> LGreCo settings (``period`` in epochs, default 0.5)."""
+    """``"statistic=gradient,error=squared,period=1,window=steps"`` -> LGreCo settings (``period`` in epochs,
+    default 0.5)."""
     out: dict[str, Any] = {"statistic": "gradient", "error": error, "period": 0.5, "window": "sum"}
     for part in filter(None, text.split(",")):
         key, _, value = part.partition("=")
@@ -681,11 +682,12 @@ def main() -> None:
     parser.add_argument("--figure", default=str(ROOT / "docs" / "figures" / "lgreco_layers.png"),
                         help="per-layer chart (PNG; '' to skip)")
     parser.add_argument("--error", choices=("norm", "squared", "feedback"), default="norm",
-                        help="LGreCo(error=...): budget on the sum of norms (paper) or on the total squared error")
+                        help="LGreCo(error=...): budget on the sum of norms (paper), on the total squared error, or "
+                             "on the steady-state error-feedback memories")
     parser.add_argument("--variants", nargs="+", default=["statistic=gradient"],
                         help="L-GreCo settings compared with the same uniform run, each 'key=value,...' with keys "
                              "statistic (gradient|input), error (norm|squared|feedback), period (epochs between "
-                             "re-plans, default 0.5); the first variant is the one drawn")
+                             "re-plans, default 0.5), window (sum|steps); the first variant is the one drawn")
     parser.add_argument("--uniform-from", nargs="+", default=None,
                         help="--json files of earlier runs whose uniform runs are reused (same task, family, seed, "
                              "epochs and train size; the runs are deterministic) instead of re-run")
