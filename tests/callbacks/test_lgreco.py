@@ -303,13 +303,15 @@ def test_every_family_adjusts_identically_on_all_ranks(tmp_path: Path, family: s
     assert dumps[0]["metrics"]["lgreco/budget"] == pytest.approx(history[-1]["budget"])
 
 
-def test_input_statistic_adjusts_identically_on_all_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("setting", [{"statistic": "input"}, {"window": "steps"}])
+def test_other_statistics_adjust_identically_on_all_ranks(tmp_path: Path, setting: dict[str, str]) -> None:
     records = fit(GradCompStrategy(compressor=TopK(ratio=0.05), start_method="fork"), tmp_path, model=_model(),
-                  max_epochs=3, callbacks=[_lgreco(statistic="input"), _Dump(tmp_path)])
+                  max_epochs=3, callbacks=[_lgreco(**setting), _Dump(tmp_path)])
     assert_replicas_identical(records)
     dumps = _load(tmp_path, 2)
     history = dumps[0]["history"]
-    assert [h["statistic"] for h in history] == ["input"] * 3 and all(h["feasible"] for h in history)
+    key, value = next(iter(setting.items()))
+    assert [h[key] for h in history] == [value] * 3 and all(h["feasible"] for h in history)
     assert dumps[1]["history"] == history
 
 
