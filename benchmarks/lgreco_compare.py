@@ -90,7 +90,7 @@ from recipes.models.seq2seq import sinusoidal_positions  # noqa: E402
 
 WORLD = 2
 BATCH = 64  # per rank
-START_STEP = 2  # first compressed step (both settings)
+START_STEP = 2  # first compressed step (both settings) unless --dense-epochs asks for a longer dense warm-up
 ACCUMULATE = 10  # steps summed into L-GreCo's statistic before each re-plan
 
 
@@ -156,9 +156,10 @@ class TinyLM(nn.Module):
     """
 
     def __init__(self, vocab: int = VOCAB, d_model: int = 64, nhead: int = 4, layers: int = 2, ff: int = 256,
-                 dropout: float = 0.1, context: int = CONTEXT) -> None:
+                 dropout: float = 0.1, context: int = CONTEXT, tied: bool = True) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
+        self.out = None if tied else nn.Linear(d_model, vocab)
         nn.init.normal_(self.embed.weight, std=d_model ** -0.5)
         self.register_buffer("positions", sinusoidal_positions(context, d_model), persistent=False)
         block = nn.TransformerEncoderLayer(d_model, nhead, ff, dropout, batch_first=True, norm_first=True)
@@ -171,6 +172,8 @@ class TinyLM(nn.Module):
         h = self.embed(tokens) * self.scale + self.positions[:t]
         mask = nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device)
         h = self.norm(self.blocks(h, mask=mask, is_causal=True))
+        if self.out is not None:
+            return self.out(h)
         return h @ self.embed.weight.T  # output projection tied to the embedding
 
 
@@ -178,6 +181,15 @@ def make_lm(seed: int) -> nn.Module:
     """:class:`TinyLM` with the default sizes, initialised from ``seed``."""
     torch.manual_seed(seed)
     return TinyLM()
+
+
+LARGE_VOCAB = 8000  # the untied LM's vocabulary: the words seen at least twice in the training sentences
+
+
+def make_lm_untied(seed: int) -> nn.Module:
+    """:class:`TinyLM` with an 8000-word vocabulary and an untied output projection, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    return TinyLM(vocab=LARGE_VOCAB, tied=False)
 
 
 def load_ding_lm(vocab_size: int = VOCAB, context: int = CONTEXT) -> tuple[Any, ...]:
@@ -227,10 +239,13 @@ def build_task(name: str, args: argparse.Namespace) -> Task:
     if name == "mlp":
         return Task("mlp", "synthetic 256-feature task, MLP 256-1024-512-256-128-64-32-10", make_mlp, make_data(),
                     args.epochs or 6, 64, "sgd", 0.05, 0.0, 256)
-    if name == "lm":
-        data_name, *data = load_ding_lm()
-        return Task("lm", f"{data_name}; Transformer LM (2 pre-norm layers, d 64, 4 heads, ff 256, tied "
-                          f"{VOCAB}x64 embedding, context {CONTEXT})", make_lm, tuple(data),
+    if name in ("lm", "lm_untied"):
+        tied = name == "lm"
+        data_name, *data = load_ding_lm(VOCAB if tied else LARGE_VOCAB)
+        embedding = (f"tied {VOCAB}x64 embedding" if tied
+                     else f"{LARGE_VOCAB}x64 embedding and output projection (untied)")
+        return Task(name, f"{data_name}; Transformer LM (2 pre-norm layers, d 64, 4 heads, ff 256, {embedding}, "
+                          f"context {CONTEXT})", make_lm if tied else make_lm_untied, tuple(data),
                     args.epochs or 6, 32, "adamw", 2e-3, 0.01, 256)
     data_name, *data = load_fashion_mnist(args.train_size)
     if name == "cnn":
@@ -322,9 +337,17 @@ class ErrorMeter:
 class Probe(pl.Callback):
     """Rank 0 writes accuracy, bytes, incurred errors, per-layer figures and the LGreCo history to a JSON file."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, start_step: int = START_STEP) -> None:
         self.out = out
         self.meter = ErrorMeter()
+        self.start_step = start_step
+        self.warmup_bytes: dict[str, int] = {}  # per layer, sent during the dense warm-up (steps < start_step)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        hook = getattr(trainer.strategy, "hook", None)
+        if hook is not None and hook.step == self.start_step and not self.warmup_bytes:
+            self.warmup_bytes = {k: v.wire_bytes for k, v in trainer.strategy.comm_stats.layers.items()}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         hook = getattr(trainer.strategy, "hook", None)
@@ -347,6 +370,9 @@ class Probe(pl.Callback):
             "wire_bytes": stats.wire_bytes,
             "dense_bytes": stats.dense_bytes,
             "compressed_layer_bytes": sum(v.wire_bytes for v in compressed.values()),
+            # the same layers' bytes over the compressed steps only (without the dense warm-up)
+            "compressed_phase_bytes": sum(v.wire_bytes - self.warmup_bytes.get(k, 0) for k, v in compressed.items()),
+            "start_step": self.start_step,
             "steps": stats.steps,
             "layers": {k: {"numel": v.numel, "shape": shapes.get(k), "param": v.param, "wire_bytes": v.wire_bytes}
                        for k, v in compressed.items()},
@@ -363,24 +389,27 @@ def steps_per_epoch(task: Task) -> int:
 
 
 def parse_variant(text: str, error: str = "norm") -> dict[str, Any]:
-    """``"statistic=gradient,error=squared,period=1,window=steps"`` -> LGreCo settings (``period`` in epochs,
-    default 0.5)."""
+    """``"statistic=gradient,error=squared,period=1,window=steps,min_factor=0.5"`` -> LGreCo settings (``period``
+    in epochs, default 0.5; ``min_factor`` / ``max_factor`` replace the family's candidate grid ends)."""
     out: dict[str, Any] = {"statistic": "gradient", "error": error, "period": 0.5, "window": "sum"}
+    numeric = ("period", "min_factor", "max_factor")
     for part in filter(None, text.split(",")):
         key, _, value = part.partition("=")
-        if key not in out:
-            raise SystemExit(f"--variants: unknown key {key!r} in {text!r} (statistic, error, period, window)")
-        out[key] = float(value) if key == "period" else value
+        if key not in out and key not in numeric:
+            raise SystemExit(f"--variants: unknown key {key!r} in {text!r} (statistic, error, period, window, "
+                             f"min_factor, max_factor)")
+        out[key] = float(value) if key in numeric else value
     return out
 
 
 def lgreco_for(kwargs: dict[str, Any], spe: int, error: str = "norm", statistic: str = "gradient",
-               period: float = 0.5, window: str = "sum") -> LGreCo:
-    """Re-plan a quarter epoch in, then every ``period`` epochs (default half), from the last 10 steps
-    (``alpha = 1``)."""
-    return LGreCo(warmup_steps=max(spe // 4, START_STEP + ACCUMULATE + 1),
+               period: float = 0.5, window: str = "sum", start_step: int = START_STEP, **grid: float) -> LGreCo:
+    """Re-plan a quarter epoch after compression starts (``start_step``), then every ``period`` epochs (default
+    half), from the last 10 steps (``alpha = 1``)."""
+    first = start_step + spe // 4 if start_step > START_STEP else spe // 4
+    return LGreCo(warmup_steps=max(first, start_step + ACCUMULATE + 1),
                   period=max(int(round(spe * period)), ACCUMULATE), accumulate_steps=ACCUMULATE, alpha=1.0,
-                  error=error, statistic=statistic, window=window, **kwargs)
+                  error=error, statistic=statistic, window=window, **{**kwargs, **grid})
 
 
 def oscillation(history: list[dict[str, Any]]) -> tuple[float, list[float]]:
@@ -394,17 +423,18 @@ def oscillation(history: list[dict[str, Any]]) -> tuple[float, list[float]]:
     return (statistics.fmean(steps) if steps else math.nan), plans
 
 
-def run_fit(task: Task, compressor: Any, layerwise: Optional[LGreCo], seed: int, workdir: Path) -> dict[str, Any]:
+def run_fit(task: Task, compressor: Any, layerwise: Optional[LGreCo], seed: int, workdir: Path,
+            start_step: int = START_STEP) -> dict[str, Any]:
     """One 2-rank fit (fork launcher); returns rank 0's :class:`Probe` record plus the wall time."""
     os.environ["MASTER_PORT"] = str(free_port())
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     pl.seed_everything(seed, verbose=False)  # the data order (DistributedSampler) follows PL_GLOBAL_SEED
     out = workdir / f"probe_{time.monotonic_ns()}.json"
-    strategy = GradCompStrategy(compressor=compressor, start_step=START_STEP, min_numel=task.min_numel, seed=seed,
+    strategy = GradCompStrategy(compressor=compressor, start_step=start_step, min_numel=task.min_numel, seed=seed,
                                 start_method="fork", layerwise=layerwise)
     trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=task.epochs, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[Probe(out)], default_root_dir=str(workdir))
+                         callbacks=[Probe(out, start_step)], default_root_dir=str(workdir))
     start = time.perf_counter()
     trainer.fit(Classifier(task, seed))
     record = json.loads(out.read_text())
@@ -413,12 +443,14 @@ def run_fit(task: Task, compressor: Any, layerwise: Optional[LGreCo], seed: int,
 
 
 # ---------------------------------------------------------------------------------------------- part 1
-def reused_uniform(args: argparse.Namespace, task: str, family: str, seed: int) -> Optional[dict[str, Any]]:
-    """The uniform run of ``(task, family, seed)`` from ``--uniform-from`` (the runs are deterministic), if any."""
+def reused_uniform(args: argparse.Namespace, task: str, family: str, seed: int,
+                   start: int = START_STEP) -> Optional[dict[str, Any]]:
+    """The uniform run of ``(task, family, seed, start step)`` from ``--uniform-from`` (the runs are
+    deterministic), if any."""
     for path in args.uniform_from or []:
         rows = json.loads(Path(path).read_text()).get("lgreco", {}).get(task, {}).get(family, [])
         for row in rows:
-            if row["seed"] == seed:
+            if row["seed"] == seed and row["uniform"].get("start_step", START_STEP) == start:
                 print(f"[{task}] {family} seed {seed}: uniform run reused from {path}", flush=True)
                 return row["uniform"]
     return None
@@ -426,25 +458,27 @@ def reused_uniform(args: argparse.Namespace, task: str, family: str, seed: int) 
 
 def part_lgreco(task: Task, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     spe = steps_per_epoch(task)
+    start = max(START_STEP, round(args.dense_epochs * spe))
     print(f"\n[{task.name}] {task.description}; W={WORLD}, batch {task.batch}/rank, {task.epochs} epochs of {spe} "
-          f"steps, seeds {args.seeds}", flush=True)
+          f"steps, compressed from step {start}, seeds {args.seeds}", flush=True)
     results: dict[str, Any] = {}
     for key in args.families:
         label, make, kwargs = FAMILIES[key]
         for seed in args.seeds:
-            uni = reused_uniform(args, task.name, key, seed) or run_fit(task, make(), None, seed, workdir)
+            uni = reused_uniform(args, task.name, key, seed, start) or run_fit(task, make(), None, seed, workdir, start)
             row: dict[str, Any] = {"seed": seed, "uniform": uni, "variants": {}}
             for variant in args.variants:
-                lg = run_fit(task, make(), lgreco_for(kwargs, spe, **parse_variant(variant, args.error)), seed,
-                             workdir)
+                lg = run_fit(task, make(), lgreco_for(kwargs, spe, start_step=start,
+                                                      **parse_variant(variant, args.error)), seed, workdir, start)
                 row["variants"][variant] = lg
                 row.setdefault("lgreco", lg)  # the first variant (read by --plot-from and older tools)
                 saving = uni["compressed_layer_bytes"] / lg["compressed_layer_bytes"]
+                phase = uni["compressed_phase_bytes"] / lg["compressed_phase_bytes"]
                 osc, plans = oscillation(lg["history"])
                 print(f"[{task.name}] {label:15s} seed {seed} [{variant}]: uniform "
                       f"{uni['compressed_layer_bytes'] / 1e6:8.2f} MB acc {uni['accuracy']:.4f} | L-GreCo "
                       f"{lg['compressed_layer_bytes'] / 1e6:8.2f} MB acc {lg['accuracy']:.4f} | saving {saving:.2f}x "
-                      f"(all layers {uni['wire_bytes'] / lg['wire_bytes']:.2f}x) | incurred error x"
+                      f"(compressed steps {phase:.2f}x, all layers {uni['wire_bytes'] / lg['wire_bytes']:.2f}x) | incurred error x"
                       f"{lg['error'] / uni['error']:.2f} | oscillation {osc:.2f}, planned savings "
                       f"{' '.join(f'{x:.2f}' for x in plans)} | {uni['seconds']:.0f} s, {lg['seconds']:.0f} s",
                       flush=True)
@@ -672,11 +706,13 @@ def part_torch(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("all", "lgreco", "torch"), default="all")
-    parser.add_argument("--tasks", nargs="+", choices=("resnet", "cnn", "lm", "mlp"),
+    parser.add_argument("--tasks", nargs="+", choices=("resnet", "cnn", "lm", "lm_untied", "mlp"),
                         default=["resnet", "cnn", "lm", "mlp"])
     parser.add_argument("--families", nargs="+", choices=tuple(FAMILIES), default=["powersgd", "topk", "qsgd"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--epochs", type=int, default=None, help="default: 4 (resnet), 6 (mlp)")
+    parser.add_argument("--dense-epochs", type=float, default=0.0,
+                        help="dense warm-up before compression starts, in epochs (default 0: compress from step 2)")
     parser.add_argument("--train-size", type=int, default=20000, help="Fashion-MNIST training images (resnet)")
     parser.add_argument("--no-dense", dest="dense", action="store_false", help="skip the dense DDP reference run")
     parser.add_argument("--figure", default=str(ROOT / "docs" / "figures" / "lgreco_layers.png"),

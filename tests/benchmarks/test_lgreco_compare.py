@@ -1,0 +1,42 @@
+"""benchmarks/lgreco_compare.py: the language models, the variant parser and the re-plan schedule."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT), str(ROOT / "tests")]
+from lgreco_compare import START_STEP, TinyLM, lgreco_for, parse_variant  # noqa: E402
+
+
+def test_untied_lm_has_its_own_output_projection() -> None:
+    tied, untied = TinyLM(vocab=50, tied=True), TinyLM(vocab=50, tied=False)
+    tokens = torch.randint(0, 50, (3, 7))
+    assert tied(tokens).shape == untied(tokens).shape == (3, 7, 50)
+    assert tied.out is None
+    assert untied.out.weight.shape == (50, 64)
+    assert untied.out.weight.data_ptr() != untied.embed.weight.data_ptr()
+    extra = sum(p.numel() for p in untied.parameters()) - sum(p.numel() for p in tied.parameters())
+    assert extra == 50 * 64 + 50  # the projection's weight and bias
+
+
+def test_parse_variant_reads_grid_ends_and_rejects_unknown_keys() -> None:
+    out = parse_variant("error=squared,period=1,min_factor=0.5,max_factor=2")
+    assert out == {"statistic": "gradient", "error": "squared", "period": 1.0, "window": "sum",
+                   "min_factor": 0.5, "max_factor": 2.0}
+    with pytest.raises(SystemExit, match="unknown key 'alpha'"):
+        parse_variant("alpha=0.5")
+
+
+def test_replans_start_a_quarter_epoch_after_compression_starts() -> None:
+    spe = 71
+    assert lgreco_for({}, spe).warmup_steps == spe // 4  # compression from step 2: as before
+    lg = lgreco_for({"min_factor": 0.25}, spe, start_step=spe, min_factor=0.5)
+    assert lg.warmup_steps == spe + spe // 4
+    assert lg.period == round(spe * 0.5)
+    assert lg.min_factor == 0.5  # the variant's grid end replaces the family's
+    assert lgreco_for({}, 20, start_step=START_STEP).warmup_steps == START_STEP + 11  # after a full window
