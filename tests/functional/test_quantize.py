@@ -207,3 +207,20 @@ def test_subnormal_group_is_sent_as_zero_or_quantized_finitely(tiny: float) -> N
     expected = torch.zeros(32)
     expected[8] = 1.0
     assert torch.equal(out[32:], expected)  # the normal group is unaffected
+
+
+@pytest.mark.parametrize("levels", [1, 3, 7, 127])
+def test_largest_uniform_draw_never_rounds_past_the_top_level(levels: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``L + u`` rounds to ``L + 1`` in fp32 when ``u`` is the largest draw below 1: the group's largest element
+    (``y = L``) must still get code ``2L`` (or ``0`` if negative, which used to wrap to 255 as ``uint8``)."""
+    import lightning_gradcomp.functional.quantize as quantize
+
+    top = 1.0 - 2.0 ** -24  # the largest fp32 value below 1, which torch.rand can return
+    assert torch.tensor(float(levels), dtype=torch.float32) + torch.tensor(top) == levels + 1  # the fp32 rounding
+    monkeypatch.setattr(quantize.torch, "rand", lambda shape, **kw: torch.full(shape, top, dtype=kw.get("dtype")))
+    x = torch.tensor([-2.0, 2.0, 0.5, -1.0, 0.0, 0.25])  # groups of 3: scales 2 and 1
+    q = stochastic_quantize(x, levels, 3, math.inf, torch.Generator())
+    assert int(q.codes.max()) <= 2 * levels and q.codes[0] == 0 and q.codes[1] == 2 * levels
+    out = dequantize(q.codes, q.scales, q.levels, q.group_size)
+    assert out[0] == -2.0 and out[1] == 2.0 and out[3] == -1.0  # the scale itself, exactly (|y| = L)
+    assert bool((out[:3].abs() <= 2.0).all()) and bool((out[3:].abs() <= 1.0).all())  # never past the scale
