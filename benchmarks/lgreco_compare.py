@@ -17,6 +17,11 @@ Two CPU ranks (gloo, fork, one thread each). Four offline tasks whose layers dif
     ``recipes.data.parallel_text.read_ding``; a CRC32 split holds out 1 sentence in 10) with a word vocabulary of
     4000, learned by a 2-layer pre-norm Transformer (width 64, tied embedding, context 32). AdamW (lr 2e-3,
     weight decay 0.01) with cosine decay, 32 sequences per rank, 6 epochs; the metric is next-token accuracy.
+``lm_untied``
+    The same sentences and model with an 8000-word vocabulary and an **untied** output projection, so that the
+    embedding and the output projection (8000x64 each) hold 90 % of the weights, as in most language models; the
+    case where L-GreCo re-allocates most (the large matrices gain little from a higher rank or density, the small
+    ones much). Same optimiser; run it with ``--epochs 12`` (docs/benchmarks.md).
 ``mlp``
     10-class classification of synthetic data (256 Gaussian features with a power-law spectrum, labelled by a
     fixed random teacher; 8192 training and 4096 test samples generated from a seed) learned by an MLP with
@@ -42,10 +47,14 @@ with a single DDP bucket (``bucket_cap_mb=1000``). Prints bytes per compressed s
 :class:`~lightning_gradcomp.comm.CommStats`, torch's from its own ``compression_stats`` counters with the same
 all-reduce formula), time inside the hook function per step, step time, and final accuracy.
 
-    python benchmarks/lgreco_compare.py [--part all|lgreco|torch] [--tasks resnet cnn lm mlp] [--seeds 0 1]
+With ``--dense-epochs E`` compression starts after ``E`` dense epochs (both settings) and L-GreCo's first re-plan
+comes a quarter epoch later; the bytes of the compressed layers are then also reported over the compressed steps
+only.
+
+    python benchmarks/lgreco_compare.py [--part all|lgreco|torch] [--tasks resnet cnn lm lm_untied mlp] [--seeds 0 1]
         [--families powersgd topk qsgd] [--epochs N] [--train-size 20000] [--error norm|squared]
         [--variants statistic=gradient statistic=input,period=1 ...] [--uniform-from earlier.json ...]
-        [--json out.json] [--plot-from out.json]
+        [--json out.json] [--plot-from out.json [more.json ...]] [--dense-epochs 0]
 """
 
 from __future__ import annotations
@@ -456,12 +465,15 @@ def reused_uniform(args: argparse.Namespace, task: str, family: str, seed: int,
     return None
 
 
-def part_lgreco(task: Task, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def part_lgreco(task: Task, args: argparse.Namespace, workdir: Path,
+                results: Optional[dict[str, Any]] = None, saved: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Uniform and L-GreCo runs of every family and seed of ``task``, filled into ``results`` (``saved()`` is
+    called after each seed, so a crash loses only the runs in progress)."""
     spe = steps_per_epoch(task)
     start = max(START_STEP, round(args.dense_epochs * spe))
     print(f"\n[{task.name}] {task.description}; W={WORLD}, batch {task.batch}/rank, {task.epochs} epochs of {spe} "
           f"steps, compressed from step {start}, seeds {args.seeds}", flush=True)
-    results: dict[str, Any] = {}
+    results = {} if results is None else results
     for key in args.families:
         label, make, kwargs = FAMILIES[key]
         for seed in args.seeds:
@@ -483,6 +495,7 @@ def part_lgreco(task: Task, args: argparse.Namespace, workdir: Path) -> dict[str
                       f"{' '.join(f'{x:.2f}' for x in plans)} | {uni['seconds']:.0f} s, {lg['seconds']:.0f} s",
                       flush=True)
             results.setdefault(key, []).append(row)
+            saved()
     if args.dense:
         dense = run_fit(task, None, None, args.seeds[0], workdir)
         results["dense"] = dense
@@ -540,6 +553,24 @@ def print_lgreco_table(task: Task, results: dict[str, Any], args: argparse.Names
                 for r in results[key] for lg in [r["variants"][variant]])
             print(f"[{task.name}] {FAMILIES[key][0]} [{variant}] per seed (compressed MB / accuracy, uniform vs "
                   f"L-GreCo): {per_seed}")
+
+
+def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge the ``"lgreco"`` parts of several ``--json`` records: per task and family, the seed rows of all
+    records sorted by seed (a later record's row replaces an earlier one of the same seed); ``"dense"`` from the
+    first record that has it."""
+    out: dict[str, Any] = {}
+    for record in records:
+        for task, families in record.items():
+            merged = out.setdefault(task, {})
+            for key, value in families.items():
+                if key == "dense":
+                    merged.setdefault("dense", value)
+                    continue
+                rows = {row["seed"]: row for row in merged.get(key, [])}
+                rows.update({row["seed"]: row for row in value})
+                merged[key] = [rows[seed] for seed in sorted(rows)]
+    return out
 
 
 def _layer_label(info: dict[str, Any]) -> str:
@@ -728,11 +759,12 @@ def main() -> None:
                         help="--json files of earlier runs whose uniform runs are reused (same task, family, seed, "
                              "epochs and train size; the runs are deterministic) instead of re-run")
     parser.add_argument("--json", type=Path, default=None, help="also write every run's record here")
-    parser.add_argument("--plot-from", type=Path, default=None,
-                        help="only redraw --figure from a --json file written by an earlier run")
+    parser.add_argument("--plot-from", type=Path, nargs="+", default=None,
+                        help="only redraw --figure from --json files written by earlier runs (merged; each family's "
+                             "lowest seed is drawn)")
     args = parser.parse_args()
     if args.plot_from is not None:
-        lgreco = json.loads(args.plot_from.read_text())["lgreco"]
+        lgreco = merge_records([json.loads(path.read_text())["lgreco"] for path in args.plot_from])
         plot_layers(lgreco, [f for f in args.families if all(f in r for r in lgreco.values())], Path(args.figure))
         return
     torch.set_num_threads(1)
@@ -747,7 +779,8 @@ def main() -> None:
             lgreco: dict[str, Any] = {}
             records["lgreco"] = lgreco
             for name in args.tasks:
-                lgreco[name] = part_lgreco(build_task(name, args), args, Path(tmp))
+                lgreco[name] = {}
+                part_lgreco(build_task(name, args), args, Path(tmp), lgreco[name], save)
                 save()
             if args.figure:
                 plot_layers(lgreco, args.families, Path(args.figure))

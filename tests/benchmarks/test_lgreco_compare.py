@@ -40,3 +40,33 @@ def test_replans_start_a_quarter_epoch_after_compression_starts() -> None:
     assert lg.period == round(spe * 0.5)
     assert lg.min_factor == 0.5  # the variant's grid end replaces the family's
     assert lgreco_for({}, 20, start_step=START_STEP).warmup_steps == START_STEP + 11  # after a full window
+
+
+def test_merge_records_joins_seeds_and_families() -> None:
+    from lgreco_compare import merge_records
+
+    a = {"lm": {"powersgd": [{"seed": 1, "x": "a1"}, {"seed": 0, "x": "a0"}], "dense": {"x": "d"}}}
+    b = {"lm": {"powersgd": [{"seed": 1, "x": "b1"}], "topk": [{"seed": 2, "x": "b2"}]}, "mlp": {"qsgd": []}}
+    out = merge_records([a, b])
+    assert [r["x"] for r in out["lm"]["powersgd"]] == ["a0", "b1"]  # sorted by seed, later record wins
+    assert out["lm"]["topk"] == [{"seed": 2, "x": "b2"}]
+    assert out["lm"]["dense"] == {"x": "d"}
+    assert out["mlp"] == {"qsgd": []}
+
+
+def test_screen_plans_like_lgreco() -> None:
+    from lgreco_screen import planned_saving
+
+    from lightning_gradcomp.compressors import PowerSGD
+
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(512, 1, generator=gen) @ torch.randn(1, 64, generator=gen)  # exactly rank 1
+    small = torch.randn(64, 64, generator=gen)  # flat spectrum: every extra rank removes error
+    stats = {"big": big, "small": small, "bias": torch.randn(64, 1)}
+    shapes = {k: tuple(v.shape) for k, v in stats.items()}
+    saving, choice = planned_saving(PowerSGD(rank=4), {"min_factor": 0.25, "max_factor": 4.0}, stats, shapes)
+    assert set(choice) == {"big", "small"}  # a 64x1 matrix is not worth compressing at rank 4
+    assert choice["big"] == 1 and choice["small"] >= 4
+    assert saving > 1.0
+    same, _ = planned_saving(PowerSGD(rank=4), {"min_factor": 1.0, "max_factor": 1.0}, stats, shapes)
+    assert same == 1.0  # a grid of the default alone can only give the uniform setting
