@@ -485,7 +485,8 @@ def part_lgreco(task: Task, args: argparse.Namespace, workdir: Path,
                 row["variants"][variant] = lg
                 row.setdefault("lgreco", lg)  # the first variant (read by --plot-from and older tools)
                 saving = uni["compressed_layer_bytes"] / lg["compressed_layer_bytes"]
-                phase = uni["compressed_phase_bytes"] / lg["compressed_phase_bytes"]
+                # records written before the compressed-phase figure existed have only the whole run's
+                phase = uni.get("compressed_phase_bytes", math.nan) / lg["compressed_phase_bytes"]
                 osc, plans = oscillation(lg["history"])
                 print(f"[{task.name}] {label:15s} seed {seed} [{variant}]: uniform "
                       f"{uni['compressed_layer_bytes'] / 1e6:8.2f} MB acc {uni['accuracy']:.4f} | L-GreCo "
@@ -617,7 +618,7 @@ def plot_layers(all_results: dict[str, dict[str, Any]], families: list[str], pat
             whole = statistics.fmean([r["uniform"]["compressed_layer_bytes"] / r["lgreco"]["compressed_layer_bytes"]
                                       for r in runs])
             ax.set_title(f"{task}: {label}\n{whole:.2f}x fewer bytes over the run (seed mean)", fontsize=9)
-            ax.set_xlabel("compressed layer (matrix shape n x m), input to output", fontsize=8)
+            ax.set_xlabel("compressed layer (matrix shape n x m), in parameter order", fontsize=8)
             ax.legend(fontsize=7)
         axes[row][0].set_ylabel("chosen / uniform default (log2)")
     fig.suptitle("L-GreCo per-layer parameters at the uniform setting's error budget (alpha = 1), last re-plan",
