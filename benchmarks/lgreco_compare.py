@@ -284,6 +284,13 @@ def accuracy(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return evaluate(net, x, y)[0]
 
 
+def make_optimizer(task: Task, params: Any) -> torch.optim.Optimizer:
+    """The task's optimiser: AdamW, or SGD with momentum 0.9, at the task's learning rate and weight decay."""
+    if task.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=task.lr, weight_decay=task.weight_decay)
+    return torch.optim.SGD(params, lr=task.lr, momentum=0.9, weight_decay=task.weight_decay)
+
+
 class Classifier(pl.LightningModule):
     """A task's network, SGD with momentum 0.9 and a per-step cosine learning-rate decay."""
 
@@ -298,11 +305,7 @@ class Classifier(pl.LightningModule):
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     def configure_optimizers(self) -> Any:
-        task = self.task
-        if task.optimizer == "adamw":
-            opt = torch.optim.AdamW(self.parameters(), lr=task.lr, weight_decay=task.weight_decay)
-        else:
-            opt = torch.optim.SGD(self.parameters(), lr=task.lr, momentum=0.9, weight_decay=task.weight_decay)
+        opt = make_optimizer(self.task, self.parameters())
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.trainer.estimated_stepping_batches)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

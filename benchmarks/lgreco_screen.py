@@ -24,11 +24,11 @@ from torch import Tensor, nn
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "tests")]
-from lgreco_compare import ACCUMULATE, FAMILIES, build_task  # noqa: E402
+from lgreco_compare import ACCUMULATE, FAMILIES, build_task, make_optimizer  # noqa: E402
 
-from lightning_gradcomp.callbacks.lgreco import _default_grid, layer_candidates, layer_table  # noqa: E402
+from lightning_gradcomp.callbacks.lgreco import LGreCo, layer_table  # noqa: E402
 from lightning_gradcomp.compressors.base import Compressor  # noqa: E402
-from lightning_gradcomp.functional.layerwise import solve_layerwise  # noqa: E402
+from lightning_gradcomp.functional.layerwise import solve_or_uniform  # noqa: E402
 from lightning_gradcomp.plan import LayerSlot  # noqa: E402
 
 
@@ -36,25 +36,19 @@ def planned_saving(compressor: Compressor, grid_args: dict[str, Any], stats: dic
                    shapes: dict[str, tuple[int, ...]]) -> tuple[float, dict[str, Any]]:
     """``(uniform bytes / chosen bytes, {layer: chosen value})`` for the layers ``compressor`` accepts.
 
-    The same tables, budget and solver as :meth:`LGreCo.adjust` (without the cross-rank averaging); the uniform
-    setting is kept when the solver finds nothing cheaper or nothing at all.
+    The same candidate grids, tables, budget (``alpha = 1``) and solver as :meth:`LGreCo.adjust`, without the
+    cross-rank averaging.
     """
+    planner = LGreCo(**grid_args)
     names = [n for n in stats if compressor.accepts(LayerSlot(n, 0, shapes[n], True))]
-    base = _default_grid(compressor.default_param, compressor.param_name, grid_args.get("min_factor", 0.25),
-                         grid_args.get("max_factor", 4.0), grid_args.get("num_candidates", 9))
-    grids = [layer_candidates(compressor, shapes[n], base) for n in names]
+    grids = [planner.grid(compressor, shapes[n]) for n in names]
     tables = [layer_table(compressor, stats[n], shapes[n], g) for n, g in zip(names, grids)]
     sizes, errors = [t[0] for t in tables], [t[1] for t in tables]
     uniform = [g.index(compressor.default_param) for g in grids]
-    budget = sum(e[c] for e, c in zip(errors, uniform))
-    try:
-        picks = solve_layerwise(sizes, errors, budget)
-    except ValueError:  # rounding errors up can exclude even the uniform setting itself (docs/lgreco.md)
-        picks = uniform
+    budget = sum(e[c] for e, c in zip(errors, uniform))  # the uniform setting fits it, so the call never raises
+    picks, _ = solve_or_uniform(sizes, errors, uniform, budget)
     uniform_bytes = sum(s[c] for s, c in zip(sizes, uniform))
     chosen_bytes = sum(s[c] for s, c in zip(sizes, picks))
-    if chosen_bytes > uniform_bytes:
-        picks, chosen_bytes = uniform, uniform_bytes
     return uniform_bytes / chosen_bytes, {n: g[c] for n, g, c in zip(names, grids, picks)}
 
 
@@ -73,10 +67,7 @@ def main() -> None:
     torch.set_num_threads(1)
     task = build_task(args.task, args)
     net = task.make_net(args.seed)
-    if task.optimizer == "adamw":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(net.parameters(), lr=task.lr, weight_decay=task.weight_decay)
-    else:
-        opt = torch.optim.SGD(net.parameters(), lr=task.lr, momentum=0.9, weight_decay=task.weight_decay)
+    opt = make_optimizer(task, net.parameters())
     xtr, ytr = task.data[:2]
     shapes = {n: tuple(p.shape) for n, p in net.named_parameters() if p.dim() > 1 and p.numel() >= task.min_numel}
     families = {k: v for k, v in FAMILIES.items() if k != "powersgd8"}

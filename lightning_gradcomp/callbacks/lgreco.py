@@ -42,7 +42,7 @@ from lightning_gradcomp.compressors.powersgd import PowerSGD
 from lightning_gradcomp.compressors.randomk import RandomK
 from lightning_gradcomp.functional.layerwise import (feedback_errors, lowrank_errors, lowrank_sizes,
                                                      quantization_errors, quantized_sizes, randomk_errors,
-                                                     solve_layerwise, sparse_sizes, topk_errors)
+                                                     solve_or_uniform, sparse_sizes, topk_errors)
 from lightning_gradcomp.functional.lowrank import lowrank_saves, matrix_shape
 from lightning_gradcomp.functional.sparsify import kept_count
 from lightning_gradcomp.hook import BucketRecord
@@ -293,7 +293,7 @@ class LGreCo(Callback):
             return None
         compressor = hook.compressor
         names = sorted(collector.shapes)
-        grids = [self._grid(compressor, collector.shapes[n]) for n in names]
+        grids = [self.grid(compressor, collector.shapes[n]) for n in names]
         sizes, local = [], []
         for name, grid in zip(names, grids):
             stats = collector.per_step[name] if self.window == "steps" else [collector.sums[name]]
@@ -310,19 +310,10 @@ class LGreCo(Callback):
                                  "window": self.window, "layers": names, "budget": budget,
                                  "uniform_error": uniform_error, "uniform_bytes": uniform_size}
         collector.reset()
-        picks: Optional[list[int]] = None
         try:
-            picks = solve_layerwise(sizes, errors, budget, self.resolution)
+            picks, fallback = solve_or_uniform(sizes, errors, defaults, budget, self.resolution)
         except ValueError as err:
-            failure = str(err)
-        # Rounding errors up makes the solver conservative: the uniform setting itself usually needs a few
-        # units more than the budget. Whenever it truly fits and is cheaper, it is the better answer.
-        uniform_fits = uniform_error <= budget
-        fallback = uniform_fits and (picks is None or sum(s[c] for s, c in zip(sizes, picks)) > uniform_size)
-        if fallback:
-            picks = defaults
-        if picks is None:
-            rank_zero_warn(f"LGreCo at step {step}: {failure}; keeping the previous per-layer parameters")
+            rank_zero_warn(f"LGreCo at step {step}: {err}; keeping the previous per-layer parameters")
             entry.update(feasible=False, uniform=False, values=[self.choice.get(n, default) for n in names])
             self.history.append(entry)
             return entry
@@ -348,7 +339,9 @@ class LGreCo(Callback):
             errors = feedback_errors(errors, float(stat.double().norm()))
         return sizes, [x * x for x in errors] if self.error == "squared" else errors
 
-    def _grid(self, compressor: Compressor, shape: Sequence[int]) -> list[Any]:
+    def grid(self, compressor: Compressor, shape: Sequence[int]) -> list[Any]:
+        """The candidate values of one layer of ``shape``: ``candidates``, or the factor grid around the default,
+        filtered by :func:`layer_candidates`."""
         base = self.candidates if self.candidates is not None else _default_grid(
             compressor.default_param, compressor.param_name, self.min_factor, self.max_factor, self.num_candidates)
         return layer_candidates(compressor, shape, base)

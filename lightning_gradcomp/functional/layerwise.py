@@ -42,6 +42,7 @@ __all__ = [
     "quantized_sizes",
     "randomk_errors",
     "solve_layerwise",
+    "solve_or_uniform",
     "sparse_sizes",
     "topk_errors",
 ]
@@ -143,6 +144,31 @@ def solve_layerwise(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[
         choice[layer] = c
         b -= units_table[layer][c]
     return choice
+
+
+def solve_or_uniform(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], uniform: Sequence[int],
+                     max_error: float, resolution: int = 10_000) -> tuple[list[int], bool]:
+    """:func:`solve_layerwise`, or the ``uniform`` assignment whenever it truly fits and the solver's is dearer or
+    missing: ``(choice, whether it is the uniform fallback)``.
+
+    Rounding errors up makes the solver conservative, so a budget equal to the uniform setting's own error
+    usually excludes that setting from the solver's answers; it is still a valid (and sometimes the cheapest)
+    answer.
+
+    Raises:
+        ValueError: neither the solver nor the uniform assignment fits ``max_error``.
+    """
+    uniform = list(uniform)
+    uniform_fits = sum(e[c] for e, c in zip(errors, uniform)) <= max_error
+    try:
+        picks = solve_layerwise(sizes, errors, max_error, resolution)
+    except ValueError:
+        if uniform_fits:
+            return uniform, True
+        raise
+    if uniform_fits and sum(s[c] for s, c in zip(sizes, picks)) > sum(s[c] for s, c in zip(sizes, uniform)):
+        return uniform, True
+    return picks, False
 
 
 # ---------------------------------------------------------------------------------------------- sizes

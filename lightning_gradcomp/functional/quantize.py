@@ -168,10 +168,10 @@ def stochastic_quantize(x: Tensor, levels: int, group_size: int, p: PNorm, gener
     usable = (wire > 0) & torch.isfinite(inverse)
     inverse = torch.where(usable, inverse, torch.zeros_like(inverse))
     scales = torch.where(usable, scales, torch.zeros_like(scales))
-    y = mag.mul_(inverse.unsqueeze(-1)).clamp_(max=float(levels))
+    y = mag.mul_(inverse.unsqueeze(-1))
     y.add_(torch.rand(y.shape, generator=generator, dtype=y.dtype, device=y.device)).floor_()
-    # In floating point, y + u can round up to L + 1 (e.g. y = L and u = 1 - 2**-24): cap it at the top level,
-    # which is where the exact sum lies. Otherwise a negative code would wrap past 2L as uint8.
+    # Cap at the top level after rounding: y itself may exceed L by an ulp, and in floating point y + u can round
+    # up to L + 1 (e.g. y = L, u = 1 - 2**-24); a negative code would then wrap past 2L as uint8.
     y.clamp_(max=float(levels))
     codes = torch.copysign(y, grouped).add_(float(levels))  # copysign(0, -x) + L == L
     return Quantized(_ungrouped(codes, n).to(torch.uint8), scales, int(levels), int(group_size))

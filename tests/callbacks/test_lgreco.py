@@ -148,7 +148,7 @@ def test_feedback_error_budget_protects_starved_layers() -> None:
         entries[cb.error] = cb.adjust(strategy)
     fb = entries["feedback"]
     # the feedback budget is the uniform setting's steady-state memory, sum_l e_l / (1 - e_l / ||A_l||)
-    grid = {n: fb_cb._grid(TopK(0.1), tuple(x.shape)) for n, x in stats.items()}
+    grid = {n: fb_cb.grid(TopK(0.1), tuple(x.shape)) for n, x in stats.items()}
     expected = 0.0
     for x in stats.values():
         e = layer_table(TopK(0.1), x.reshape(-1), tuple(x.shape), [0.1])[1][0]

@@ -238,3 +238,23 @@ def test_feedback_errors_are_the_error_feedback_fixed_point() -> None:
     errors = [0.1, 0.5, 0.9, 0.99]  # monotone, and it grows without bound where e saturates at ||A||
     out = feedback_errors(errors, 1.0)
     assert out == sorted(out) and out[-1] > 90
+
+
+def test_solve_or_uniform_falls_back_to_the_uniform_setting_only_when_it_fits() -> None:
+    from lightning_gradcomp.functional.layerwise import solve_or_uniform
+
+    # layer 0's error at the uniform candidate is 1e-9, not 0: rounded up it takes one unit, so a budget equal to
+    # the uniform setting's own error excludes that setting from the solver's answers.
+    sizes, errors = [[1.0, 2.0], [1.0, 2.0]], [[5.0, 1e-9], [5.0, 1.0]]
+    budget = 1e-9 + 1.0
+    with pytest.raises(ValueError):
+        solve_layerwise(sizes, errors, budget, 100)
+    assert solve_or_uniform(sizes, errors, [1, 1], budget, 100) == ([1, 1], True)
+    # a cheaper answer of the solver wins over the uniform setting
+    assert solve_or_uniform(sizes, errors, [1, 1], 20.0, 100) == ([0, 0], False)
+    # with a dearer exact candidate the solver has an answer, but the uniform setting is cheaper and fits
+    sizes3, errors3 = [[1.0, 2.0, 3.0], [1.0, 2.0]], [[5.0, 1e-9, 0.0], [5.0, 1.0]]
+    assert solve_layerwise(sizes3, errors3, budget, 100) == [2, 1]
+    assert solve_or_uniform(sizes3, errors3, [1, 1], budget, 100) == ([1, 1], True)
+    with pytest.raises(ValueError, match="no assignment"):
+        solve_or_uniform(sizes, errors, [0, 0], 1.0, 100)  # neither fits
