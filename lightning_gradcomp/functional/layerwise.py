@@ -156,9 +156,13 @@ def solve_or_uniform(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence
     answer.
 
     Raises:
-        ValueError: neither the solver nor the uniform assignment fits ``max_error``.
+        ValueError: malformed input (as :func:`solve_layerwise`, or ``uniform`` not one valid index per layer), or
+            neither the solver nor the uniform assignment fits ``max_error``.
     """
+    _validate(sizes, errors, max_error, resolution)  # before the fallback, so malformed input is never masked
     uniform = list(uniform)
+    if len(uniform) != len(sizes) or any(not 0 <= c < len(s) for c, s in zip(uniform, sizes)):
+        raise ValueError(f"`uniform` must give one candidate index per layer ({len(sizes)} layers), got {uniform}")
     uniform_fits = sum(e[c] for e, c in zip(errors, uniform)) <= max_error
     try:
         picks = solve_layerwise(sizes, errors, max_error, resolution)

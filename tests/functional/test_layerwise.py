@@ -258,3 +258,7 @@ def test_solve_or_uniform_falls_back_to_the_uniform_setting_only_when_it_fits() 
     assert solve_or_uniform(sizes3, errors3, [1, 1], budget, 100) == ([1, 1], True)
     with pytest.raises(ValueError, match="no assignment"):
         solve_or_uniform(sizes, errors, [0, 0], 1.0, 100)  # neither fits
+    with pytest.raises(ValueError, match="same layers"):  # malformed input is reported, not replaced by uniform
+        solve_or_uniform(sizes, errors[:1], [1, 1], budget, 100)
+    with pytest.raises(ValueError, match="one candidate index per layer"):
+        solve_or_uniform(sizes, errors, [1, 2], budget, 100)
