@@ -141,6 +141,24 @@ class GradCompStrategy(DDPStrategy):
             raise RuntimeError("set_layer_params() needs the hook: call it during fit")
         self._hook.layer_params.update(checked)
 
+    def make_hook(self, comm: Comm, param_names: dict[int, str],
+                  device: Optional[torch.device] = None) -> GradCompHook:
+        """Build this strategy's hook engine for one rank: the single place a :class:`GradCompHook` is assembled.
+
+        The strategy itself, ``lightning-gradcomp bench`` and the benchmark scripts all call this, so what is
+        benchmarked is what users run. The compressor is a private clone, prepared (e.g. native kernels built)
+        here, before any backward pass.
+
+        Args:
+            comm: this rank's byte-counting collectives.
+            param_names: ``id(parameter) -> qualified name``.
+            device: where restored state tensors go (the gradients' device).
+        """
+        compressor = self.compressor.clone()
+        compressor.prepare()
+        return GradCompHook(compressor, comm, param_names, start_step=self.start_step, policy=self.policy,
+                            seed=self.seed, beta=self.beta, device=device, nonfinite=self.nonfinite)
+
     # ------------------------------------------------------------------ Lightning hooks
     @override
     def connect(self, model: Any) -> None:
@@ -160,10 +178,7 @@ class GradCompStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         if self._hook is None:
             names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-            comm = Comm(self.model.process_group, CommStats())
-            self._hook = GradCompHook(self.compressor.clone(), comm, names, start_step=self.start_step,
-                                      policy=self.policy, seed=self.seed, beta=self.beta, device=self.root_device,
-                                      nonfinite=self.nonfinite)
+            self._hook = self.make_hook(Comm(self.model.process_group, CommStats()), names, self.root_device)
             if self._pending is not None:
                 state, per_rank = self._pending
                 self._hook.load_state_dict(state, per_rank=per_rank)

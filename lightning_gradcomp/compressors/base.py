@@ -149,6 +149,13 @@ class Compressor(ABC):
         """Whether this compressor wants to compress ``slot`` (after the size policy agreed)."""
         return True
 
+    def prepare(self) -> None:
+        """Get ready to reduce: called once per rank before training (build native kernels, warm caches).
+
+        Runs in the strategy's setup, never during backward, so nothing slow happens while other ranks
+        wait in a collective. Default: nothing to do.
+        """
+
     @abstractmethod
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
         """Average ``tensors`` (one flat fp32 tensor per compressed slot) across ranks."""
