@@ -16,11 +16,23 @@ Protocol for one bucket (identical order on every rank, so ranks never deadlock)
    ``m <- (1 - beta) m + beta (p - c)``.
 5. A ``.then()`` callback (local math only: gloo deadlocks on collectives issued from callbacks)
    writes the averaged slots into the bucket and resolves the Future with it.
+
+State changes are **staged** and take effect only for gradients that an optimizer step consumes. Once
+:meth:`GradCompHook.attach_optimizer` has been called (the strategy does so for every optimizer), the new
+error-feedback memories and compressor state of a backward pass are committed by the optimizer's step, for
+the parameters it stepped (those with a gradient), and discarded when the next backward pass starts
+without a step in between (``zero_grad()`` before stepping, a skipped AMP step, a parameter unused on every
+rank, a GAN's other optimizer). The step counter counts optimizer steps. Without an attached optimizer
+(raw use of the hook) every backward pass commits and counts as a step.
+
+Under fp16 AMP (``loss_scale`` set) the compressed slots are divided by the loss scale before compression
+and the averaged result is multiplied by it on write-back; both are exact (the scale is a power of two),
+and every memory and compressor state stays in unscaled units, whatever the scaler does to the scale.
 """
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -102,7 +114,13 @@ class GradCompHook:
         self.layer_params: dict[str, Any] = {}
         self.step = 0
         self.observers: list[HookObserver] = []
+        self.loss_scale: Optional[Callable[[], Optional[Tensor]]] = None
         self._plans: dict[int, tuple[tuple[int, ...], BucketPlan]] = {}
+        self._auto_commit = True      # no optimizer attached: every backward pass is a step
+        self._in_backward = False     # between the first and the last bucket of a backward pass
+        self._unstepped = False       # a backward pass went through the hook since the last step
+        self._compressed = False      # ... and it compressed something
+        self._optimizer_hooks: list[Any] = []
 
     @property
     def stats(self) -> CommStats:
@@ -129,18 +147,57 @@ class GradCompHook:
         """The compression parameter used for layer ``name``."""
         return self.layer_params.get(name, self.compressor.default_param)
 
+    # ------------------------------------------------------------------ steps
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Commit staged state when ``optimizer`` steps, for the parameters it steps (those with a gradient).
+
+        Call once per optimizer (the strategy does). From then on a backward pass counts as a step only when
+        an attached optimizer steps after it.
+        """
+        self._auto_commit = False
+        self.memory.staging = True
+        self.compressor.set_staging(True)
+        self._optimizer_hooks.append(optimizer.register_step_post_hook(self._on_optimizer_step))
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        names = [self.param_names[id(p)] for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None and id(p) in self.param_names]
+        self._end_step(names)
+
+    def _end_step(self, names: Optional[list[str]]) -> None:
+        """An optimizer consumed the last backward pass's gradients of ``names`` (all when ``None``)."""
+        self.memory.commit(names)
+        self.compressor.commit_state(names)
+        if not self._unstepped:  # a second optimizer stepping after the same backward pass
+            return
+        self._unstepped = False
+        self.step += 1
+        self.stats.steps += 1
+        self.stats.compressed_steps += int(self._compressed)
+
+    def _begin_backward(self) -> None:
+        """A new backward pass starts from the committed state: whatever the last one staged is dropped."""
+        self._in_backward = True
+        self._compressed = False
+        self.memory.discard()
+        self.compressor.discard_state()
+
     # ------------------------------------------------------------------ hook
     def __call__(self, bucket: dist.GradBucket) -> Future:
         start = time.perf_counter()
+        if not self._in_backward:
+            self._begin_backward()
         buf = bucket.buffer()
         plan = self.plan_for(bucket)
         self._count_dense_equivalent(plan, buf)
         compressing = self.step >= self.start_step and not self.compressor.dense and bool(plan.compressed)
+        self._compressed |= self.step >= self.start_step and not self.compressor.dense
         fut = self._reduce_compressed(plan, buf) if compressing else self._reduce_dense(plan, buf)
         if bucket.is_last():
-            self.step += 1
-            self.stats.steps += 1
-            self.stats.compressed_steps += int(self.step > self.start_step and not self.compressor.dense)
+            self._in_backward = False
+            self._unstepped = True
+            if self._auto_commit:
+                self._end_step(None)
         self.stats.hook_seconds += time.perf_counter() - start
         return fut
 
@@ -172,14 +229,17 @@ class GradCompHook:
             return self._reduce_nonfinite(plan, buf)
 
         use_ef = self.compressor.uses_error_feedback
+        scale = self.loss_scale() if self.loss_scale is not None else None
+        if scale is not None:
+            scale = scale.to(device=buf.device, dtype=torch.float32).reshape(1)
         grads = [buf[s.offset:s.end] for s in comp]
-        tensors = [self.memory.compensate(s.name, g) if use_ef else g.to(torch.float32, copy=True)
+        tensors = [self.memory.compensate(s.name, g, scale) if use_ef else _unscaled(g, scale)
                    for s, g in zip(comp, grads)]
         watchers = [obs for obs in self.observers if obs.wants(self.step)]
         inputs = [t.clone() for t in tensors] if watchers else []
         raw = None
         if any(getattr(obs, "needs_gradients", False) for obs in watchers):  # without EF the inputs are g already
-            raw = [g.to(torch.float32, copy=True) for g in grads] if use_ef else inputs
+            raw = [_unscaled(g, scale) for g in grads] if use_ef else inputs
         ctx = ReduceContext(self.comm, self.step, plan.index, comp, [self.param_of(s.name) for s in comp], self.seed)
         reduction = self.compressor.reduce(tensors, ctx)
         if use_ef:
@@ -199,6 +259,8 @@ class GradCompHook:
             start = time.perf_counter()
             for slot, avg in zip(comp, fut.value()):
                 buf[slot.offset:slot.end].copy_(avg)
+                if scale is not None:  # back to the loss-scaled units the GradScaler expects (exact: 2^k)
+                    buf[slot.offset:slot.end].mul_(scale)
             self.stats.hook_seconds += time.perf_counter() - start
             return buf
 
@@ -245,6 +307,12 @@ class GradCompHook:
         else:
             self.memory.reset()
             self.compressor.reset_state()
+
+
+def _unscaled(grad: Tensor, scale: Optional[Tensor]) -> Tensor:
+    """A new fp32 copy of ``grad / scale`` (``grad`` when there is no loss scale)."""
+    out = grad.to(torch.float32, copy=True)
+    return out if scale is None else out.div_(scale)
 
 
 def gradcomp_comm_hook(state: GradCompHook, bucket: dist.GradBucket) -> Future[Tensor]:

@@ -8,12 +8,22 @@ compression, ``p = m + g``, and after compression it becomes
 where ``c`` is this rank's local compressed contribution. ``beta = 1`` is classic error feedback;
 ``beta < 1`` is ScaleCom's low-pass filter. Memories are keyed by parameter name, so they survive
 DDP's bucket rebuild and are independent of the bucket layout.
+
+With :attr:`ErrorFeedback.staging` on (the engine's mode once an optimizer is attached), updates are
+**staged**: :meth:`ErrorFeedback.update` records the new memory, :meth:`ErrorFeedback.commit` makes it
+the memory once an optimizer step has consumed the gradient it came from, and :meth:`ErrorFeedback.discard`
+drops it (the gradient was thrown away: ``zero_grad()`` before a step, a skipped AMP step, a parameter no
+optimizer stepped). :meth:`ErrorFeedback.compensate` always reads the committed memory.
+
+Memories are kept in **unscaled** gradient units: under fp16 AMP the engine divides the loss-scaled gradient
+by the current loss scale before compensation (``p = m + g / s``), so a change of the scale never releases a
+residual at the wrong scale.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import Tensor
@@ -38,6 +48,9 @@ class ErrorFeedback:
     def __init__(self, beta: float = 1.0) -> None:
         self._beta = validate_beta(beta)
         self.memories: dict[str, Tensor] = {}
+        self.staged: dict[str, Tensor] = {}
+        self.staging = False
+        """Whether :meth:`update` stages (the engine turns this on when an optimizer commits); else it commits."""
 
     @property
     def beta(self) -> float:
@@ -48,24 +61,45 @@ class ErrorFeedback:
     def beta(self, value: float) -> None:
         self._beta = validate_beta(value)
 
-    def compensate(self, name: str, grad: Tensor) -> Tensor:
-        """Return a new fp32 tensor ``p = m + g`` (``g`` alone before the first update)."""
-        memory = self.memories.get(name)
-        if memory is None or memory.shape != grad.shape:
-            return grad.to(torch.float32, copy=True)
-        return memory + grad
+    def compensate(self, name: str, grad: Tensor, scale: Optional[Tensor] = None) -> Tensor:
+        """Return a new fp32 tensor ``p = m + g / scale`` (``g / scale`` before the first update).
 
-    def update(self, name: str, residual: Tensor) -> None:
-        """Apply ``m <- (1 - beta) m + beta * residual`` where ``residual = p - c``.
-
-        ``residual`` may be ``p``'s own storage (compressors zero the kept entries in place); with
-        ``beta = 1`` it is stored without a copy.
+        Args:
+            name: the layer.
+            grad: this rank's gradient of the layer (any float dtype).
+            scale: the loss scale ``g`` carries (a one-element tensor, fp16 AMP), or ``None`` for 1.
         """
         memory = self.memories.get(name)
+        if memory is None or memory.shape != grad.shape:
+            out = grad.to(torch.float32, copy=True)
+            return out if scale is None else out.div_(scale)
+        if scale is None:
+            return memory + grad
+        return torch.addcdiv(memory, grad.to(torch.float32), scale)
+
+    def update(self, name: str, residual: Tensor) -> None:
+        """Stage ``m <- (1 - beta) m + beta * residual`` where ``residual = p - c`` (see :meth:`commit`).
+
+        ``residual`` may be ``p``'s own storage (compressors zero the kept entries in place); with
+        ``beta = 1`` it is staged without a copy. The committed memory is never modified in place.
+        """
+        memory = self.memories.get(name)
+        target = self.staged if self.staging else self.memories
         if self._beta == 1.0 or memory is None or memory.shape != residual.shape:
-            self.memories[name] = residual if self._beta == 1.0 else residual.mul(self._beta)
+            target[name] = residual if self._beta == 1.0 else residual.mul(self._beta)
             return
-        memory.mul_(1.0 - self._beta).add_(residual, alpha=self._beta)
+        target[name] = memory.mul(1.0 - self._beta).add_(residual, alpha=self._beta)
+
+    def commit(self, names: Optional[Iterable[str]] = None) -> None:
+        """Make the staged memories of ``names`` (all when ``None``) the memories; keep the others staged."""
+        for name in list(self.staged) if names is None else names:
+            value = self.staged.pop(name, None)
+            if value is not None:
+                self.memories[name] = value
+
+    def discard(self) -> None:
+        """Drop every staged (uncommitted) memory."""
+        self.staged.clear()
 
     def norm(self, names: Optional[list[str]] = None) -> float:
         """L2 norm over all (or the named) memories."""
@@ -79,8 +113,9 @@ class ErrorFeedback:
             if any(n in self.memories for n in names) else torch.zeros(0)
 
     def reset(self) -> None:
-        """Drop every memory."""
+        """Drop every memory (committed and staged)."""
         self.memories.clear()
+        self.staged.clear()
 
     def state_dict(self) -> dict[str, Tensor]:
         """Copies of the memories (CPU tensors, ``weights_only``-loadable)."""
@@ -90,3 +125,4 @@ class ErrorFeedback:
         """Replace the memories with ``state`` (moved to ``device`` when given)."""
         self.memories = {k: v.to(device=device, dtype=torch.float32) if device is not None
                          else v.to(torch.float32).clone() for k, v in state.items()}
+        self.staged.clear()

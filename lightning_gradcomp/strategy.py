@@ -156,8 +156,21 @@ class GradCompStrategy(DDPStrategy):
         """
         compressor = self.compressor.clone()
         compressor.prepare()
-        return GradCompHook(compressor, comm, param_names, start_step=self.start_step, policy=self.policy,
+        hook = GradCompHook(compressor, comm, param_names, start_step=self.start_step, policy=self.policy,
                             seed=self.seed, beta=self.beta, device=device, nonfinite=self.nonfinite)
+        hook.loss_scale = self._loss_scale
+        return hook
+
+    def bind_hook(self, hook: GradCompHook) -> None:
+        """Make ``hook`` this strategy's engine (what a fit does; the bench, which has no Trainer, calls it)."""
+        self._hook = hook
+
+    def _loss_scale(self) -> Optional[torch.Tensor]:
+        """The fp16 AMP GradScaler's current scale (a one-element tensor, read without a host sync), if any."""
+        scaler = getattr(self._precision_plugin, "scaler", None)
+        if scaler is None or not getattr(scaler, "_enabled", False):
+            return None
+        return getattr(scaler, "_scale", None)
 
     # ------------------------------------------------------------------ Lightning hooks
     @override
@@ -171,6 +184,14 @@ class GradCompStrategy(DDPStrategy):
             raise ValueError(f"GradCompStrategy(layerwise={type(self.layerwise).__name__}(...)) and a "
                              f"{type(self.layerwise).__name__} in Trainer(callbacks=...) cannot be combined: use one")
         trainer.callbacks.append(self.layerwise)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        """DDP's setup, then attach the hook to every optimizer: state is committed by optimizer steps."""
+        super().setup(trainer)
+        if self._hook is not None:
+            for optimizer in self.optimizers:
+                self._hook.attach_optimizer(optimizer)
 
     @override
     def _register_ddp_hooks(self) -> None:

@@ -26,6 +26,7 @@ def test_update_rule(beta: float) -> None:
     p = ef.compensate("w", g)
     c = torch.where(p.abs() > 0.5, p, torch.zeros_like(p))
     ef.update("w", p - c)
+    ef.commit()
     expected = (1 - beta) * m0 + beta * (m0 + g - c)
     torch.testing.assert_close(ef.memories["w"], expected)
     # identity from ALGORITHMS.md 1.2: m' = m + beta (g - c)
@@ -39,6 +40,7 @@ def test_beta_one_is_classic_error_feedback() -> None:
     residual = p.clone()
     residual[0] = 0
     ef.update("w", residual)
+    ef.commit(["w"])
     assert torch.equal(ef.memories["w"], residual)
 
 
@@ -62,3 +64,26 @@ def test_state_round_trip_and_norm() -> None:
     assert all(torch.equal(other.memories[k], ef.memories[k]) for k in ef.memories)
     other.reset()
     assert other.memories == {}
+
+
+def test_staged_update_is_committed_per_name_or_discarded() -> None:
+    ef = ErrorFeedback(0.5)
+    ef.staging = True
+    ef.memories = {"a": torch.ones(3), "b": torch.ones(2)}
+    ef.update("a", torch.zeros(3))
+    ef.update("b", torch.zeros(2))
+    ef.commit(["a"])
+    assert torch.equal(ef.memories["a"], torch.full((3,), 0.5)) and torch.equal(ef.memories["b"], torch.ones(2))
+    ef.discard()
+    ef.commit()
+    assert torch.equal(ef.memories["b"], torch.ones(2))  # the discarded update never lands
+
+
+@pytest.mark.parametrize("scale", [2.0**-3, 1.0, 2.0**10])
+def test_compensate_divides_by_the_loss_scale(scale: float) -> None:
+    ef = ErrorFeedback()
+    g = torch.randn(5)
+    s = torch.tensor([scale])
+    assert torch.equal(ef.compensate("w", g * scale, s), g)
+    ef.memories["w"] = torch.randn(5)
+    assert torch.equal(ef.compensate("w", g * scale, s), ef.memories["w"] + g)

@@ -23,13 +23,14 @@ import copy
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Sequence, Union
+from typing import Any, ClassVar, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 from torch.futures import Future
 
 from lightning_gradcomp.comm import Comm
+from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.plan import LayerSlot
 
 __all__ = ["Compressor", "ReduceContext", "Reduction", "check_number", "split_flat"]
@@ -169,6 +170,29 @@ class Compressor(ABC):
 
     def reset_state(self) -> None:
         """Forget per-rank persistent state (world-size change policy)."""
+
+    def commit_state(self, names: Optional[Iterable[str]] = None) -> None:
+        """Commit the state staged for layers ``names`` (all when ``None``): an optimizer stepped them.
+
+        Acts on every :class:`~lightning_gradcomp.compressors.staged.StagedState` attribute; override only
+        for state kept elsewhere.
+        """
+        wanted = None if names is None else list(names)
+        for store in self._staged_stores():
+            store.commit(wanted)
+
+    def set_staging(self, enabled: bool) -> None:
+        """Turn staged state updates on (the engine does, once an optimizer step commits them) or off."""
+        for store in self._staged_stores():
+            store.staging = enabled
+
+    def discard_state(self) -> None:
+        """Drop all staged state: the gradient it came from was not used by any optimizer step."""
+        for store in self._staged_stores():
+            store.discard()
+
+    def _staged_stores(self) -> list[StagedState]:
+        return [value for value in vars(self).values() if isinstance(value, StagedState)]
 
     def clone(self) -> "Compressor":
         """A fresh deep copy (strategies never share compressor state)."""

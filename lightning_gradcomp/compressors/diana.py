@@ -43,6 +43,7 @@ from lightning_gradcomp.compressors.quantized import (
     state_copy,
 )
 from lightning_gradcomp.compressors.registry import register
+from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional.quantize import alpha_p
 from lightning_gradcomp.presets import register_preset
 
@@ -129,15 +130,15 @@ class DIANA(QuantizedCompressor):
             raise ValueError(f"`alpha` must be a number in [0, alpha_p = {limit:.6g}] for quantizer {self.quantizer} "
                              f"(alpha_p(d) = 1/sqrt(d) for l2, 2/(1+sqrt(d)) for linf); got {alpha!r}")
         self.alpha: float = float(alpha)
-        self._local: dict[str, Tensor] = {}
-        self._shift: dict[str, Tensor] = {}
-        self._owned: dict[str, dict[str, Any]] = {}
+        self._local = StagedState()
+        self._shift = StagedState()
+        self._owned = StagedState()
 
     def codec(self, param: Any) -> SlotCodec:
         return self.quantizer.codec
 
     # ------------------------------------------------------------------ shifts
-    def _tensor(self, store: dict[str, Tensor], name: str, like: Tensor) -> Tensor:
+    def _tensor(self, store: StagedState, name: str, like: Tensor) -> Tensor:
         value = store.get(name)
         if value is None or value.numel() != like.numel():
             value = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
@@ -193,12 +194,13 @@ class DIANA(QuantizedCompressor):
         if state and state.get("aggregation", self.aggregation) != self.aggregation:
             raise ValueError(f"DIANA state was saved with aggregation={state['aggregation']!r}, "
                              f"this compressor uses {self.aggregation!r}")
-        self._local = state_copy(state.get("local", {}))
-        self._shift = state_copy(state.get("shift", {}))
-        self._owned = state_copy(state.get("owned", {}))
+        self._local.load(state_copy(state.get("local", {})))
+        self._shift.load(state_copy(state.get("shift", {})))
+        self._owned.load(state_copy(state.get("owned", {})))
 
     def reset_state(self) -> None:
-        self._local, self._shift, self._owned = {}, {}, {}
+        for store in (self._local, self._shift, self._owned):
+            store.clear()
 
     def extra_repr(self) -> str:
         extra = super().extra_repr()

@@ -23,6 +23,7 @@ from torch.futures import Future
 
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, check_number
 from lightning_gradcomp.compressors.registry import register
+from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional.lowrank import (adapt_factor, effective_rank, lowrank_saves, matrix_shape,
                                                    orthogonalize, random_factor)
 from lightning_gradcomp.plan import LayerSlot
@@ -59,7 +60,7 @@ class PowerSGD(Compressor):
         self.warm_start = warm_start
         self.min_compression_rate = float(check_number("min_compression_rate", min_compression_rate, 1.0,
                                                        float("inf"), low_open=False))
-        self._factors: dict[str, Tensor] = {}
+        self._factors = StagedState()
 
     # ------------------------------------------------------------------ contract
     @property
@@ -120,7 +121,7 @@ class PowerSGD(Compressor):
         Fresh columns are drawn from a stream salted with the layer name, so they do not depend on the
         layer's position in its bucket (DDP re-buckets after its first step and after a resume).
         """
-        previous = self._factors.get(name) if self.warm_start else None
+        previous = self._factors.peek(name) if self.warm_start else None
         if previous is not None and previous.shape[0] == m:
             previous = previous.to(device)
             if previous.shape[1] == rank:
@@ -133,10 +134,10 @@ class PowerSGD(Compressor):
         return {"factors": {k: v.detach().cpu().clone() for k, v in self._factors.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._factors = {k: v.to(torch.float32).clone() for k, v in state.get("factors", {}).items()}
+        self._factors.load({k: v.to(torch.float32).clone() for k, v in state.get("factors", {}).items()})
 
     def reset_state(self) -> None:
-        self._factors = {}
+        self._factors.clear()
 
     def extra_repr(self) -> str:
         extra = "" if self.warm_start else ", warm_start=False"

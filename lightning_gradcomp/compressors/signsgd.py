@@ -10,6 +10,7 @@ from lightning_gradcomp.compressors.base import ReduceContext, Reduction
 from lightning_gradcomp.compressors.qsgd import check_bucket_size
 from lightning_gradcomp.compressors.quantized import QuantizedCompressor, Segment, SlotCodec, owned_state, state_copy
 from lightning_gradcomp.compressors.registry import register
+from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional.quantize import Quantized
 from lightning_gradcomp.presets import register_preset
 
@@ -34,7 +35,7 @@ class SignSGD(QuantizedCompressor):
     def __init__(self, bucket_size: int = 512, aggregation: str = "alltoall") -> None:
         super().__init__(aggregation)
         self.bucket_size: int = check_bucket_size(bucket_size)
-        self._server: dict[str, dict[str, Any]] = {}
+        self._server = StagedState()
 
     @property
     def uses_error_feedback(self) -> bool:
@@ -57,10 +58,10 @@ class SignSGD(QuantizedCompressor):
         return {"server": state_copy(self._server)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._server = state_copy(state.get("server", {}))
+        self._server.load(state_copy(state.get("server", {})))
 
     def reset_state(self) -> None:
-        self._server = {}
+        self._server.clear()
 
     def extra_repr(self) -> str:
         extra = super().extra_repr()

@@ -94,13 +94,16 @@ def test_beta_one_memory_is_classic_error_feedback() -> None:
     memory = ErrorFeedback(beta=1.0)
     g, c = torch.tensor([1.0, -2.0, 3.0]), torch.tensor([0.0, -2.0, 0.0])
     memory.update("w", g - c)
+    memory.commit()
     p = memory.compensate("w", g)  # m + g
     memory.update("w", p - c)
+    memory.commit()
     torch.testing.assert_close(memory.memories["w"], p - c)
     memory.beta = 0.1  # low pass: m <- m + beta (g - c)
     m = memory.memories["w"].clone()
     p = memory.compensate("w", g)
     memory.update("w", p - c)
+    memory.commit()
     torch.testing.assert_close(memory.memories["w"], m + 0.1 * (g - c))
 
 

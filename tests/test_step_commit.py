@@ -1,0 +1,191 @@
+"""State reflects only gradients an optimizer step consumed; steps are optimizer steps (issue 16, item 7).
+
+Each case is compared with the same run without the extra pass or the unused branch, where plain DDP gives
+bit-identical parameters: with compression it must too, for every stateful compressor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from helpers.models import fit
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.compressors import CLTK, DIANA, Compressor, PowerSGD, SignSGD, TopK
+
+COMPRESSORS = {
+    "cltk": lambda: CLTK(0.05),
+    "topk": lambda: TopK(0.05),
+    "powersgd": lambda: PowerSGD(rank=2),
+    "signsgd": lambda: SignSGD(),
+    "diana": lambda: DIANA(),
+}
+
+
+def _strategy(compressor: Compressor, **kwargs: Any) -> GradCompStrategy:
+    return GradCompStrategy(compressor=compressor, start_method="fork", **kwargs)
+
+
+def _data(samples: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(samples, 32, generator=gen), torch.randn(samples, 4, generator=gen)
+
+
+class _TwoOptimizers(pl.LightningModule):
+    """Manual optimization over two parameter groups ``a`` and ``b`` (a GAN's shape).
+
+    Per batch: ``loss_a`` backward, ``opt_a`` steps, both gradients are zeroed; then ``loss_b`` backward and
+    ``opt_b`` steps. With ``leak`` the first loss also sends gradients into ``b`` (discarded by ``zero_grad``);
+    without, ``b`` is detached there. With ``extra`` a whole backward pass is thrown away before the first.
+    """
+
+    def __init__(self, leak: bool = False, extra: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.leak, self.extra = leak, extra
+        torch.manual_seed(0)
+        self.a = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+        self.b = nn.Linear(64, 4)
+        self.x, self.y = _data()
+
+    def _loss(self, batch: Any, detach_b: bool) -> torch.Tensor:
+        x, y = batch
+        h = self.a(x)
+        if detach_b:
+            out = nn.functional.linear(h, self.b.weight.detach(), self.b.bias.detach())
+        else:
+            out = self.b(h)
+        return nn.functional.mse_loss(out, y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt_a, opt_b = self.optimizers()
+        if self.extra:
+            self.manual_backward(3.0 * self._loss(batch, detach_b=False))
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+        self.manual_backward(self._loss(batch, detach_b=not self.leak))
+        opt_a.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        x, y = batch
+        loss_b = nn.functional.mse_loss(self.b(self.a(x).detach()), y)
+        self.manual_backward(loss_b)
+        opt_b.step()
+        opt_b.zero_grad()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(self.a.parameters(), lr=0.05, momentum=0.9),
+                torch.optim.SGD(self.b.parameters(), lr=0.05, momentum=0.9)]
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=8)
+
+
+class _Final(pl.Callback):
+    """Saves each rank's final parameters, step counters and memories to ``<out>/final<r>.pt``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        hook = trainer.strategy.hook
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save({"params": [p.detach().clone() for p in pl_module.parameters()], "hook_step": hook.step,
+                    "steps": hook.stats.steps, "global_step": trainer.global_step,
+                    "memory": hook.memory.state_dict(), "compressor": hook.compressor.state_dict()},
+                   self.out / f"final{trainer.global_rank}.pt")
+
+
+def _run_manual(tmp_path: Path, name: str, tag: str, **model_kwargs: Any) -> list[dict[str, Any]]:
+    out = tmp_path / tag
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=_strategy(COMPRESSORS[name](), start_step=2, find_unused_parameters=True),
+                         max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[_Final(out)], default_root_dir=str(out))
+    trainer.fit(_TwoOptimizers(**model_kwargs))
+    return [torch.load(out / f"final{r}.pt", weights_only=True) for r in range(2)]
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for i, (x, y) in enumerate(zip(a["params"], b["params"], strict=True)):
+        assert torch.equal(x, y), f"parameter {i} differs"
+    assert a["memory"].keys() == b["memory"].keys()
+    for k in a["memory"]:
+        assert torch.equal(a["memory"][k], b["memory"][k]), f"memory of {k} differs"
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_discarded_backward_pass_leaves_no_trace(tmp_path: Path, name: str) -> None:
+    """A backward pass whose gradient is zeroed before any step, and a GAN's cross-gradient into ``b``."""
+    plain = _run_manual(tmp_path, name, "plain")
+    noisy = _run_manual(tmp_path, name, "noisy", leak=True, extra=True)
+    for rank in range(2):
+        _assert_same(noisy[rank], plain[rank])
+    batches = 2 * 3  # 2 epochs x 48 samples / (8 per batch x 2 ranks)
+    for rec in (plain[0], noisy[0]):  # steps are optimizer steps (two per batch), not backward passes
+        assert rec["steps"] == rec["hook_step"] == rec["global_step"] == 2 * batches
+
+
+class _SometimesUsed(pl.LightningModule):
+    """An MLP whose ``branch`` takes part only in even batches (``find_unused_parameters=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.Tanh())
+        self.branch = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 4)
+        self.x, self.y = _data(64)
+        self.memories: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.body(x)
+        if batch_idx % 2 == 0:
+            h = torch.tanh(self.branch(h))
+        return nn.functional.mse_loss(self.head(h), y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        hook = self.trainer.strategy.hook
+        self.memories.append(_state_of("branch.weight", {"memory": hook.memory.state_dict(),
+                                                         "compressor": hook.compressor.state_dict()}))
+
+    def on_train_end(self) -> None:
+        torch.save({"memories": self.memories}, Path(self.trainer.default_root_dir) / f"m{self.global_rank}.pt")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=8)
+
+
+def _state_of(name: str, state: Any, inside: bool = False) -> torch.Tensor:
+    """Every tensor of ``state`` (nested dicts) stored under key ``name``, flattened and concatenated."""
+    if isinstance(state, torch.Tensor):
+        return state.reshape(-1).float() if inside else torch.zeros(0)
+    if isinstance(state, dict):
+        parts = [_state_of(name, v, inside or k == name) for k, v in sorted(state.items())]
+        return torch.cat(parts) if parts else torch.zeros(0)
+    return torch.zeros(0)
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_parameter_unused_on_every_rank_keeps_its_memory(tmp_path: Path, name: str) -> None:
+    """In odd batches ``branch`` is unused everywhere: DDP leaves it alone, and so must its memory and state."""
+    fit(_strategy(COMPRESSORS[name](), find_unused_parameters=True), tmp_path, model=_SometimesUsed(),
+        max_epochs=2)
+    memories = torch.load(tmp_path / "m0.pt", weights_only=True)["memories"]
+    assert len(memories) == 8
+    compressed = [i for i, m in enumerate(memories) if m.numel()]
+    assert compressed, "the branch never got compression state"
+    for i in range(1, len(memories), 2):  # odd batch i: unused
+        if memories[i - 1].numel():
+            assert torch.equal(memories[i], memories[i - 1]), f"batch {i} changed the unused layer's memory"
+    assert any(not torch.equal(memories[i], memories[i - 2]) for i in range(2, len(memories), 2)
+               if memories[i - 2].numel()), "the used batches never changed the memory"
