@@ -91,7 +91,6 @@ from lightning_gradcomp.compressors import PowerSGD, TopK  # noqa: E402
 from lightning_gradcomp.compressors.qsgd import QSGD  # noqa: E402
 from lightning_gradcomp.functional.lowrank import matrix_shape  # noqa: E402
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook  # noqa: E402
-from lightning_gradcomp.plan import SlotPolicy  # noqa: E402
 from recipes.data.parallel_text import DING_PATH, is_held_out, read_ding  # noqa: E402 - Debian trans-de-en
 from recipes.data.vocab import EOS, WordVocab  # noqa: E402
 from recipes.models.resnet import resnet8  # noqa: E402 - the image recipe's CPU model
@@ -655,6 +654,13 @@ def _timed(hook_fn: Callable, box: list[float]) -> Callable:
     return wrapper
 
 
+def torch_compare_strategy() -> GradCompStrategy:
+    """Our side of the raw-DDP comparison, set up like torch's hook: PowerSGD rank 4 with error feedback and warm
+    start, compressed from step 2, no size threshold (``min_compression_rate=2`` decides, as in torch's). Its hook
+    is built by ``make_hook``, as in a fit."""
+    return GradCompStrategy(compressor=PowerSGD(rank=4), start_step=2, min_numel=1)
+
+
 def _train_torch(rank: int, world: int, which: str, seed: int, epochs: int) -> dict[str, Any]:
     """One rank of the raw-DDP comparison (run by :func:`run_workers`, which set up gloo and one thread)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
@@ -666,13 +672,15 @@ def _train_torch(rank: int, world: int, which: str, seed: int, epochs: int) -> d
     box = [0.0, 0.0]
     if which == "ours":
         names = {id(p): n for n, p in net.named_parameters()}
-        hook = GradCompHook(PowerSGD(rank=4), Comm(), names, start_step=2, policy=SlotPolicy(min_numel=1))
+        hook = torch_compare_strategy().make_hook(Comm(), names)
         model.register_comm_hook(hook, _timed(gradcomp_comm_hook, box))
     else:
         hook = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
                                   min_compression_rate=2, use_error_feedback=True, warm_start=True, random_seed=0)
         model.register_comm_hook(hook, _timed(psgd.powerSGD_hook, box))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if isinstance(hook, GradCompHook):  # our engine commits its memories on optimizer steps
+        hook.attach_optimizer(opt)
     n = xtr.shape[0] // world
     spe = n // BATCH
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=spe * epochs)

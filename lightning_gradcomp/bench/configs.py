@@ -5,9 +5,19 @@ Names: ``ddp`` (DDP's built-in all-reduce), ``torch_fp16`` (PyTorch's ``fp16_com
 aborts on gloo because it issues collectives from Future callbacks), and every strategy preset of this
 package (``gradcomp_topk``, ``scalecom``, ``qsgd``...), which run our hook engine.
 
+A preset is built exactly as ``Trainer(strategy=name)`` builds it: ``GradCompStrategy(**factory())``, whose
+:meth:`~lightning_gradcomp.GradCompStrategy.make_hook` assembles the hook (compressor clone, start step, size
+policy, seed, beta, non-finite policy), so what is benchmarked is what users run. The bench has no Trainer,
+so a preset's ``layerwise`` callback (L-GreCo) is driven by :class:`LayerwiseDriver`, which makes the calls
+Lightning makes at the same points of a step, with the strategy itself as ``trainer.strategy``.
+
 Every configuration wraps the model with ``broadcast_buffers=False``: the benchmark measures gradient
 reduction, and DDP's per-forward buffer broadcast (BatchNorm statistics) would add the same traffic to
 every configuration while our accounting, which covers gradient reduction only, would not see it.
+
+A measured step is ``ddp().backward()``, ``optimizer.step()``, ``zero_grad()``, then
+:meth:`Installed.end_step`; :meth:`Installed.begin` runs once the optimizer exists, :meth:`Installed.end` at
+the end.
 """
 
 import time
@@ -17,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
@@ -24,23 +35,116 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.plan import SlotPolicy
 from lightning_gradcomp.presets import PRESETS
+from lightning_gradcomp.strategy import GradCompStrategy
 
-__all__ = ["BASELINES", "Installed", "available_configs", "install"]
+__all__ = ["BASELINES", "Installed", "LayerwiseDriver", "available_configs", "install", "install_strategy"]
 
 BASELINES = ("ddp", "torch_fp16", "torch_powersgd")
 _SINGLE_BUCKET_MB = 1024.0
 
 
+_DRIVEN = ("on_train_start", "on_train_batch_end", "on_train_end")
+"""The Lightning hooks :class:`LayerwiseDriver` calls, where a Trainer would."""
+
+_NOT_APPLICABLE = ("state_dict", "load_state_dict", "on_save_checkpoint", "on_load_checkpoint", "on_exception")
+"""Hooks that have nothing to do in the bench (it writes no checkpoint; a failure aborts it)."""
+
+
+class _TrainerView:
+    """What a layerwise callback reads of the ``Trainer``: the strategy, the ranks, the step, the callbacks."""
+
+    def __init__(self, strategy: GradCompStrategy, callback: Callback) -> None:
+        self.strategy = strategy
+        self.callbacks = [callback]
+        self.global_rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.global_step = 0  # optimizer steps taken, as ``Trainer.global_step``
+
+
+class _ModuleView:
+    """Stands in for the ``LightningModule``: keeps the last value of every metric a callback logs."""
+
+    def __init__(self) -> None:
+        self.logged: dict[str, float] = {}
+
+    def log(self, name: str, value: Any, **kwargs: Any) -> None:
+        self.logged[name] = float(value)
+
+    def log_dict(self, metrics: dict[str, Any], **kwargs: Any) -> None:
+        for name, value in metrics.items():
+            self.log(name, value)
+
+
+class LayerwiseDriver:
+    """Runs a strategy's ``layerwise`` callback (e.g. L-GreCo) in the bench, which has no Trainer.
+
+    It calls ``on_train_start`` once the optimizer exists, ``on_train_batch_end`` after every optimizer step
+    and ``on_train_end`` at the end (where Lightning calls them), with the real strategy, whose hook is the
+    one the model reduces with, as ``trainer.strategy``.
+
+    Raises:
+        NotImplementedError: the callback overrides another Lightning hook, which the bench cannot honour;
+            benchmark it through a Trainer instead.
+    """
+
+    def __init__(self, callback: Callback, strategy: GradCompStrategy) -> None:
+        hooks = [name for name in dir(Callback) if name.startswith("on_") or name in ("setup", "teardown")]
+        unsupported = [name for name in hooks if name not in _DRIVEN + _NOT_APPLICABLE
+                       and getattr(type(callback), name) is not getattr(Callback, name)]
+        if unsupported:
+            raise NotImplementedError(f"the bench drives only {', '.join(_DRIVEN)} of a layerwise callback; "
+                                      f"{type(callback).__name__} also overrides {', '.join(unsupported)}: "
+                                      f"benchmark it with a Lightning Trainer instead")
+        self.callback = callback
+        self.trainer = _TrainerView(strategy, callback)
+        self.module = _ModuleView()
+
+    def start(self) -> None:
+        self.callback.on_train_start(self.trainer, self.module)  # type: ignore[arg-type]
+
+    def step_end(self) -> None:
+        self.trainer.global_step += 1
+        self.callback.on_train_batch_end(self.trainer, self.module, None, None,  # type: ignore[arg-type]
+                                         self.trainer.global_step - 1)
+
+    def end(self) -> None:
+        self.callback.on_train_end(self.trainer, self.module)  # type: ignore[arg-type]
+
+
 @dataclass
 class Installed:
-    """A wrapped model plus counters: ``wire_bytes()`` and ``hook_seconds()`` are cumulative."""
+    """A wrapped model plus counters: ``wire_bytes()`` and ``hook_seconds()`` are cumulative.
+
+    ``hook`` is our hook engine (presets only), ``layerwise`` the driver of the preset's layerwise callback.
+    """
 
     ddp: DistributedDataParallel
     wire_bytes: Callable[[], float]
     hook_seconds: Callable[[], float]
     extra: dict[str, Any] = field(default_factory=dict)
+    hook: Optional[GradCompHook] = None
+    layerwise: Optional[LayerwiseDriver] = None
+
+    def begin(self, optimizer: torch.optim.Optimizer) -> None:
+        """Once the optimizer exists, before the first step: attach it to the hook, start the layerwise callback."""
+        if self.hook is not None:
+            self.hook.attach_optimizer(optimizer)  # the engine commits its memories on optimizer steps
+        if self.layerwise is not None:
+            self.layerwise.start()
+
+    def end_step(self) -> None:
+        """After each optimizer step: advance the baselines' byte counters, run the layerwise callback."""
+        steps: Optional[dict[str, int]] = self.extra.get("steps")
+        if steps is not None:
+            steps["n"] += 1
+        if self.layerwise is not None:
+            self.layerwise.step_end()
+
+    def end(self) -> None:
+        """After the last step (``on_train_end`` of the layerwise callback)."""
+        if self.layerwise is not None:
+            self.layerwise.end()
 
 
 def available_configs() -> list[str]:
@@ -102,19 +206,21 @@ def install(name: str, model: nn.Module, bucket_cap_mb: float = 25.0) -> Install
                          lambda: timed.seconds, {"state": state})
     if name not in PRESETS:
         raise ValueError(f"unknown benchmark configuration {name!r}; available: {', '.join(available_configs())}")
-    options = PRESETS[name][1]()
-    compressor = options["compressor"].clone()
+    return install_strategy(GradCompStrategy(**PRESETS[name][1]()), model, bucket_cap_mb)
+
+
+def install_strategy(strategy: GradCompStrategy, model: nn.Module, bucket_cap_mb: float = 25.0) -> Installed:
+    """Wrap ``model`` in DDP and reduce with ``strategy``'s hook, built by ``strategy.make_hook`` (this rank).
+
+    The hook is bound to the strategy as in a fit (``strategy.hook``, ``set_layer_params``... act on it), and
+    the strategy's ``layerwise`` callback, if any, is driven by a :class:`LayerwiseDriver`.
+    """
     ddp = _wrap(model, bucket_cap_mb)
     names = {id(p): n for n, p in model.named_parameters()}
-    policy = SlotPolicy(min_numel=options.get("min_numel", 1024), compress_1d=options.get("compress_1d", False))
-    hook = GradCompHook(compressor, Comm(None, CommStats()), names, start_step=2, policy=policy,
-                        beta=options.get("beta", 1.0))
+    device = next(model.parameters()).device
+    hook = strategy.make_hook(Comm(None, CommStats()), names, device)
+    strategy.bind_hook(hook)  # what GradCompStrategy._register_ddp_hooks does in a fit (there is no Trainer here)
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
-    return Installed(ddp, lambda: hook.stats.wire_bytes, lambda: hook.stats.hook_seconds, {"hook": hook})
-
-
-def count_step(installed: Installed) -> None:
-    """Advance the formula-based byte counters of the baselines by one step."""
-    steps: Optional[dict[str, int]] = installed.extra.get("steps")
-    if steps is not None:
-        steps["n"] += 1
+    layerwise = None if strategy.layerwise is None else LayerwiseDriver(strategy.layerwise, strategy)
+    return Installed(ddp, lambda: hook.stats.wire_bytes, lambda: hook.stats.hook_seconds,
+                     hook=hook, layerwise=layerwise)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_gradcomp.bench.configs import count_step, install
+from lightning_gradcomp.bench.configs import install
 from lightning_gradcomp.bench.models import load_workload
 
 __all__ = ["header_bytes_per_packet", "run_rank"]
@@ -100,13 +100,14 @@ def _measure(name: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str,
     workload = load_workload(spec["model"], spec.get("batch_size"))
     installed = install(name, workload, spec["bucket_cap_mb"])
     opt = torch.optim.SGD(installed.ddp.parameters(), lr=0.01)
+    installed.begin(opt)
     counters: dict[str, float] = {}
 
     def step() -> None:
         installed.ddp().backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-        count_step(installed)
+        installed.end_step()  # the layerwise callback (L-GreCo) runs here, inside the timed step, as in a fit
 
     def snapshot() -> dict[str, float]:
         tx_bytes, tx_packets = _iface_tx(iface)
@@ -120,6 +121,7 @@ def _measure(name: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str,
     counters = snapshot()
     times = _run_steps(step, 0, n)
     end = snapshot()
+    installed.end()
     # the per-step barrier of the measurement loop is not part of the configuration's traffic
     frames = end["tx"] - counters["tx"] - barrier_bytes
     packets = end["packets"] - counters["packets"] - barrier_packets
@@ -133,6 +135,8 @@ def _measure(name: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str,
         "peak_rss_mb": _peak_rss_mb(),
         "batch_size": workload.batch_size,
         "params": sum(p.numel() for p in workload.parameters()),
+        # per-layer parameters the layerwise callback (L-GreCo) set by the end; {} = uniform (None: not our hook)
+        "layer_params": None if installed.hook is None else dict(installed.hook.layer_params),
     }
 
 

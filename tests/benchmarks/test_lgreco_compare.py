@@ -70,3 +70,12 @@ def test_screen_plans_like_lgreco() -> None:
     assert saving > 1.0
     same, _ = planned_saving(PowerSGD(rank=4), {"min_factor": 1.0, "max_factor": 1.0}, stats, shapes)
     assert same == 1.0  # a grid of the default alone can only give the uniform setting
+
+
+def test_raw_ddp_comparison_sets_our_hook_up_like_torchs() -> None:
+    from lgreco_compare import torch_compare_strategy
+
+    strategy = torch_compare_strategy()  # _train_torch builds its hook with strategy.make_hook, as a fit does
+    assert repr(strategy.compressor) == "PowerSGD(rank=4)"  # error feedback, warm start, min_compression_rate 2
+    assert strategy.compressor.warm_start and strategy.compressor.uses_error_feedback
+    assert strategy.start_step == 2 and strategy.policy.min_numel == 1  # as torch's start_powerSGD_iter=2
