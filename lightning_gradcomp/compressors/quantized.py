@@ -182,8 +182,11 @@ class WireLayout:
         chunk = self.chunks[index]
         lead = payload.shape[:-1]
         start = chunk.scale_offset
-        raw = payload[..., start:start + _SCALE_BYTES * chunk.num_scales].clone()  # aligned copy for the view
-        scales = raw.view(torch.float32).reshape(*lead, chunk.num_scales)
+        # The scales sit at any byte offset of a payload of any byte size (a row stride that is not a multiple
+        # of 4, or an empty chunk), so byte views of the payload cannot be reinterpreted as fp32: copy the
+        # bytes into fresh fp32 storage instead.
+        scales = payload.new_empty((*lead, chunk.num_scales), dtype=torch.float32)
+        scales.view(torch.uint8).copy_(payload[..., start:start + _SCALE_BYTES * chunk.num_scales])
         out: list[Quantized] = []
         g = 0
         for bits, first, last, offset, numel in chunk.runs:

@@ -10,7 +10,7 @@ import torch
 
 from helpers.distributed import run_workers
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
-from lightning_gradcomp.compressors import QSGD, SignSGD, TernGrad
+from lightning_gradcomp.compressors import DIANA, QSGD, SignSGD, TernGrad
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext
 from lightning_gradcomp.compressors.quantized import SlotCodec, build_layout, check_aggregation, wire_bytes
 from lightning_gradcomp.functional.quantize import levels_for_bits, num_groups
@@ -120,6 +120,52 @@ def test_ranks_agree_bitwise_and_count_exact_bytes(world: int, aggregation: str)
     layers = results[0]["layers"]
     assert sum(layers.values()) == pytest.approx(results[0]["wire"])
     assert layers["layer1"] / 300 > 3 * layers["layer0"] / (64 * 48)  # 8-bit layer costs ~4x the 2-bit one per element
+
+
+@pytest.mark.parametrize("numels", [[100], [1], [1, 2, 3, 7, 31, 100, 127, 129]], ids=["n100", "n1", "mixed"])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("levels", [0, 1, 7, 3], ids=["1bit", "2bit", "4bit", "3bit"])
+def test_every_chunk_round_trips_whatever_its_byte_size(numels: list[int], parts: int, levels: int) -> None:
+    """Small and odd layers: chunks without scales, payloads of any byte size, W payloads in one batch."""
+    codecs = [SlotCodec(levels, 64)] * len(numels)
+    layout = build_layout(numels, codecs, parts)
+    gen = torch.Generator().manual_seed(levels)
+    messages = [c.quantize(torch.randn(n, generator=gen), torch.Generator().manual_seed(n))
+                for n, c in zip(numels, codecs)]
+    payloads = torch.stack([layout.pack(j, messages, torch.device("cpu"), whole_slots=True) for j in range(parts)])
+    assert payloads.shape == (parts, layout.payload_nbytes)
+    for j, chunk in enumerate(layout.chunks):
+        batch = payloads[j].repeat(3, 1)  # as received by the all-to-all: a contiguous (W, P) tensor
+        for rows in (payloads[j], batch):
+            pieces = layout.unpack(j, rows)
+            assert len(pieces) == len(chunk.segments)
+            for seg, piece in zip(chunk.segments, pieces):
+                want = messages[seg.slot]
+                assert torch.equal(piece.codes, want.codes[seg.start:seg.end].expand_as(piece.codes))
+                assert torch.equal(piece.scales, want.scales[seg.group_start:seg.group_end].expand_as(piece.scales))
+
+
+def _one_layer(rank: int, world: int, comp: Compressor, numel: int) -> dict[str, Any]:
+    comm = Comm(None, CommStats())
+    slots = [LayerSlot("w", 0, (numel,), True)]
+    out = []
+    for step in range(3):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(10 * rank + step))
+        ctx = ReduceContext(comm, step, 0, slots, [comp.default_param], seed=1)
+        out.append(comp.reduce([x], ctx).averaged.wait()[0])
+    return {"out": out, "wire": comm.stats.wire_bytes}
+
+
+@pytest.mark.parametrize("comp", [QSGD(bits=4), TernGrad(), SignSGD(), DIANA("linf:128")],
+                         ids=["qsgd4", "terngrad", "signsgd", "diana"])
+def test_layer_smaller_than_one_group_per_rank_at_w4(comp: Compressor) -> None:
+    """Issue 16: a 100-element layer at W=4 leaves three chunks without scales, and P = 54/29/17 bytes."""
+    results = run_workers(_one_layer, 4, comp, 100)
+    for res in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0]["out"], res["out"]))
+    codec = comp.codec(comp.default_param)
+    payload = (100 * codec.bits + 7) // 8 + 4  # the one group's codes and scale; the other chunks are padding
+    assert results[0]["wire"] == 3 * wire_bytes([100], [codec], 4, "alltoall", ["w"]) == 3 * 2 * 3 * payload
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,0 +1,208 @@
+"""Every compressor on small and odd-sized layers at W = 2..5: runs finish, replicas agree, bytes match.
+
+Issue 16: layers with fewer scale groups than ranks leave chunks without scales, and chunk payloads of a
+byte size that is not a multiple of 4 broke the quantized all-reduce at W >= 3. The sweep drives
+``GradCompHook`` under plain ``torch.distributed`` (forked gloo ranks, DDP, no Lightning): one process group
+per W, every compressor inside the same processes. A Lightning fit of a logistic regression covers the
+quantized compressors end to end.
+"""
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+from helpers.distributed import run_workers
+from helpers.models import assert_replicas_identical, fit
+from helpers.wire import hook_call_bytes
+from lightning_gradcomp import GradCompStrategy, compressors
+from lightning_gradcomp.comm import Comm, CommStats
+from lightning_gradcomp.compressors import (CLTK, DIANA, QSGD, QuantizedCompressor, RandomK, SignSGD, TernGrad,
+                                            TopK, registry)
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+from lightning_gradcomp.plan import BucketPlan, LayerSlot
+
+SHAPES = {  # compressed layers of 1, 2, 3, 7, 31, 100, 127, 129, 1000 and 4097 elements, plus the conv below
+    "v1": (1,), "v2": (2,), "m3": (3, 1), "v7": (7,), "v31": (31,), "logreg": (1, 100),
+    "v127": (127,), "v129": (129,), "m1000": (10, 100), "m4097": (17, 241),
+}
+START_STEP, STEPS, BATCH = 2, 5, 4
+
+
+def _variants() -> dict[str, Callable[[], Compressor]]:
+    """Every registered compressor with its defaults, plus the non-default wire formats and aggregations.
+
+    Built at collection time, before any test registers a throwaway name.
+    """
+    out: dict[str, Callable[[], Compressor]] = {name: lambda n=name: registry.create(n) for name in registry.list()}
+    for name in ("qsgd", "terngrad", "signsgd", "diana"):
+        out[f"{name}-allgather"] = lambda n=name: registry.create(n, aggregation="allgather")
+    out["qsgd-3bit-g32"] = lambda: QSGD(bits=3, bucket_size=32)  # bit-stream packing, many groups per layer
+    out["diana-l2:16"] = lambda: DIANA("l2:16")
+    out["terngrad-g1"] = lambda: TernGrad(bucket_size=1)  # one scale per element
+    out["signsgd-g7"] = lambda: SignSGD(bucket_size=7)
+    out["topk-fp16"] = lambda: TopK(ratio=0.1, value_dtype=torch.float16)
+    out["randomk-unbiased-bf16"] = lambda: RandomK(ratio=0.1, unbiased=True, value_dtype="bfloat16")
+    out["cltk-delta16-fp16"] = lambda: CLTK(ratio=0.1, index_coding="delta16", value_dtype=torch.float16)
+    return out
+
+
+VARIANTS = _variants()
+
+
+class SweepNet(nn.Module):
+    """A linear model on random features whose parameters have the sizes above, plus ``Conv2d(3, 5, 3)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 5, 3)
+        self.layers = nn.ParameterDict({name: nn.Parameter(torch.randn(shape) / math.sqrt(math.prod(shape)))
+                                        for name, shape in SHAPES.items()})
+
+    def forward(self, image: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        out = self.conv(image).mean(dim=(1, 2, 3))
+        pieces = features.split([p.numel() for p in self.layers.values()], dim=1)
+        for weight, piece in zip(self.layers.values(), pieces):
+            out = out + piece @ weight.reshape(-1)
+        return out
+
+
+@dataclass
+class _Recording:
+    """The hook, plus what each of its calls did (read before the call: the step that decides compression)."""
+
+    hook: GradCompHook
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _recording_hook(state: _Recording, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    # (no ``from __future__ import annotations`` in this file: DDP checks the bucket annotation's value)
+    hook = state.hook
+    plan, step, before = hook.plan_for(bucket), hook.step, hook.stats.wire_bytes
+    fut = gradcomp_comm_hook(hook, bucket)
+    state.calls.append({"step": step, "plan": plan, "params": [hook.param_of(s.name) for s in plan.compressed],
+                        "bytes": hook.stats.wire_bytes - before})
+    return fut
+
+
+def _train(rank: int, world: int, name: str) -> dict[str, Any]:
+    model = SweepNet()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)  # ~1000 floats per bucket: several buckets
+    names = {id(p): n for n, p in model.named_parameters()}
+    strategy = GradCompStrategy(compressor=VARIANTS[name](), min_numel=1, compress_1d=True, start_step=START_STEP)
+    hook = strategy.make_hook(Comm(None, CommStats()), names, torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    hook.attach_optimizer(optimizer)  # the engine commits staged state on optimizer steps
+    recording = _Recording(hook)
+    ddp.register_comm_hook(recording, _recording_hook)
+    gen = torch.Generator().manual_seed(rank)
+    total = sum(p.numel() for p in model.layers.values())
+    for _ in range(STEPS):
+        image, features = torch.randn(BATCH, 3, 5, 5, generator=gen), torch.randn(BATCH, total, generator=gen)
+        loss = (ddp(image, features).tanh() - torch.randn(BATCH, generator=gen).sign()).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {"params": [p.detach().clone() for p in model.parameters()], "calls": recording.calls, "step": hook.step}
+
+
+def _sweep(rank: int, world: int, names: list[str]) -> dict[str, Any]:
+    out = {}
+    for name in names:
+        try:
+            out[name] = _train(rank, world, name)
+        except Exception as err:  # name the variant in the traceback run_workers reports
+            raise RuntimeError(f"{name} failed at W={world} on rank {rank}") from err
+    return out
+
+
+def _check(name: str, world: int, results: list[dict[str, Any]]) -> list[str]:
+    """The problems of one variant: replica mismatch, byte mismatch, nothing compressed, wrong step count."""
+    comp = VARIANTS[name]()
+    problems = []
+    init = SweepNet()
+    for rank, res in enumerate(results):
+        if res["step"] != STEPS:
+            problems.append(f"rank {rank}: hook.step = {res['step']}, expected {STEPS}")
+        for (pname, p0), a, b in zip(init.named_parameters(), results[0]["params"], res["params"]):
+            if not torch.equal(a, b):
+                problems.append(f"rank {rank}: {pname} differs from rank 0")
+            if not torch.isfinite(b).all() or torch.equal(b, p0.detach()):
+                problems.append(f"rank {rank}: {pname} is non-finite or never moved")
+        for call in res["calls"]:
+            compressing = call["step"] >= START_STEP and not comp.dense and bool(call["plan"].compressed)
+            want = hook_call_bytes(comp, call["plan"], call["params"], world, compressing)
+            if call["bytes"] != pytest.approx(want, rel=1e-12, abs=1e-9):
+                layers = [(s.name, s.numel) for s in call["plan"].compressed]
+                problems.append(f"rank {rank} step {call['step']} bucket {layers}: {call['bytes']} bytes, "
+                                f"formula {want}")
+    compressed = {s.name for c in results[0]["calls"] if c["step"] >= START_STEP for s in c["plan"].compressed}
+    if not comp.dense and not compressed:
+        problems.append("no layer was compressed")
+    return [f"{name} W={world}: {p}" for p in problems]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_every_compressor_on_small_and_odd_layers(world: int) -> None:
+    names = list(VARIANTS)
+    results = run_workers(_sweep, world, names, timeout=120)
+    problems = [p for name in names for p in _check(name, world, [r[name] for r in results])]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_sweep_covers_every_compressor_class_and_the_issue_sizes() -> None:
+    exported = {getattr(compressors, n) for n in compressors.__all__}
+    concrete = {c for c in exported if isinstance(c, type) and issubclass(c, Compressor)} - {
+        Compressor, QuantizedCompressor}
+    assert concrete <= {type(make()) for make in VARIANTS.values()}
+    sizes = {math.prod(s) for s in SHAPES.values()} | {p.numel() for p in nn.Conv2d(3, 5, 3).parameters()}
+    assert {1, 2, 3, 7, 31, 100, 127, 129, 1000, 4097, 135, 5} == sizes
+
+
+# ---------------------------------------------------------------------------- Lightning
+class LogReg(pl.LightningModule):
+    """Logistic regression ``Linear(100, 1, bias=False)``: one compressed layer of 100 elements."""
+
+    def __init__(self, samples: int = 128, batch_size: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(100, 1, bias=False)
+        gen = torch.Generator().manual_seed(1)
+        self.x = torch.randn(samples, 100, generator=gen)
+        self.y = (self.x[:, :10].sum(dim=1) > 0).float()
+        self.batch_size = batch_size
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.binary_cross_entropy_with_logits(self.linear(x).squeeze(1), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize("comp", [QSGD(bits=4), TernGrad(), SignSGD(), DIANA("linf:128")],
+                         ids=["qsgd4", "terngrad", "signsgd", "diana"])
+def test_logistic_regression_in_lightning_at_w4(tmp_path: Path, comp: Compressor) -> None:
+    """Issue 16's report: a 100-element layer at W=4 (``min_numel=1``) crashed the quantized all-reduce."""
+    strategy = GradCompStrategy(compressor=comp, min_numel=1, start_step=START_STEP, start_method="fork")
+    records = fit(strategy, tmp_path, devices=4, model=LogReg(), max_steps=STEPS)
+    assert_replicas_identical(records)
+    stats = records[0]["stats"]
+    assert stats["steps"] == STEPS and stats["compressed_steps"] == STEPS - START_STEP
+    plan = BucketPlan(0, 100, (LayerSlot("linear.weight", 0, (1, 100), True),))
+    dense = START_STEP * hook_call_bytes(comp, plan, [], 4, compressing=False)
+    compressed = (STEPS - START_STEP) * hook_call_bytes(comp, plan, [comp.default_param], 4, compressing=True)
+    assert stats["wire_bytes"] == pytest.approx(dense + compressed, rel=1e-12)
