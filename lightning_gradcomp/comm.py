@@ -18,12 +18,15 @@ point-to-point send    ``B``
 =====================  ===============================
 
 The formulas are pure functions so tests can check counts against them without processes.
+
+:func:`then_same_numerics` is how every ``Future`` callback that computes floating-point results is attached:
+it makes the callback compute the same bits whichever thread runs it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,7 +43,10 @@ __all__ = [
     "broadcast_bytes",
     "completed_future",
     "p2p_bytes",
+    "then_same_numerics",
 ]
+
+T = TypeVar("T")
 
 LayerShares = Sequence[tuple[str, int]]
 """(layer name, number of elements of the payload that belong to that layer)."""
@@ -76,6 +82,38 @@ def completed_future(value: Any) -> Future:
     fut: Future = Future()
     fut.set_result(value)
     return fut
+
+
+def then_same_numerics(fut: Future, fn: Callable[[Future], T]) -> Future:
+    """``fut.then(fn)``, with ``fn`` computing the same bits on whichever thread runs it.
+
+    A callback runs inline when ``fut`` is already complete and otherwise on the thread that completes it
+    (a gloo worker thread), so the thread differs between ranks and between runs. The intra-op thread count
+    is per thread: ``torch.set_num_threads`` sets OpenMP's and MKL's count for the calling thread only, and a
+    thread that has run no parallel ATen op yet (gloo's, in a small callback) calls MKL with MKL's default
+    count (all cores). A GEMM split over another number of threads rounds differently: on torch 2.13 CPU
+    (MKL 2024.2) ``p @ q.T`` with ``p`` of shape ``10 x 2`` and ``q`` of shape ``512 x 2`` differs between 1
+    and 2 threads, and PowerSGD replicas drifted apart. So the calling thread's count is recorded here and set
+    on the thread that runs ``fn``.
+
+    The rest of what ATen's CPU kernels read is process-wide, except two per-thread settings left alone: the
+    denormal mode (``torch.set_flush_denormal``), which gloo's threads inherit when ``init_process_group``
+    creates them, and autocast, which Lightning enables for the forward pass only.
+
+    Args:
+        fut: the Future to chain on.
+        fn: the callback; it receives the completed ``fut``.
+
+    Returns:
+        The Future of ``fn``'s result.
+    """
+    threads = torch.get_num_threads()
+
+    def run(done: Future) -> T:
+        torch.set_num_threads(threads)  # a no-op on the calling thread; ~0.1 us
+        return fn(done)
+
+    return fut.then(run)
 
 
 @dataclass

@@ -36,10 +36,11 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.sparse import SparseCompressor, pack_bytes, unpack_bytes
-from lightning_gradcomp.functional.selection import approx_topk_indices, exact_topk_indices
+from lightning_gradcomp.functional.selection import approx_topk_indices, exact_topk_indices, prepare_native
 from lightning_gradcomp.functional.sparsify import kept_count, scatter_dense
 from lightning_gradcomp.presets import register_preset
 
@@ -110,6 +111,17 @@ class CLTK(SparseCompressor):
         """Index entries on the wire for a layer of ``numel`` elements keeping ``k``."""
         return delta16_capacity(numel, k) if self.index_coding == "delta16" else k
 
+    def prepare(self) -> None:
+        """Build or load the compiled selection kernel of ``selection="approx"`` now, not in the first ``reduce``.
+
+        The strategy calls this on every rank in its setup: the build (7-20 s, once per machine; the ranks of
+        a machine wait for one build) would otherwise stall the leader's first backward while the other
+        ranks wait in the index broadcast. Where the kernel cannot be built, it warns once and the
+        selection uses NumPy (the same indices).
+        """
+        if self.selection == "approx":
+            prepare_native()
+
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
         """Leader selects, one broadcast of the indices, one all-reduce of the values."""
         numels = [t.numel() for t in tensors]
@@ -145,7 +157,7 @@ class CLTK(SparseCompressor):
             mean = f.value().to(torch.float32).div_(divisor)
             return [scatter_dense(n, idx, v[:idx.numel()]) for n, idx, v in zip(numels, indices, split_flat(mean, ks))]
 
-        return Reduction(averaged=fut.then(decode), residuals=tensors)
+        return Reduction(averaged=then_same_numerics(fut, decode), residuals=tensors)
 
     def _select(self, p: Tensor, k: int, ctx: ReduceContext, name: str) -> Tensor:
         """The leader's indices; the approximate selection's sample is seeded by the layer ``name`` (not its

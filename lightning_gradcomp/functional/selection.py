@@ -28,8 +28,9 @@ then corrects the count:
   ``n`` mask bytes for about ``k`` hits. The masks are per-thread scratch arrays kept between calls
   (2.3 bytes per entry of the largest tensor seen, up to 32M entries; fresh ones page-fault at these
   sizes); they hold no state. Other devices and dtypes use the same steps in torch (no blocks, ``nonzero``).
-* **Compiled CPU path.** When the optional C++ kernel of :mod:`._native` is available (built on the
-  first CPU call, 15-20 s once per machine; ``LIGHTNING_GRADCOMP_NO_NATIVE=1`` disables it), a
+* **Compiled CPU path.** When the optional C++ kernel of :mod:`._native` is available (built by
+  :func:`prepare_native` before training, which ``CLTK.prepare`` calls in the strategy's setup, else on the
+  first CPU call; 7-20 s once per machine, then cached; ``LIGHTNING_GRADCOMP_NO_NATIVE=1`` disables it), a
   contiguous tensor's selection is one kernel call: the sample, its order statistic (radix selection on
   the bits of ``|x|``), the threshold pass (a compare mask per 64 entries), and the trim of the
   candidates to the ``k`` largest. The offset is drawn as ``randint`` draws it. Tensors too small to
@@ -54,8 +55,8 @@ from torch import Tensor
 
 from lightning_gradcomp.functional import _native
 
-__all__ = ["APPROX_BAND", "approx_topk_indices", "band_limits", "exact_topk_indices", "sampled_threshold",
-           "systematic_stride"]
+__all__ = ["APPROX_BAND", "approx_topk_indices", "band_limits", "exact_topk_indices", "prepare_native",
+           "sampled_threshold", "systematic_stride"]
 
 APPROX_BAND: tuple[float, float] = (0.9, 1.1)
 """Default ``(lo, hi)`` band of the approximate selection's count, as fractions of ``k``."""
@@ -70,6 +71,17 @@ _SCRATCH = threading.local()
 
 _SCRATCH_MAX = 1 << 25
 """Largest tensor (entries) whose masks are kept between calls: at most 75 MB per thread."""
+
+
+def prepare_native() -> bool:
+    """Build (once per machine, then cached) or load the compiled CPU kernel of the selections now.
+
+    Call it before training, so that the first CPU selection does not build it (7-20 s); the strategy's
+    setup does, through ``Compressor.prepare``. Returns whether the kernel is available: ``False`` when
+    ``LIGHTNING_GRADCOMP_NO_NATIVE=1`` or it cannot be built (then it has warned once, naming the reason, and
+    the selections use NumPy, with the same results).
+    """
+    return _native.load() is not None
 
 
 def band_limits(k: int, band: tuple[float, float] = APPROX_BAND) -> tuple[int, int]:

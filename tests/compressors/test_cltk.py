@@ -16,7 +16,7 @@ from lightning_gradcomp.comm import Comm, all_reduce_bytes, broadcast_bytes
 from lightning_gradcomp.compressors import CLTK, TopK, registry
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext
 from lightning_gradcomp.compressors.cltk import decode_delta16, delta16_capacity, encode_delta16, leader_rank
-from lightning_gradcomp.functional import exact_topk_indices, kept_count
+from lightning_gradcomp.functional import _native, exact_topk_indices, kept_count
 from lightning_gradcomp.presets import PRESETS
 
 SHAPES = [(60, 50), (4000,)]  # one small layer (exact path of "approx") and one sampled-path layer
@@ -148,6 +148,41 @@ def test_approx_selection_keeps_within_band_on_the_wire() -> None:
         # delta16 indices (k codes + escapes) and fp16 values
         assert rec["bytes"] == pytest.approx(broadcast_bytes(2 * delta16_capacity(200_000, k), world)
                                               + all_reduce_bytes(2 * k, world))
+
+
+def _prepare_worker(rank: int, world: int) -> list[str]:
+    """A rank that has not loaded the selection kernel: ``prepare()``, then one reduce; when did it build?"""
+    _native._MODULE, _native._FAILED, _native._DISABLED = None, False, None
+    phase, builds = ["prepare"], []
+    build = _native._build  # the cached kernel (compiled at most once per machine), or the reason it cannot be
+
+    def recording_build() -> Any:
+        builds.append(phase[0])
+        return build()
+
+    _native._build = recording_build  # this forked rank exits after the test
+    comp = CLTK(0.01, selection="approx")
+    comp.prepare()
+    phase[0] = "reduce"
+    slots = make_slots([(200_000,), (60, 50)])  # the sampled selection and the exact one of a small layer
+    tensors = _p(rank, 0, 0, [(200_000,), (60, 50)])
+    comp.reduce(tensors, ReduceContext(Comm(), 0, 0, slots, [0.01, 0.01], seed=7)).averaged.wait()
+    return builds
+
+
+def test_prepare_builds_the_kernel_before_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 16: the leader's first reduce compiled the kernel (15-20 s) while the other ranks waited in the
+    broadcast; ``prepare()``, which the strategy calls on every rank in its setup, builds it instead."""
+    monkeypatch.delenv(_native.DISABLE_ENV, raising=False)
+    assert run_workers(_prepare_worker, 2, timeout=120.0) == [["prepare"], ["prepare"]]
+
+
+def test_prepare_of_exact_selection_builds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def load() -> None:
+        raise AssertionError("the exact selection needs no kernel")
+
+    monkeypatch.setattr(_native, "load", load)
+    CLTK(0.01).prepare()
 
 
 def _ratio(comp: Compressor, world: int, shapes: list[tuple[int, ...]]) -> float:

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import shutil
+import signal
 import threading
+import time
+import warnings
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pytest
 import torch
 
+import lightning_gradcomp
 from lightning_gradcomp.functional import _native, selection
 from lightning_gradcomp.functional.selection import (
     approx_topk_indices,
@@ -15,7 +25,7 @@ from lightning_gradcomp.functional.selection import (
     systematic_stride,
 )
 
-kernel = _native.load()
+kernel = _native.load()  # compiled at most once per machine (then cached in torch's extensions directory)
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the compiled kernel could not be built here")
 LEVELS = sorted({0, 1, 2, 3} & set(range((kernel.level if kernel is not None else 0) + 1)))
 """Instruction-set levels this CPU runs (0 portable C++, 1 SSE2, 2 AVX2, 3 AVX-512F)."""
@@ -353,3 +363,112 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch)
 
 def test_stride_used_by_both_paths() -> None:
     assert selection._plan(501_760, 5018, (0.9, 1.1), 64) == (4517, 5519, 6400, systematic_stride(501_760, 6400))
+
+
+# ------------------------------------------------------------------------------------------------ building
+def test_source_is_package_data() -> None:
+    """The C++ source is a real file of the package, and pyproject ships it (wheel and editable installs)."""
+    package = Path(lightning_gradcomp.__file__).parent
+    path = package / "functional" / "native" / "selection.cpp"
+    assert _native.source() == path.read_text(encoding="utf-8")
+    assert "PYBIND11_MODULE(LGC_MODULE_NAME, m)" in _native.source()
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text(encoding="utf-8"))
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["lightning_gradcomp"]
+    assert any(fnmatch(path.relative_to(package).as_posix(), pattern) for pattern in patterns)
+    assert any(dep.startswith("numpy") for dep in pyproject["project"]["dependencies"])
+
+
+def _reset_loader(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+    """A process that has not loaded the kernel yet, with an empty extensions directory ``cache``."""
+    monkeypatch.delenv(_native.DISABLE_ENV, raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(cache))
+    for name, value in (("_DISABLED", None), ("_MODULE", None), ("_FAILED", False)):
+        monkeypatch.setattr(_native, name, value)
+
+
+@pytest.mark.parametrize("broken", ["no compiler", "compile error"])
+def test_unbuildable_kernel_warns_once_with_the_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                       broken: str) -> None:
+    _reset_loader(monkeypatch, tmp_path / "cache")
+    if broken == "no compiler":
+        monkeypatch.delenv("CXX", raising=False)
+        monkeypatch.setenv("PATH", str(tmp_path))  # no c++, g++ or clang++ here
+        reason = "no C++ compiler found"
+    else:
+        fake = tmp_path / "fake-cxx"
+        fake.write_text("#!/bin/sh\necho 'selection.cpp:1:1: error: boom' >&2\nexit 1\n")
+        fake.chmod(0o755)
+        monkeypatch.setenv("CXX", str(fake))
+        reason = "error: boom"
+    x = _inputs("gauss", 300_000, 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert selection.prepare_native() is False
+        assert _native.load() is None
+        idx = approx_topk_indices(x, 3000, torch.Generator().manual_seed(0))  # NumPy
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and reason in messages[0] and "NumPy" in messages[0], messages
+    lo, hi = band_limits(3000)
+    assert lo <= idx.numel() <= hi
+
+
+def _copy_compile(log: Path, seconds: float) -> Callable[[str, str, str], str]:
+    """A stand-in for ``_native._compile`` that logs, takes ``seconds``, and copies this machine's kernel."""
+    def compile_(name: str, text: str, work: str) -> str:
+        (log / f"compile-{os.getpid()}").touch()
+        time.sleep(seconds)
+        out = os.path.join(work, name + _native._SUFFIX)
+        shutil.copyfile(str(kernel.__file__), out)
+        return out
+
+    return compile_
+
+
+def _build_and_report(queue: Any) -> None:
+    try:
+        queue.put((True, _native._build().level))
+    except BaseException as err:  # noqa: BLE001 - report it to the test
+        queue.put((False, repr(err)))
+
+
+def _start(target: Callable[..., None], *args: Any) -> multiprocessing.process.BaseProcess:
+    process = multiprocessing.get_context("fork").Process(target=target, args=args)
+    process.start()
+    return process
+
+
+@needs_kernel
+def test_concurrent_builds_compile_once_and_publish_atomically(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """Three ranks of one machine build at once: one compiles, the others wait and import its library."""
+    _reset_loader(monkeypatch, tmp_path / "cache")
+    monkeypatch.setattr(_native, "_compile", _copy_compile(tmp_path, 1.0))
+    queue = multiprocessing.get_context("fork").Queue()
+    processes = [_start(_build_and_report, queue) for _ in range(3)]
+    results = [queue.get(timeout=60) for _ in processes]
+    for process in processes:
+        process.join(timeout=10)
+    assert all(ok for ok, _ in results), results
+    assert len(list(tmp_path.glob("compile-*"))) == 1
+    (build_dir,) = (tmp_path / "cache").iterdir()  # the published library, no half-built leftovers
+    assert sorted(p.name for p in build_dir.iterdir()) == ["build.lock", build_dir.name + _native._SUFFIX]
+
+
+@needs_kernel
+def test_killed_build_leaves_no_stale_lock(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A rank killed while it builds (e.g. by a collective's timeout) does not block the next run's build."""
+    _reset_loader(monkeypatch, tmp_path / "cache")
+    monkeypatch.setattr(_native, "_compile", _copy_compile(tmp_path, 60.0))
+    killed = _start(_build_and_report, multiprocessing.get_context("fork").Queue())
+    deadline = time.monotonic() + 30
+    while not list(tmp_path.glob("compile-*")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert killed.pid is not None and list(tmp_path.glob("compile-*"))
+    os.kill(killed.pid, signal.SIGKILL)  # holds the lock, mid-build
+    killed.join(timeout=10)
+    monkeypatch.setattr(_native, "_compile", _copy_compile(tmp_path, 0.0))
+    start = time.monotonic()
+    module = _native._build()
+    assert time.monotonic() - start < 10 and module.level == kernel.level
+    assert len(list(tmp_path.glob("compile-*"))) == 2
