@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
 
@@ -36,7 +37,7 @@ class Cast(Compressor):
         counts = [t.numel() for t in tensors]
         flat = torch.cat(tensors).div_(ctx.world_size).to(self.dtype)
         fut = ctx.comm.all_reduce(flat, async_op=True, shares=ctx.shares(counts))
-        return Reduction(averaged=fut.then(lambda f: split_flat(f.value().to(torch.float32), counts)))
+        return Reduction(averaged=then_same_numerics(fut, lambda f: split_flat(f.value().to(torch.float32), counts)))
 
     def extra_repr(self) -> str:
         return f"dtype={self.dtype}"

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.futures import Future
 
+from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, check_number
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
@@ -112,7 +113,7 @@ class PowerSGD(Compressor):
                 out.append((p @ q.T).reshape(-1))
             return out
 
-        return Reduction(averaged=fut.then(decode), residuals=tensors)
+        return Reduction(averaged=then_same_numerics(fut, decode), residuals=tensors)
 
     # ------------------------------------------------------------------ state
     def _start_factor(self, name: str, m: int, rank: int, ctx: ReduceContext, device: torch.device) -> Tensor:

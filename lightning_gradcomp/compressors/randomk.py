@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.sparse import SparseCompressor
@@ -70,7 +71,7 @@ class RandomK(SparseCompressor):
             summed = f.value().to(torch.float32).mul_(scale)
             return [scatter_dense(n, i, v) for n, i, v in zip(numels, indices, split_flat(summed, ks))]
 
-        return Reduction(averaged=fut.then(decode), residuals=residuals)
+        return Reduction(averaged=then_same_numerics(fut, decode), residuals=residuals)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", unbiased=True" if self.unbiased else "")

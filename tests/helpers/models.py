@@ -44,6 +44,28 @@ class TinyNet(pl.LightningModule):
         return DataLoader(TensorDataset(self.x, self.y), batch_size=self.hparams.batch_size, shuffle=True)
 
 
+class ReadyOrderNet(TinyNet):
+    """TinyNet without biases, its layers defined output first: in the order their gradients become ready.
+
+    DDP's first step after a resume uses its initial bucket (parameters in definition order), where the
+    uninterrupted run has the rebuilt one (gradient-ready order). From W = 3 on, gloo's ring all-reduce adds
+    the ranks' values in an order that depends on the element's position in the buffer, so with TinyNet's
+    layout not even plain DDP is resume-exact at W = 3. Here the two layouts coincide.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        del self.body, self.head
+        torch.manual_seed(0)
+        hidden = self.hparams.hidden
+        self.out = nn.Linear(hidden, 4, bias=False)
+        self.mid = nn.Linear(hidden, hidden, bias=False)
+        self.inp = nn.Linear(self.hparams.in_features, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
 class Recorder(pl.Callback):
     """Records flat parameters and the loss after every batch, and comm stats at the end, per rank.
 
