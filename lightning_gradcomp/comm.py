@@ -143,7 +143,9 @@ class CommStats:
         compressed_steps: steps at which the compressor ran (after ``start_step``).
         collectives: number of collectives issued.
         nonfinite_steps: buckets that held NaN/Inf on some rank and were reduced densely.
-        hook_seconds: wall time spent in the hook body and its callbacks.
+        hook_seconds: wall time the hook blocks the autograd thread (queueing a bucket: small).
+        comm_thread_seconds: wall time the communication thread spends on buckets (compression, decoding,
+            and waits for the collectives it needs in line; the last collective of a bucket runs on).
         layers: per-layer figures, keyed by parameter name.
     """
 
@@ -154,6 +156,7 @@ class CommStats:
     collectives: int = 0
     nonfinite_steps: int = 0
     hook_seconds: float = 0.0
+    comm_thread_seconds: float = 0.0
     layers: dict[str, LayerStats] = field(default_factory=dict)
 
     @property
@@ -189,13 +192,14 @@ class CommStats:
             "collectives": self.collectives,
             "nonfinite_steps": self.nonfinite_steps,
             "hook_seconds": self.hook_seconds,
+            "comm_thread_seconds": self.comm_thread_seconds,
             "layers": {k: dict(vars(v)) for k, v in self.layers.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`."""
         for key in ("wire_bytes", "dense_bytes", "steps", "compressed_steps", "collectives",
-                    "nonfinite_steps", "hook_seconds"):
+                    "nonfinite_steps", "hook_seconds", "comm_thread_seconds"):
             setattr(self, key, state.get(key, getattr(self, key)))
         self.layers = {k: LayerStats(**v) for k, v in state.get("layers", {}).items()}
 

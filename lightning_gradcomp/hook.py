@@ -1,21 +1,25 @@
 """The DDP communication hook engine: bucket -> layer plan -> dense part + compressed part -> Future.
 
-Protocol for one bucket (identical order on every rank, so ranks never deadlock):
+The hook itself only queues the bucket on the process's :class:`~lightning_gradcomp.commthread.CommThread`
+and returns a Future: no waiting, no host sync and no compression on the autograd thread, so backward goes on
+while the bucket is reduced. The thread runs each bucket's protocol, in bucket order (identical on every rank,
+so ranks never deadlock):
 
 1. Before ``start_step`` (or for a dense compressor) the bucket is divided by W and all-reduced in
    one async collective, exactly like DDP's default hook.
 2. Otherwise the bucket's layer plan splits it into dense and compressed slots. The dense slots,
-   plus one "this rank saw NaN/Inf" flag, are all-reduced in **one** collective, waited in-line.
+   plus one "this rank saw NaN/Inf" flag, are all-reduced in **one** collective, waited in-line (on the
+   communication thread: the non-finite decision is made there).
 3. If any rank flagged a non-finite value, no memory or compressor state is touched and the event is
    counted; with ``nonfinite="dense"`` the compressed slots are reduced densely too (what DDP would do:
    under fp16 AMP the GradScaler then sees the Inf and skips the step), with ``nonfinite="zero"`` the
    whole bucket's gradient becomes zero on every rank (the step adds no gradient; training goes on).
 4. Otherwise the compressed slots, error-compensated (``p = m + g``) when the compressor uses error
-   feedback, go through the compressor *together*. Its collectives are issued from this hook body;
-   only the last may still be in flight when the hook returns. The memory becomes
+   feedback, go through the compressor *together*. Its collectives are issued in order from the thread;
+   only the last may still be in flight when the thread moves on to the next bucket. The memory becomes
    ``m <- (1 - beta) m + beta (p - c)``.
-5. A ``.then()`` callback (local math only: gloo deadlocks on collectives issued from callbacks)
-   writes the averaged slots into the bucket and resolves the Future with it.
+5. A ``.then()`` callback (local math only, run with the training thread's intra-op settings) writes the
+   averaged slots into the bucket and resolves the Future with it.
 
 State changes are **staged** and take effect only for gradients that an optimizer step consumes. Once
 :meth:`GradCompHook.attach_optimizer` has been called (the strategy does so for every optimizer), the new
@@ -39,7 +43,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes, completed_future
+from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes, completed_future, then_same_numerics
+from lightning_gradcomp.commthread import CommThread
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy, build_plan
@@ -121,6 +126,7 @@ class GradCompHook:
         self._unstepped = False       # a backward pass went through the hook since the last step
         self._compressed = False      # ... and it compressed something
         self._optimizer_hooks: list[Any] = []
+        self._thread: Optional[CommThread] = None
 
     @property
     def stats(self) -> CommStats:
@@ -184,21 +190,45 @@ class GradCompHook:
 
     # ------------------------------------------------------------------ hook
     def __call__(self, bucket: dist.GradBucket) -> Future:
+        """Queue the bucket's protocol on the communication thread and return its Future at once."""
         start = time.perf_counter()
         if not self._in_backward:
             self._begin_backward()
         buf = bucket.buffer()
         plan = self.plan_for(bucket)
-        self._count_dense_equivalent(plan, buf)
-        compressing = self.step >= self.start_step and not self.compressor.dense and bool(plan.compressed)
-        self._compressed |= self.step >= self.start_step and not self.compressor.dense
-        fut = self._reduce_compressed(plan, buf) if compressing else self._reduce_dense(plan, buf)
+        step = self.step
+        compressing = step >= self.start_step and not self.compressor.dense and bool(plan.compressed)
+        self._compressed |= step >= self.start_step and not self.compressor.dense
+        scale = self.loss_scale() if compressing and self.loss_scale is not None else None
+        if self._thread is None or not self._thread.alive:
+            self._thread = CommThread()
+        fut = self._thread.submit(lambda: self._reduce(plan, buf, step, compressing, scale),
+                                  buf.device if buf.is_cuda else None)
         if bucket.is_last():
+            self._thread.drain()  # every collective of this backward pass is issued before DDP issues its own
             self._in_backward = False
             self._unstepped = True
             if self._auto_commit:
                 self._end_step(None)
         self.stats.hook_seconds += time.perf_counter() - start
+        return fut
+
+    def close(self) -> None:
+        """Stop the communication thread (after the queued buckets); a later bucket starts a new one."""
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
+
+    def _reduce(self, plan: BucketPlan, buf: Tensor, step: int, compressing: bool,
+                scale: Optional[Tensor]) -> Future:
+        """One bucket's whole protocol, on the communication thread."""
+        start = time.perf_counter()
+        self._count_dense_equivalent(plan, buf)
+        if compressing:
+            fut = self._reduce_compressed(plan, buf, step, scale)
+        else:
+            fut = self._reduce_dense(plan, buf)
+        self.stats.comm_thread_seconds += time.perf_counter() - start
         return fut
 
     def _count_dense_equivalent(self, plan: BucketPlan, buf: Tensor) -> None:
@@ -217,7 +247,7 @@ class GradCompHook:
         assert fut is not None
         return fut
 
-    def _reduce_compressed(self, plan: BucketPlan, buf: Tensor) -> Future:
+    def _reduce_compressed(self, plan: BucketPlan, buf: Tensor, step: int, scale: Optional[Tensor]) -> Future:
         world = self.comm.world_size
         dense, comp = plan.dense, plan.compressed
         flag = (~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1)  # NaN/Inf anywhere -> sum
@@ -229,18 +259,17 @@ class GradCompHook:
             return self._reduce_nonfinite(plan, buf)
 
         use_ef = self.compressor.uses_error_feedback
-        scale = self.loss_scale() if self.loss_scale is not None else None
         if scale is not None:
             scale = scale.to(device=buf.device, dtype=torch.float32).reshape(1)
         grads = [buf[s.offset:s.end] for s in comp]
         tensors = [self.memory.compensate(s.name, g, scale) if use_ef else _unscaled(g, scale)
                    for s, g in zip(comp, grads)]
-        watchers = [obs for obs in self.observers if obs.wants(self.step)]
+        watchers = [obs for obs in self.observers if obs.wants(step)]
         inputs = [t.clone() for t in tensors] if watchers else []
         raw = None
         if any(getattr(obs, "needs_gradients", False) for obs in watchers):  # without EF the inputs are g already
             raw = [_unscaled(g, scale) for g in grads] if use_ef else inputs
-        ctx = ReduceContext(self.comm, self.step, plan.index, comp, [self.param_of(s.name) for s in comp], self.seed)
+        ctx = ReduceContext(self.comm, step, plan.index, comp, [self.param_of(s.name) for s in comp], self.seed)
         reduction = self.compressor.reduce(tensors, ctx)
         if use_ef:
             if reduction.residuals is None:
@@ -251,20 +280,18 @@ class GradCompHook:
             residuals = reduction.residuals
             if residuals is None and reduction.local is not None:
                 residuals = [x - c for x, c in zip(inputs, reduction.local)]
-            record = BucketRecord(self.step, plan.index, comp, inputs, residuals, raw)
+            record = BucketRecord(step, plan.index, comp, inputs, residuals, raw)
             for obs in watchers:
                 obs(record)
 
         def write_back(fut: Future) -> Tensor:
-            start = time.perf_counter()
             for slot, avg in zip(comp, fut.value()):
                 buf[slot.offset:slot.end].copy_(avg)
                 if scale is not None:  # back to the loss-scaled units the GradScaler expects (exact: 2^k)
                     buf[slot.offset:slot.end].mul_(scale)
-            self.stats.hook_seconds += time.perf_counter() - start
             return buf
 
-        return reduction.averaged.then(write_back)
+        return then_same_numerics(reduction.averaged, write_back)
 
     def _reduce_nonfinite(self, plan: BucketPlan, buf: Tensor) -> Future:
         """Some rank saw NaN/Inf: leave all state untouched; reduce densely or zero the bucket."""

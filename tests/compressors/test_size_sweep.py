@@ -8,14 +8,12 @@ quantized compressors end to end.
 """
 
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
@@ -77,22 +75,22 @@ class SweepNet(nn.Module):
         return out
 
 
-@dataclass
 class _Recording:
-    """The hook, plus what each of its calls did (read before the call: the step that decides compression)."""
+    """Wraps the hook's per-bucket protocol (run on its communication thread, in bucket order) and records what
+    each bucket did: its step, plan, per-layer parameters and the bytes its collectives counted."""
 
-    hook: GradCompHook
-    calls: list[dict[str, Any]] = field(default_factory=list)
+    def __init__(self, hook: GradCompHook) -> None:
+        self.hook = hook
+        self.calls: list[dict[str, Any]] = []
+        self._reduce = hook._reduce
+        hook._reduce = self  # type: ignore[method-assign]
 
-
-def _recording_hook(state: _Recording, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    # (no ``from __future__ import annotations`` in this file: DDP checks the bucket annotation's value)
-    hook = state.hook
-    plan, step, before = hook.plan_for(bucket), hook.step, hook.stats.wire_bytes
-    fut = gradcomp_comm_hook(hook, bucket)
-    state.calls.append({"step": step, "plan": plan, "params": [hook.param_of(s.name) for s in plan.compressed],
-                        "bytes": hook.stats.wire_bytes - before})
-    return fut
+    def __call__(self, plan: Any, buf: torch.Tensor, step: int, *args: Any) -> Any:
+        before = self.hook.stats.wire_bytes
+        out = self._reduce(plan, buf, step, *args)
+        self.calls.append({"step": step, "plan": plan, "params": [self.hook.param_of(s.name) for s in plan.compressed],
+                           "bytes": self.hook.stats.wire_bytes - before})
+        return out
 
 
 def _train(rank: int, world: int, name: str) -> dict[str, Any]:
@@ -104,7 +102,7 @@ def _train(rank: int, world: int, name: str) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     hook.attach_optimizer(optimizer)  # the engine commits staged state on optimizer steps
     recording = _Recording(hook)
-    ddp.register_comm_hook(recording, _recording_hook)
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
     gen = torch.Generator().manual_seed(rank)
     total = sum(p.numel() for p in model.layers.values())
     for _ in range(STEPS):
