@@ -194,6 +194,13 @@ class GradCompStrategy(DDPStrategy):
                 self._hook.attach_optimizer(optimizer)
 
     @override
+    def teardown(self) -> None:
+        """Stop the hook's communication thread, then DDP's teardown."""
+        if self._hook is not None:
+            self._hook.close()
+        super().teardown()
+
+    @override
     def _register_ddp_hooks(self) -> None:
         """Register the compression hook on every device (Lightning itself only does so on CUDA)."""
         assert isinstance(self.model, DistributedDataParallel)

@@ -15,7 +15,7 @@ from lightning_gradcomp.bench.worker import header_bytes_per_packet
 
 FIELDS = {"step_time_median_s", "step_time_p25_s", "step_time_p75_s", "throughput_samples_per_s", "scaling_efficiency",
           "wire_bytes_per_step", "iface_tx_bytes_per_step", "iface_tx_payload_bytes_per_step",
-          "iface_payload_vs_ours", "hook_ms_per_step", "peak_rss_mb", "speedup_vs_ddp",
+          "iface_payload_vs_ours", "hook_ms_per_step", "thread_ms_per_step", "peak_rss_mb", "speedup_vs_ddp",
           "bytes_ratio_vs_ddp"}
 
 
