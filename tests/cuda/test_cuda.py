@@ -1,0 +1,93 @@
+"""CUDA checks: every compressor on CUDA tensors at W = 1, and no host sync on the training thread.
+
+Skipped without a CUDA device (the project's CI machines have none; run ``python -m pytest tests/cuda`` on a
+GPU machine). One forked rank on gloo with CUDA tensors (``tests/helpers/distributed.py``), a small DDP model on ``cuda:0``, the hook
+built by ``GradCompStrategy.make_hook``, a few steps past ``start_step``. The host-sync check counts the Tensor
+methods that wait for the device, called on the training thread inside the hook or the optimizer-step commit
+(``torch.cuda.set_sync_debug_mode`` is process-wide and would also flag the communication thread, which is
+allowed to wait).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from helpers.distributed import run_workers
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.comm import Comm, CommStats
+from lightning_gradcomp.compressors import registry
+from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+NAMES = sorted(n for n in registry.list() if not n.startswith("unit_test"))
+SYNCING = ("item", "__bool__", "tolist", "cpu", "numpy", "__int__", "__float__", "nonzero")
+
+
+def _on_cuda(rank: int, world: int, name: str) -> dict[str, Any]:
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 4)).to(device)
+    ddp = DistributedDataParallel(model, device_ids=[0])
+    names = {id(p): n for n, p in model.named_parameters()}
+    hook = GradCompStrategy(compressor=registry.create(name), min_numel=256).make_hook(
+        Comm(None, CommStats()), names, device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    hook.attach_optimizer(opt)
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    counts: dict[str, int] = {}
+    inside = threading.local()
+    originals = {m: getattr(torch.Tensor, m) for m in SYNCING}
+
+    def counting(method: str) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if getattr(inside, "on", False):
+                counts[method] = counts.get(method, 0) + 1
+            return originals[method](*args, **kwargs)
+        return wrapper
+
+    call = GradCompHook.__call__
+
+    def watched(self: GradCompHook, bucket: Any) -> Any:
+        inside.on = True
+        try:
+            return call(self, bucket)
+        finally:
+            inside.on = False
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    try:
+        for m in SYNCING:
+            setattr(torch.Tensor, m, counting(m))
+        GradCompHook.__call__ = watched  # type: ignore[method-assign]
+        for _ in range(5):
+            x = torch.randn(16, 64, device=device, generator=gen)
+            ddp(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        for m, original in originals.items():
+            setattr(torch.Tensor, m, original)
+        GradCompHook.__call__ = call  # type: ignore[method-assign]
+    torch.cuda.synchronize()
+    return {"counts": counts, "steps": hook.stats.steps, "compressed": hook.stats.compressed_steps,
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+            "moved": any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compressor_on_cuda_without_host_syncs(name: str) -> None:
+    (result,) = run_workers(_on_cuda, 1, name, timeout=120)
+    assert result["finite"] and result["moved"] and result["steps"] == 5
+    if not registry.create(name).dense:
+        assert result["compressed"] == 3
+    assert result["counts"] == {}, f"host syncs on the training thread: {result['counts']}"
