@@ -7,6 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gradcomp import callbacks, compressors  # noqa: F401 - import order: presets are declared there
 from lightning_gradcomp.comm import CommStats
+from lightning_gradcomp.localsgd import LocalSGDStrategy
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.swarm import SwarmStrategy
 
@@ -14,5 +15,6 @@ __version__ = "0.1.0"
 
 GradCompStrategy.register_strategies(StrategyRegistry)
 SwarmStrategy.register_strategies(StrategyRegistry)
+LocalSGDStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["CommStats", "GradCompStrategy", "SwarmStrategy", "__version__"]
+__all__ = ["CommStats", "GradCompStrategy", "LocalSGDStrategy", "SwarmStrategy", "__version__"]

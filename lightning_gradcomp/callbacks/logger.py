@@ -30,6 +30,7 @@ from lightning_gradcomp.comm import CommStats
 from lightning_gradcomp.compressors.base import check_number
 from lightning_gradcomp.hook import BucketRecord, GradCompHook
 from lightning_gradcomp.memory import ErrorFeedback
+from lightning_gradcomp.strategy import GradCompStrategy
 
 __all__ = [
     "CompressionLogger",
@@ -284,9 +285,9 @@ class CompressionLogger(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Attach the error probe to the engine and take the first snapshots."""
-        if self.guard is not None:
-            self.guard.on_train_start(trainer, pl_module)
         self._hook = getattr(trainer.strategy, "hook", None)
+        if self.guard is not None and (self._hook is None or isinstance(trainer.strategy, GradCompStrategy)):
+            self.guard.on_train_start(trainer, pl_module)  # skipped for another strategy's engine (LocalSGD)
         self._show_bar = self.prog_bar and trainer.progress_bar_callback is not None
         if self._hook is None:
             return

@@ -1,0 +1,143 @@
+"""DiLoCo / Local SGD (``LocalSGDStrategy``) against per-step DDP on the L-GreCo Transformer LM, at equal samples.
+
+Task, data, model and optimiser come from ``benchmarks/lgreco_compare.py`` (task ``lm``: next-token prediction on
+the English sentences of the Ding dictionary, Debian ``trans-de-en``; a 2-layer pre-norm Transformer, width 64,
+tied 4000-word embedding, 356k parameters; AdamW lr 2e-3, weight decay 0.01, per-step cosine decay; 32 sequences
+per rank). Every setting runs ``--world`` forked CPU ranks (gloo, one thread each) for the same number of epochs,
+so all settings see the same samples in the same order; only the communication differs:
+
+``ddp``
+    ``GradCompStrategy(compressor=None)``: DDP's dense fp32 all-reduce every step (the reference).
+``diloco``
+    ``LocalSGDStrategy(outer="nesterov")``: H local AdamW steps, then outer Nesterov on the averaged
+    pseudo-gradient.
+``average``
+    ``LocalSGDStrategy(outer="average")``: plain Local SGD (model averaging every H steps).
+
+Options per setting (``kind:key=value,...``): ``H`` (local steps, default 20), ``cltk`` (CLT-k ratio of the
+pseudo-gradient reduction with error feedback; default dense), ``topk`` (local top-k ratio), ``olr`` (outer lr,
+default 0.7), ``mom`` (outer momentum, default 0.9), ``F`` (fragments, default 1). Rank 0 evaluates the final
+(global) model on the held-out tokens and reports the bytes it sent (``comm_stats``) next to what per-step DDP
+would have sent over the same steps.
+
+    python benchmarks/localsgd_compare.py --settings ddp diloco:H=20 diloco:H=20,cltk=0.01 average:H=20 \\
+        [--world 4] [--epochs 6] [--seeds 0] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+import lgreco_compare as lg  # noqa: E402 - the L-GreCo benchmark's tasks, model and optimiser
+
+from lightning_gradcomp import GradCompStrategy, LocalSGDStrategy  # noqa: E402
+from lightning_gradcomp.bench.runner import free_port  # noqa: E402
+from lightning_gradcomp.compressors import CLTK, NoCompression, TopK  # noqa: E402
+
+DEFAULTS = {"H": 20, "olr": 0.7, "mom": 0.9, "F": 1}
+
+
+def parse_setting(text: str) -> tuple[str, dict[str, float]]:
+    """``"diloco:H=20,cltk=0.01"`` -> ``("diloco", {"H": 20, "cltk": 0.01, ...defaults})``."""
+    kind, _, rest = text.partition(":")
+    if kind not in ("ddp", "diloco", "average"):
+        raise SystemExit(f"unknown setting kind {kind!r} (ddp, diloco, average)")
+    opts: dict[str, float] = dict(DEFAULTS)
+    for part in filter(None, rest.split(",")):
+        key, _, value = part.partition("=")
+        if key not in ("H", "cltk", "topk", "olr", "mom", "F"):
+            raise SystemExit(f"unknown option {key!r} in {text!r}")
+        opts[key] = float(value)
+    return kind, opts
+
+
+def make_strategy(kind: str, opts: dict[str, float], task: lg.Task, seed: int) -> Any:
+    """The strategy of one setting."""
+    if kind == "ddp":
+        return GradCompStrategy(compressor=None, min_numel=task.min_numel, seed=seed, start_method="fork")
+    compressor: Any = NoCompression()
+    if "cltk" in opts:
+        compressor = CLTK(ratio=opts["cltk"])
+    elif "topk" in opts:
+        compressor = TopK(ratio=opts["topk"])
+    return LocalSGDStrategy(local_steps=int(opts["H"]), outer="nesterov" if kind == "diloco" else "average",
+                            outer_lr=opts["olr"], outer_momentum=opts["mom"], fragments=int(opts["F"]),
+                            compressor=compressor, min_numel=task.min_numel, seed=seed, start_method="fork")
+
+
+class FinalProbe(pl.Callback):
+    """Rank 0 evaluates the final model (after LocalSGDStrategy's final sync) and writes bytes to JSON."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if trainer.global_rank != 0:
+            return
+        stats = trainer.strategy.comm_stats
+        xte, yte = pl_module.task.data[2:]
+        acc, loss = lg.evaluate(pl_module.net, xte, yte)
+        hook = getattr(trainer.strategy, "hook", None)
+        self.out.write_text(json.dumps({"accuracy": acc, "test_loss": loss, "wire_bytes": stats.wire_bytes,
+                                        "dense_bytes": stats.dense_bytes, "steps": stats.steps,
+                                        "syncs": getattr(hook, "step", None)}))
+
+
+def run(kind: str, opts: dict[str, float], task: lg.Task, seed: int, world: int, workdir: Path) -> dict[str, Any]:
+    """One fit on ``world`` forked ranks; rank 0's record plus the wall time."""
+    os.environ["MASTER_PORT"] = str(free_port())
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    pl.seed_everything(seed, verbose=False)  # the data order (DistributedSampler) follows PL_GLOBAL_SEED
+    out = workdir / f"final_{time.monotonic_ns()}.json"
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=make_strategy(kind, opts, task, seed),
+                         max_epochs=task.epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[FinalProbe(out)], default_root_dir=str(workdir))
+    start = time.perf_counter()
+    trainer.fit(lg.Classifier(task, seed))
+    record = json.loads(out.read_text())
+    record["seconds"] = time.perf_counter() - start
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--settings", nargs="+", default=["ddp", "diloco:H=20", "diloco:H=20,cltk=0.01",
+                                                          "average:H=20"])
+    parser.add_argument("--task", default="lm", choices=["lm", "mlp", "cnn", "resnet"])
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--train-size", type=int, default=20000)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    task = lg.build_task(args.task, args)
+    print(f"task: {task.description}; {task.epochs} epochs, {args.world} ranks x {task.batch} per step", flush=True)
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            for text in args.settings:
+                kind, opts = parse_setting(text)
+                rec = run(kind, opts, task, seed, args.world, Path(tmp))
+                rec.update(setting=text, seed=seed)
+                results.append(rec)
+                ratio = rec["dense_bytes"] / rec["wire_bytes"] if rec["wire_bytes"] else float("inf")
+                print(f"seed {seed}  {text:28s} acc {100 * rec['accuracy']:6.2f} %  loss {rec['test_loss']:.4f}  "
+                      f"sent {rec['wire_bytes'] / 2**20:9.3f} MiB  DDP/sent {ratio:8.1f}x  steps {rec['steps']}  "
+                      f"syncs {rec['syncs']}  {rec['seconds']:.0f} s", flush=True)
+                if args.json is not None:
+                    args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""The outer synchronization of Local SGD / DiLoCo: pseudo-gradients through a compressor, then an outer step.
+
+One :class:`OuterSync` per rank. It keeps the **global model** ``theta`` (an fp32 copy of every trainable
+parameter, identical on all ranks), the outer optimizer's momentum buffers, the error-feedback memories and the
+compressor. A sync of fragment ``f`` (a contiguous group of parameters; the whole model when there is one
+fragment) does, in the same order on every rank:
+
+1. ``delta_i = theta - x_i`` per parameter (``x_i``: this rank's local parameter after its local steps; the
+   *pseudo-gradient*, pointing downhill like a gradient);
+2. the tensors the policy leaves dense (small, 1-D, vetoed by ``compressor.accepts``), plus the fragment's
+   floating-point buffers, are averaged in **one** all-reduce;
+3. the others go through the compressor in **one** batched ``compressor.reduce`` (error-compensated,
+   ``p = m + delta_i``, when ``compressor.uses_error_feedback``; the memory becomes
+   ``m <- (1 - beta) m + beta (p - c)``), and the averaged result ``delta`` is waited for;
+4. the outer step: ``"average"``: ``theta <- theta - delta`` (model averaging when nothing is compressed);
+   ``"nesterov"`` (DiLoCo): ``b <- mu b + delta`` (``b <- delta`` the first time), ``theta <- theta - lr (delta
+   + mu b)``, exactly ``torch.optim.SGD(lr, momentum=mu, nesterov=True)`` applied to ``theta`` with gradient
+   ``delta``;
+5. every rank's parameters (and the fragment's buffers) become ``theta``: replicas are bit-identical after it.
+
+The object also quacks like :class:`~lightning_gradcomp.hook.GradCompHook` where
+:class:`~lightning_gradcomp.callbacks.CompressionLogger` reads it (``stats``, ``step``, ``start_step``,
+``observers``, ``memory``, ``compressor``, ``comm``, ``plans()``, ``param_of()``): the logger's bytes, ratio,
+memory norm and compression error (sampled per sync) work unchanged. ``step`` counts syncs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
+from lightning_gradcomp.compressors.base import Compressor, ReduceContext
+from lightning_gradcomp.hook import BucketRecord, HookObserver
+from lightning_gradcomp.memory import ErrorFeedback
+from lightning_gradcomp.plan import BucketPlan, SlotPolicy, build_plan
+
+__all__ = ["OUTERS", "OuterSync", "split_fragments"]
+
+OUTERS = ("average", "nesterov")
+
+
+def split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
+    """Cut tensors (in order) into ``fragments`` contiguous, non-empty groups of roughly equal size.
+
+    Returns the tensor indices of each group. Raises ``ValueError`` if there are fewer tensors than groups.
+    """
+    if fragments > len(numels):
+        raise ValueError(f"`fragments` must be at most the number of trainable parameter tensors "
+                         f"({len(numels)}), got {fragments}")
+    total = sum(numels)
+    groups: list[list[int]] = [[] for _ in range(fragments)]
+    done, g = 0, 0
+    for i, n in enumerate(numels):
+        later_groups = fragments - 1 - g
+        past_boundary = done + n / 2 > total * (g + 1) / fragments  # most of this tensor lies past the cut
+        if groups[g] and later_groups > 0 and (past_boundary or len(numels) - i <= later_groups):
+            g += 1
+        groups[g].append(i)
+        done += n
+    return groups
+
+
+class OuterSync:
+    """Per-rank state and logic of the periodic outer synchronization (see the module docstring).
+
+    Args:
+        compressor: a private compressor (the strategy clones it per rank).
+        comm: byte-counting collectives of this rank.
+        params: ``(name, parameter)`` of every trainable parameter, in model order.
+        buffers: ``(name, buffer)`` of the floating-point buffers (averaged with the last fragment).
+        fragments: number of fragments the parameters are cut into.
+        policy: which tensors are compressed.
+        outer: ``"average"`` or ``"nesterov"``.
+        outer_lr: outer learning rate (``"nesterov"``).
+        outer_momentum: outer Nesterov momentum.
+        seed: base seed of the compressor's generators.
+        beta: error-feedback low-pass factor.
+    """
+
+    start_step = 0
+    """The first sync that is compressed (every sync is): for ``CompressionLogger``."""
+
+    def __init__(self, compressor: Compressor, comm: Comm, params: list[tuple[str, nn.Parameter]],
+                 buffers: list[tuple[str, Tensor]], *, fragments: int = 1, policy: Optional[SlotPolicy] = None,
+                 outer: str = "nesterov", outer_lr: float = 0.7, outer_momentum: float = 0.9, seed: int = 0,
+                 beta: float = 1.0) -> None:
+        self.compressor = compressor
+        self.comm = comm
+        self.policy = policy or SlotPolicy()
+        self.outer, self.outer_lr, self.outer_momentum, self.seed = outer, outer_lr, outer_momentum, seed
+        self.memory = ErrorFeedback(beta)
+        self.observers: list[HookObserver] = []
+        self.layer_params: dict[str, Any] = {}
+        self.params = dict(params)
+        self.buffers = dict(buffers)
+        names = {id(p): n for n, p in params}
+        tensors = [p for _, p in params]
+        accepts = (lambda slot: False) if compressor.dense else compressor.accepts
+        self.fragments: list[BucketPlan] = [
+            build_plan(f, [tensors[i] for i in group], names, self.policy, accepts)
+            for f, group in enumerate(split_fragments([p.numel() for p in tensors], fragments))]
+        with torch.no_grad():
+            self.theta = {n: p.detach().to(torch.float32, copy=True) for n, p in params}
+            self.theta_buffers = {n: b.detach().clone() for n, b in buffers}
+        self.momentum: dict[str, Tensor] = {}
+        self.step = 0          # syncs done (identical on all ranks)
+        self.local_steps = 0   # optimizer steps done
+        self.cursor = 0        # the fragment synced next
+        self._step_dense = sum(all_reduce_bytes(p.numel() * p.element_size(), comm.world_size) for p in tensors)
+
+    # ------------------------------------------------------------------ GradCompHook-like surface
+    @property
+    def stats(self) -> CommStats:
+        """This rank's cumulative communication figures."""
+        return self.comm.stats
+
+    def plans(self) -> list[BucketPlan]:
+        """One plan per fragment."""
+        return list(self.fragments)
+
+    def param_of(self, name: str) -> Any:
+        """The compression parameter of layer ``name``."""
+        return self.layer_params.get(name, self.compressor.default_param)
+
+    # ------------------------------------------------------------------ steps
+    def count_step(self) -> None:
+        """An optimizer step happened: count what per-step DDP would have sent for it."""
+        self.local_steps += 1
+        stats = self.stats
+        stats.steps += 1
+        stats.dense_bytes += self._step_dense
+        world = self.comm.world_size
+        for plan in self.fragments:
+            for slot in plan.slots:
+                layer = stats.layer(slot.name)
+                layer.numel, layer.compressed = slot.numel, slot.compressed
+                layer.param = self.param_of(slot.name) if slot.compressed else None
+                layer.dense_bytes += all_reduce_bytes(slot.numel * self.params[slot.name].element_size(), world)
+
+    def sync_next(self) -> None:
+        """Synchronize the fragment under the cursor and advance the cursor."""
+        self.sync([self.cursor])
+        self.cursor = (self.cursor + 1) % len(self.fragments)
+
+    def sync(self, indices: list[int]) -> None:
+        """Reduce the pseudo-gradients of fragments ``indices`` and take the outer step (collective)."""
+        start = time.perf_counter()
+        plans = [self.fragments[i] for i in indices]
+        slots = [s for plan in plans for s in plan.slots]
+        last = len(self.fragments) - 1 in indices
+        buffers = list(self.buffers) if last else []
+        with torch.no_grad():
+            deltas = {s.name: self.theta[s.name] - self.params[s.name].detach().to(torch.float32) for s in slots}
+            averaged = self._reduce(plans, deltas, buffers)
+            for slot in slots:
+                self._outer_step(slot.name, averaged[slot.name])
+                self.params[slot.name].copy_(self.theta[slot.name])
+            for name in buffers:
+                self.theta_buffers[name] = self.buffers[name].detach().clone()
+        self.step += 1
+        self.stats.compressed_steps += int(not self.compressor.dense)
+        self.stats.hook_seconds += time.perf_counter() - start
+
+    def _reduce(self, plans: list[BucketPlan], deltas: dict[str, Tensor], buffers: list[str]) -> dict[str, Tensor]:
+        world = self.comm.world_size
+        dense = [s for plan in plans for s in plan.dense]
+        comp = [s for plan in plans for s in plan.compressed]
+        out: dict[str, Tensor] = {}
+        parts = [deltas[s.name].reshape(-1) for s in dense] + \
+                [self.buffers[n].detach().reshape(-1).to(torch.float32) for n in buffers]
+        if parts:
+            flat = torch.cat(parts).div_(world)
+            shares = [(s.name, s.numel) for s in dense] + [(n, self.buffers[n].numel()) for n in buffers]
+            self.comm.all_reduce(flat, shares=shares)
+            pieces = torch.split(flat, [s.numel for s in dense] + [self.buffers[n].numel() for n in buffers])
+            for slot, piece in zip(dense, pieces):
+                out[slot.name] = piece.view(slot.shape)
+            for name, piece in zip(buffers, pieces[len(dense):]):
+                self.buffers[name].copy_(piece.view_as(self.buffers[name]))
+        if not comp:
+            return out
+        use_ef = self.compressor.uses_error_feedback
+        tensors = [self.memory.compensate(s.name, deltas[s.name].reshape(-1)) if use_ef
+                   else deltas[s.name].reshape(-1).clone() for s in comp]
+        watchers = [obs for obs in self.observers if obs.wants(self.step)]
+        inputs = [t.clone() for t in tensors] if watchers else []
+        ctx = ReduceContext(self.comm, self.step, plans[0].index, comp, [self.param_of(s.name) for s in comp],
+                            self.seed)
+        reduction = self.compressor.reduce(tensors, ctx)
+        if use_ef:
+            if reduction.residuals is None:
+                raise RuntimeError(f"{type(self.compressor).__name__} uses error feedback but returned no residuals")
+            for slot, residual in zip(comp, reduction.residuals):
+                self.memory.update(slot.name, residual)
+        if watchers:
+            residuals = reduction.residuals
+            if residuals is None and reduction.local is not None:
+                residuals = [x - c for x, c in zip(inputs, reduction.local)]
+            record = BucketRecord(self.step, plans[0].index, tuple(comp), inputs, residuals)
+            for obs in watchers:
+                obs(record)
+        for slot, avg in zip(comp, reduction.averaged.wait()):
+            out[slot.name] = avg.reshape(slot.shape).to(torch.float32)
+        return out
+
+    def _outer_step(self, name: str, delta: Tensor) -> None:
+        theta = self.theta[name]
+        if self.outer == "average":
+            theta.sub_(delta)
+            return
+        mu = self.outer_momentum
+        buf = self.momentum.get(name)
+        if buf is None:
+            buf = self.momentum[name] = delta.clone()
+        else:
+            buf.mul_(mu).add_(delta)
+        theta.add_(delta.add(buf, alpha=mu), alpha=-self.outer_lr)
+
+    def pending(self) -> bool:
+        """Whether some fragment has local steps not yet synchronized."""
+        return any(not torch.equal(self.theta[n], p.detach().to(torch.float32)) for n, p in self.params.items())
+
+    # ------------------------------------------------------------------ evaluation on the global model
+    def global_tensors(self) -> dict[str, Tensor]:
+        """The global model by name: parameters (in their own dtype) and floating buffers."""
+        out = {n: self.theta[n].to(p.dtype) for n, p in self.params.items()}
+        out.update(self.theta_buffers)
+        return out
+
+    def local_tensors(self) -> dict[str, Tensor]:
+        """Copies of this rank's local parameters and floating buffers."""
+        out = {n: p.detach().clone() for n, p in self.params.items()}
+        out.update({n: b.detach().clone() for n, b in self.buffers.items()})
+        return out
+
+    def write(self, values: dict[str, Tensor]) -> None:
+        """Copy ``values`` into the live parameters and buffers."""
+        with torch.no_grad():
+            for name, value in values.items():
+                target = self.params.get(name)
+                (target if target is not None else self.buffers[name]).copy_(value)
+
+    # ------------------------------------------------------------------ state
+    def shared_state(self) -> dict[str, Any]:
+        """The replicated state (identical on all ranks): global model, outer momentum, counters."""
+        return {"theta": {k: v.clone() for k, v in self.theta.items()},
+                "theta_buffers": {k: v.clone() for k, v in self.theta_buffers.items()},
+                "momentum": {k: v.clone() for k, v in self.momentum.items()},
+                "step": self.step, "local_steps": self.local_steps, "cursor": self.cursor}
+
+    def load_shared_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`shared_state` (tensors go to the parameters' device)."""
+        device = {n: p.device for n, p in self.params.items()}
+        device.update({n: b.device for n, b in self.buffers.items()})
+        self.theta = {k: v.to(device=device.get(k), dtype=torch.float32, copy=True) for k, v in state["theta"].items()}
+        self.theta_buffers = {k: v.to(device=device.get(k), copy=True) for k, v in state["theta_buffers"].items()}
+        self.momentum = {k: v.to(device=device.get(k), dtype=torch.float32, copy=True)
+                         for k, v in state["momentum"].items()}
+        self.step, self.local_steps, self.cursor = int(state["step"]), int(state["local_steps"]), int(state["cursor"])
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's own state: error-feedback memories, compressor state, stats."""
+        return {"memory": self.memory.state_dict(), "compressor": self.compressor.state_dict(),
+                "stats": self.stats.state_dict()}
+
+    def load_rank_state(self, state: Optional[dict[str, Any]]) -> None:
+        """Restore :meth:`rank_state`; ``None`` resets memories and compressor state (world-size change)."""
+        if state is None:
+            self.memory.reset()
+            self.compressor.reset_state()
+            return
+        device = next(iter(self.params.values())).device if self.params else None
+        self.memory.load_state_dict(state["memory"], device=device)
+        self.compressor.load_state_dict(state["compressor"])
+        self.stats.load_state_dict(state["stats"])

@@ -1,0 +1,416 @@
+"""LocalSGDStrategy: H local steps per rank, then an outer step on the (compressed) averaged pseudo-gradient.
+
+Design choice: the strategy subclasses Lightning's ``DDPStrategy`` for its launchers, process-group setup,
+distributed samplers and logging collectives, but **does not wrap the model in DistributedDataParallel**
+(as :class:`~lightning_gradcomp.SwarmStrategy`): nothing is reduced per step, so a DDP wrapper would only
+copy gradients into buckets and force a ``no_sync`` around every step (and gradient accumulation's own
+``no_sync`` on top), and its construction-time broadcast would overwrite the per-rank local models restored
+from a mid-cycle checkpoint. The initial parameters and buffers are broadcast from rank 0 once at the start of
+``fit`` (skipped when a checkpoint restores the local models). ``ParallelStrategy`` would do too, but
+``DDPStrategy`` brings the launchers (``popen``/``spawn``/``fork``), the ``timeout`` and the process-group
+backend selection that users already configure.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gradcomp.comm import Comm, CommStats
+from lightning_gradcomp.compressors.base import Compressor, check_number
+from lightning_gradcomp.compressors.cltk import CLTK
+from lightning_gradcomp.compressors.diana import DIANA
+from lightning_gradcomp.compressors.none import NoCompression
+from lightning_gradcomp.localsgd.engine import OUTERS, OuterSync
+from lightning_gradcomp.memory import ErrorFeedback, validate_beta
+from lightning_gradcomp.plan import SlotPolicy
+from lightning_gradcomp.strategy import DEFAULT_TIMEOUT, _as_compressor, check_timeout, load_verified, register_names
+
+__all__ = ["CHECKPOINT_KEY", "LocalSGDStrategy"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "localsgd"
+"""Top-level checkpoint key holding the global model, outer state and every rank's local state."""
+
+_CHECKPOINT_VERSION = 1
+_REJECTED = (DIANA,)
+
+
+class LocalSGDStrategy(DDPStrategy):
+    """Local SGD / DiLoCo: every rank takes ``local_steps`` inner optimizer steps alone, then all synchronize.
+
+    The inner optimizer is the LightningModule's own (``configure_optimizers``, LR schedulers, gradient
+    clipping, accumulation and precision all act as usual), with no per-step communication. Every
+    ``local_steps`` optimizer steps the ranks reduce their *pseudo-gradients* ``theta - x_i`` (``theta``: the
+    global model of the last sync, ``x_i``: the rank's local model) through ``compressor`` (error feedback where
+    the compressor needs it) and take an outer step on ``theta``: ``"average"`` is plain Local SGD (model
+    averaging), ``"nesterov"`` is DiLoCo (outer SGD with Nesterov momentum). Every rank then continues from
+    ``theta``. With ``fragments=F`` the parameters are cut into F contiguous groups synchronized in turn, one
+    every ``local_steps / F`` steps (streaming DiLoCo; each group still syncs every ``local_steps`` steps),
+    which spreads the traffic out.
+
+    Example::
+
+        trainer = Trainer(accelerator="cpu", devices=4,
+                          strategy=LocalSGDStrategy(local_steps=50, outer="nesterov", compressor=CLTK(ratio=0.01)))
+        trainer.fit(model)
+        trainer.strategy.comm_stats.compression_ratio   # amortized bytes of per-step DDP / bytes sent
+
+    Validation, test and predict run on the global model ``theta`` (swapped in and back out, no
+    communication); when ``fit`` ends, the remaining local progress is synchronized once more (``sync_at_end``)
+    so every rank holds the same, global model. Checkpoints hold the global model as ``state_dict`` and, under
+    ``"localsgd"``, the outer state plus every rank's local model, inner optimizer state and compressor state.
+
+    Tuning (DiLoCo paper): ``outer_lr=0.7``, ``outer_momentum=0.9`` with AdamW inner steps and ``local_steps``
+    in the tens to hundreds; Local SGD (``"average"``) tolerates smaller H only. With a sparsifying compressor
+    keep error feedback on (it is, for biased compressors) and expect to need a somewhat larger ratio than for
+    per-step gradients: pseudo-gradients are denser.
+
+    Args:
+        local_steps: H, inner optimizer steps between two syncs of each parameter (>= 1).
+        outer: ``"nesterov"`` (DiLoCo) or ``"average"`` (Local SGD).
+        outer_lr: outer learning rate, > 0 (``"nesterov"`` only; averaging is ``lr = 1``, no momentum).
+        outer_momentum: outer Nesterov momentum in [0, 1) (``"nesterov"`` only).
+        compressor: how pseudo-gradients are reduced: a :class:`~lightning_gradcomp.compressors.Compressor`
+            or a registered name; ``None`` is :class:`~lightning_gradcomp.compressors.NoCompression` (dense
+            fp32 all-reduce). DIANA is rejected: its shifts learn each rank's stationary *gradient* and its
+            differences vanish only at an optimum, while a pseudo-gradient is H steps of progress whose size
+            follows the learning-rate schedule (use QSGD for unbiased quantization).
+        fragments: F, number of parameter groups synchronized in turn; must divide ``local_steps`` and be at
+            most the number of trainable parameter tensors (checked at setup).
+        min_numel: smallest tensor (elements) that is compressed; smaller ones join the dense all-reduce.
+        compress_1d: also compress 1-D tensors (biases, norm weights).
+        beta: error-feedback low-pass factor in (0, 1].
+        seed: base seed of the compressor's generators.
+        sync_at_end: synchronize the remaining local progress when ``fit`` ends (else every rank loads the
+            global model of the last sync, dropping it).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+        process_group_backend, timeout, start_method: as for
+            :class:`~lightning.pytorch.strategies.DDPStrategy`.
+    """
+
+    strategy_name = "localsgd"
+
+    def __init__(self, local_steps: int = 20, outer: Literal["average", "nesterov"] = "nesterov",
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 compressor: Union[Compressor, str, None] = None, fragments: int = 1, min_numel: int = 1024,
+                 compress_1d: bool = False, beta: float = 1.0, seed: int = 0, sync_at_end: bool = True,
+                 accelerator: Optional["pl.accelerators.Accelerator"] = None,
+                 parallel_devices: Optional[list[torch.device]] = None,
+                 cluster_environment: Optional[ClusterEnvironment] = None,
+                 checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None,
+                 process_group_backend: Optional[str] = None,
+                 timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
+                 start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen") -> None:
+        self.local_steps = int(check_number("local_steps", local_steps, 1, float("inf"), low_open=False,
+                                            integer=True))
+        if outer not in OUTERS:
+            raise ValueError(f"`outer` must be one of {OUTERS}, got {outer!r}")
+        self.outer = outer
+        self.outer_lr = float(check_number("outer_lr", outer_lr, 0.0, float("inf")))
+        if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) \
+                or not 0.0 <= outer_momentum < 1.0:
+            raise ValueError(f"`outer_momentum` must be a number in [0, 1), got {outer_momentum!r}")
+        self.outer_momentum = float(outer_momentum)
+        self.compressor = _as_compressor(compressor)
+        if isinstance(self.compressor, _REJECTED):
+            raise ValueError(f"`compressor` {type(self.compressor).__name__} cannot reduce pseudo-gradients: its "
+                             f"shifts assume stationary per-step gradients; use an unbiased quantizer (QSGD, "
+                             f"TernGrad) or a compressor with error feedback (CLTK, TopK, PowerSGD, SignSGD)")
+        self.fragments = int(check_number("fragments", fragments, 1, float("inf"), low_open=False, integer=True))
+        if self.local_steps % self.fragments:
+            raise ValueError(f"`fragments` must divide `local_steps` ({self.local_steps}): one fragment is synced "
+                             f"every local_steps / fragments steps; got fragments={self.fragments}")
+        self.policy = SlotPolicy(
+            min_numel=int(check_number("min_numel", min_numel, 1, float("inf"), low_open=False, integer=True)),
+            compress_1d=_check_bool("compress_1d", compress_1d))
+        self.beta = validate_beta(beta)
+        self.seed = int(check_number("seed", seed, 0, 2**63 - 1, low_open=False, integer=True))
+        self.sync_at_end = _check_bool("sync_at_end", sync_at_end)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=check_timeout(timeout), start_method=start_method)
+        self._comm_stats = CommStats()
+        self._aux_stats = CommStats()
+        self._engine: Optional[OuterSync] = None
+        self._eval_backup: Optional[dict[str, Tensor]] = None
+        self._restored: Optional[dict[str, Any]] = None       # this rank's entry (same world size)
+        self._restored_shared: Optional[dict[str, Any]] = None
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def hook(self) -> Optional[OuterSync]:
+        """The per-rank sync engine, shaped like GradCompStrategy's hook for ``CompressionLogger``."""
+        return self._engine
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Bytes this rank sent for syncs (``wire_bytes``) and what per-step DDP would have sent
+        (``dense_bytes``) over the same ``steps`` optimizer steps."""
+        return self._comm_stats
+
+    @property
+    def aux_comm_stats(self) -> CommStats:
+        """Traffic outside syncs: the start broadcast (checkpoint gathers are not counted)."""
+        return self._aux_stats
+
+    @property
+    def error_feedback(self) -> Optional[ErrorFeedback]:
+        """This rank's error-feedback memory of the pseudo-gradients."""
+        return self._engine.memory if self._engine is not None else None
+
+    @property
+    def start_step(self) -> int:
+        """Every sync is compressed (for ``CompressionGuard``)."""
+        return 0
+
+    @property
+    def sync_period(self) -> int:
+        """Optimizer steps between two syncs (of consecutive fragments): ``local_steps / fragments``."""
+        return self.local_steps // self.fragments
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        if self._layer_sync is not None:
+            raise ValueError("LocalSGDStrategy does not support `sync_batchnorm=True`: ranks train alone between "
+                             "syncs (BatchNorm statistics are averaged at every sync)")
+        super().setup(trainer)
+
+    @override
+    def configure_ddp(self) -> None:
+        """Keep the LightningModule unwrapped (no per-step reducer) and build the sync engine."""
+        assert isinstance(self.model, pl.LightningModule)
+        module = self.model
+        if self._restored is None:
+            self._broadcast_start()
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        persistent = set(module.state_dict())  # non-persistent buffers (e.g. position tables) are constants
+        buffers = [(n, b) for n, b in module.named_buffers() if b.is_floating_point() and n in persistent]
+        compressor = self.compressor.clone()
+        compressor.prepare()
+        self._comm_stats = CommStats()
+        comm = Comm(None, self._comm_stats)
+        self._engine = OuterSync(compressor, comm, params, buffers, fragments=self.fragments, policy=self.policy,
+                                 outer=self.outer, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
+                                 seed=self.seed, beta=self.beta)
+        if self._restored_shared is not None:
+            self._engine.load_shared_state(self._restored_shared)
+            self._engine.load_rank_state(self._restored)
+
+    @override
+    def on_train_start(self) -> None:
+        self._restored = self._restored_shared = None  # consumed by the model, engine and optimizer restore
+        super().on_train_start()
+
+    def _broadcast_start(self) -> None:
+        """Give every rank rank 0's parameters and buffers (the common starting point)."""
+        if not (dist.is_available() and dist.is_initialized()) or self.world_size < 2:
+            return
+        aux = Comm(None, self._aux_stats)
+        tensors = list(self.lightning_module.parameters()) + list(self.lightning_module.buffers())
+        with torch.no_grad():
+            for dtype in sorted({t.dtype for t in tensors}, key=str):
+                group = [t for t in tensors if t.dtype == dtype]
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                aux.broadcast(flat, 0)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    # ------------------------------------------------------------------ training
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
+        """The local step; then, every ``local_steps / fragments`` steps, a sync (first optimizer only)."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._engine is not None and self._is_first_optimizer(optimizer):
+            self._engine.count_step()
+            if self._engine.local_steps % self.sync_period == 0:
+                self._engine.sync_next()
+        return output
+
+    def _is_first_optimizer(self, optimizer: Optimizer) -> bool:
+        if not self.optimizers:
+            return True
+        first = self.optimizers[0]
+        return getattr(optimizer, "_optimizer", optimizer) is getattr(first, "_optimizer", first)
+
+    def sync_now(self) -> None:
+        """Synchronize every fragment now (collective: call on all ranks), e.g. before an export."""
+        if self._engine is not None:
+            self._exit_eval()
+            self._engine.sync(list(range(len(self._engine.fragments))))
+
+    @override
+    def on_train_end(self) -> None:
+        """Leave every rank with the global model: sync the remaining local progress, or load ``theta``."""
+        engine = self._engine
+        if engine is not None:
+            self._exit_eval()
+            pending = torch.tensor([float(engine.pending())], device=self.root_device)
+            if self.world_size > 1 and dist.is_initialized():
+                dist.all_reduce(pending)  # ranks agree (they do: counters are shared), cheap insurance
+            if bool(pending.item() > 0):
+                if self.sync_at_end:
+                    engine.sync(list(range(len(engine.fragments))))
+                else:
+                    engine.write(engine.global_tensors())
+        super().on_train_end()
+
+    # ------------------------------------------------------------------ evaluation on the global model
+    def _enter_eval(self) -> None:
+        if self._engine is None or self._eval_backup is not None:
+            return
+        self._eval_backup = self._engine.local_tensors()
+        self._engine.write(self._engine.global_tensors())
+
+    def _exit_eval(self) -> None:
+        if self._engine is not None and self._eval_backup is not None:
+            self._engine.write(self._eval_backup)
+            self._eval_backup = None
+
+    @override
+    def on_validation_start(self) -> None:
+        self._enter_eval()
+        super().on_validation_start()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._exit_eval()
+        super().on_validation_end()
+
+    @override
+    def on_test_start(self) -> None:
+        self._enter_eval()
+        super().on_test_start()
+
+    @override
+    def on_test_end(self) -> None:
+        self._exit_eval()
+        super().on_test_end()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._enter_eval()
+        super().on_predict_start()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._exit_eval()
+        super().on_predict_end()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _local_model_state(self) -> dict[str, Any]:
+        """This rank's own (local) model state dict, even while the global model is swapped in."""
+        state = {k: v.detach().clone() if isinstance(v, Tensor) else v
+                 for k, v in self.lightning_module.state_dict().items()}
+        if self._eval_backup is not None:
+            state.update({k: v.clone() for k, v in self._eval_backup.items() if k in state})
+        return state
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The checkpoint's ``state_dict``: the **global** model (identical on all ranks, no communication)."""
+        state = self._local_model_state()
+        if self._engine is not None:
+            state.update({k: v.clone() for k, v in self._engine.global_tensors().items() if k in state})
+        return state
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Gather every rank's local state under ``"localsgd"`` (must run on all ranks)."""
+        engine = self._engine
+        local = {"model": self._local_model_state(),
+                 "optimizers": [copy.deepcopy(self.optimizer_state(o)) for o in self.optimizers],
+                 **(engine.rank_state() if engine is not None else {})}
+        per_rank: list[Any] = [local]
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            per_rank = [None] * self.world_size if self.global_rank == 0 else []
+            dist.gather_object(local, per_rank if self.global_rank == 0 else None, dst=0)
+        checkpoint[CHECKPOINT_KEY] = {
+            "version": _CHECKPOINT_VERSION, "world_size": self.world_size,
+            "compressor": type(self.compressor).__name__, "outer": self.outer,
+            "local_steps": self.local_steps, "fragments": self.fragments,
+            "shared": engine.shared_state() if engine is not None else None, "per_rank": per_rank,
+        }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load the (CRC-checked) checkpoint and pick this rank's entry (world-size policy: docs/localsgd.md)."""
+        checkpoint = load_verified(lambda: super(LocalSGDStrategy, self).load_checkpoint(
+            checkpoint_path, weights_only=weights_only), checkpoint_path)
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        self._restored = self._restored_shared = None
+        if saved is None:
+            return checkpoint
+        if not isinstance(saved, dict) or saved.get("version") != _CHECKPOINT_VERSION or "per_rank" not in saved:
+            raise ValueError(f"cannot resume from '{checkpoint_path}': checkpoint entry {CHECKPOINT_KEY!r} is "
+                             f"malformed or from an unknown version (expected version {_CHECKPOINT_VERSION})")
+        mine = (type(self.compressor).__name__, self.outer, self.local_steps, self.fragments)
+        theirs = (saved["compressor"], saved["outer"], saved["local_steps"], saved["fragments"])
+        if mine != theirs:
+            raise ValueError(f"cannot resume from '{checkpoint_path}': it was written with (compressor, outer, "
+                             f"local_steps, fragments) = {theirs}, this strategy uses {mine}; resume with the "
+                             f"same settings")
+        self._restored_shared = saved["shared"]
+        if saved["world_size"] == self.world_size:
+            self._restored = saved["per_rank"][self.global_rank]
+        else:
+            rank_zero_warn(f"LocalSGDStrategy: checkpoint was written by {saved['world_size']} ranks, resuming on "
+                           f"{self.world_size}: every rank starts from the global model with rank 0's inner "
+                           f"optimizer state; error-feedback memories and compressor state are reset; the global "
+                           f"model, outer momentum, step counter and fragment cursor are kept")
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Load this rank's local model when the checkpoint has it, else the global model."""
+        if self._restored is not None:
+            self.lightning_module.load_state_dict(self._restored["model"], strict=strict)
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Load this rank's inner optimizer states when the checkpoint has them, else rank 0's."""
+        if self._restored is not None:
+            checkpoint = {**checkpoint, "optimizer_states": self._restored["optimizers"]}
+        super().load_optimizer_state_dict(checkpoint)
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``localsgd``, ``diloco`` and ``diloco_cltk`` (+ ``_spawn`` / ``_fork``)."""
+        register_names(strategy_registry, cls, "localsgd", "Local SGD: 20 local steps, then model averaging",
+                       outer="average")
+        register_names(strategy_registry, cls, "diloco",
+                       "DiLoCo: 20 local steps, then outer Nesterov (lr 0.7, momentum 0.9) on dense pseudo-gradients",
+                       outer="nesterov", compressor=NoCompression())
+        register_names(strategy_registry, cls, "diloco_cltk",
+                       "DiLoCo with CLT-k 1% pseudo-gradients and error feedback",
+                       outer="nesterov", compressor=CLTK(ratio=0.01))
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool, got {value!r}")
+    return value
