@@ -45,11 +45,11 @@ from torch.futures import Future
 
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes, completed_future, then_same_numerics
 from lightning_gradcomp.commthread import CommThread
-from lightning_gradcomp.compressors.base import Compressor, ReduceContext
+from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy, build_plan
 
-__all__ = ["BucketRecord", "GradCompHook", "HookObserver", "gradcomp_comm_hook"]
+__all__ = ["BucketRecord", "GradCompHook", "HookObserver", "gradcomp_comm_hook", "reduce_with_feedback"]
 
 
 @dataclass
@@ -270,19 +270,8 @@ class GradCompHook:
         if any(getattr(obs, "needs_gradients", False) for obs in watchers):  # without EF the inputs are g already
             raw = [_unscaled(g, scale) for g in grads] if use_ef else inputs
         ctx = ReduceContext(self.comm, step, plan.index, comp, [self.param_of(s.name) for s in comp], self.seed)
-        reduction = self.compressor.reduce(tensors, ctx)
-        if use_ef:
-            if reduction.residuals is None:
-                raise RuntimeError(f"{type(self.compressor).__name__} uses error feedback but returned no residuals")
-            for slot, residual in zip(comp, reduction.residuals):
-                self.memory.update(slot.name, residual)
-        if watchers:
-            residuals = reduction.residuals
-            if residuals is None and reduction.local is not None:
-                residuals = [x - c for x, c in zip(inputs, reduction.local)]
-            record = BucketRecord(step, plan.index, comp, inputs, residuals, raw)
-            for obs in watchers:
-                obs(record)
+        reduction = reduce_with_feedback(self.compressor, self.memory if use_ef else None, tensors, ctx,
+                                         watchers, inputs, raw)
 
         def write_back(fut: Future) -> Tensor:
             for slot, avg in zip(comp, fut.value()):
@@ -334,6 +323,36 @@ class GradCompHook:
         else:
             self.memory.reset()
             self.compressor.reset_state()
+
+
+def reduce_with_feedback(compressor: Compressor, memory: Optional[ErrorFeedback], tensors: list[Tensor],
+                         ctx: ReduceContext, watchers: list[HookObserver], inputs: list[Tensor],
+                         raw: Optional[list[Tensor]] = None) -> Reduction:
+    """Run ``compressor.reduce``, stage the new error-feedback memories and show the observers the result.
+
+    Args:
+        compressor: the compressor.
+        memory: the error-feedback memory to update from the residuals, or ``None`` without error feedback.
+        tensors: the compressor's inputs, one flat fp32 tensor per slot of ``ctx.slots``.
+        ctx: the reduction context.
+        watchers: observers recording this step.
+        inputs: copies of ``tensors`` made before the reduction (empty when nobody watches).
+        raw: raw gradients for observers that asked for them.
+    """
+    reduction = compressor.reduce(tensors, ctx)
+    if memory is not None:
+        if reduction.residuals is None:
+            raise RuntimeError(f"{type(compressor).__name__} uses error feedback but returned no residuals")
+        for slot, residual in zip(ctx.slots, reduction.residuals):
+            memory.update(slot.name, residual)
+    if watchers:
+        residuals = reduction.residuals
+        if residuals is None and reduction.local is not None:
+            residuals = [x - c for x, c in zip(inputs, reduction.local)]
+        record = BucketRecord(ctx.step, ctx.bucket_index, tuple(ctx.slots), inputs, residuals, raw)
+        for obs in watchers:
+            obs(record)
+    return reduction
 
 
 def _unscaled(grad: Tensor, scale: Optional[Tensor]) -> Tensor:

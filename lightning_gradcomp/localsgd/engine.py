@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext
-from lightning_gradcomp.hook import BucketRecord, HookObserver
+from lightning_gradcomp.hook import HookObserver, reduce_with_feedback
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.plan import BucketPlan, SlotPolicy, build_plan
 
@@ -190,19 +190,8 @@ class OuterSync:
         inputs = [t.clone() for t in tensors] if watchers else []
         ctx = ReduceContext(self.comm, self.step, plans[0].index, comp, [self.param_of(s.name) for s in comp],
                             self.seed)
-        reduction = self.compressor.reduce(tensors, ctx)
-        if use_ef:
-            if reduction.residuals is None:
-                raise RuntimeError(f"{type(self.compressor).__name__} uses error feedback but returned no residuals")
-            for slot, residual in zip(comp, reduction.residuals):
-                self.memory.update(slot.name, residual)
-        if watchers:
-            residuals = reduction.residuals
-            if residuals is None and reduction.local is not None:
-                residuals = [x - c for x, c in zip(inputs, reduction.local)]
-            record = BucketRecord(self.step, plans[0].index, tuple(comp), inputs, residuals)
-            for obs in watchers:
-                obs(record)
+        reduction = reduce_with_feedback(self.compressor, self.memory if use_ef else None, tensors, ctx,
+                                         watchers, inputs)
         for slot, avg in zip(comp, reduction.averaged.wait()):
             out[slot.name] = avg.reshape(slot.shape).to(torch.float32)
         return out
