@@ -21,12 +21,16 @@ def run_once(target: str, timeout: float) -> tuple[str, float, str]:
     """``(outcome, seconds, last output line)``; outcome is ``passed``, ``failed`` or ``hung``."""
     start = time.monotonic()
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", target],
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", target],
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "hung", time.monotonic() - start, f"killed after {timeout:.0f} s"
     lines = proc.stdout.strip().splitlines()
-    return ("passed" if proc.returncode == 0 else "failed"), time.monotonic() - start, lines[-1] if lines else ""
+    last = lines[-1] if lines else ""
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    if failed:  # name the failing tests, not just the count
+        last += "  [" + "; ".join(failed) + "]"
+    return ("passed" if proc.returncode == 0 else "failed"), time.monotonic() - start, last
 
 
 def main() -> int:

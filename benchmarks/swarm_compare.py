@@ -20,6 +20,17 @@ rank 0's own model on the test set. Bytes are what each rank sent (``comm_stats.
 SwarmSGD gossip only, start broadcast excluded), averaged over ranks.
 
     python benchmarks/swarm_compare.py [--epochs 3] [--train-size 20000] [--configs ddp swarm_h1 swarm_h4]
+
+Configurations ``swarm_*`` use the asynchronous mode (the default); ``*_lockstep`` the lock-step rounds.
+``--straggler R`` makes rank R sleep ``--straggler-sleep`` seconds per step (a slow worker).
+
+Straggler throughput (``--straggler-bench``): W=4 ranks, sleep-dominated steps (a tiny MLP plus
+``--bench-sleep`` seconds of sleep per step, rank 3 sleeping ``--slowdown`` times as long), so the measure
+is not CPU-bound on a small machine. Reports, per mode (async SwarmSGD, lock-step SwarmSGD, DDP), the
+steps every rank completed within ``--window`` seconds of the common start, with and without the
+straggler, and each fast rank's ratio:
+
+    nice -n 10 python benchmarks/swarm_compare.py --straggler-bench
 """
 
 from __future__ import annotations
@@ -79,9 +90,30 @@ def make_strategy(key: str, seed: int, start_method: str = "fork") -> pl.strateg
     if key == "ddp":
         return GradCompStrategy(compressor=None, seed=seed, start_method=start_method)
     local_steps = 4 if "h4" in key else 1
+    lockstep = "lockstep" in key or "blocking" in key
     return SwarmStrategy(local_steps=local_steps, bits=None if "fp32" in key else 4 if "4bit" in key else 8,
                          non_blocking="blocking" not in key, average_at_end=False, seed=seed,
-                         start_method=start_method)
+                         mode="lockstep" if lockstep else "async",
+                         rounding="dithered" if "dither" in key else "nearest", start_method=start_method)
+
+
+class Straggle(pl.Callback):
+    """Rank ``rank`` sleeps ``seconds`` after every step; every rank notes its step clock."""
+
+    def __init__(self, rank: int, seconds: float, base: float = 0.0, out: Path | None = None) -> None:
+        self.rank, self.seconds, self.base, self.out = rank, seconds, base, out
+        self.start, self.times = 0.0, []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = time.monotonic()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        time.sleep(self.base + (self.seconds if trainer.global_rank == self.rank else 0.0))
+        self.times.append(time.monotonic())
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.out is not None:
+            torch.save({"start": self.start, "times": self.times}, self.out / f"clock{trainer.global_rank}.pt")
 
 
 def run(key: str, data: tuple[torch.Tensor, ...], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -89,9 +121,12 @@ def run(key: str, data: tuple[torch.Tensor, ...], args: argparse.Namespace, work
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     out = workdir / key
     out.mkdir()
+    callbacks: list[pl.Callback] = [SaveRank(out)]
+    if args.straggler >= 0:
+        callbacks.append(Straggle(args.straggler, args.straggler_sleep))
     trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=make_strategy(key, args.seed),
                          max_epochs=args.epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[SaveRank(out)], default_root_dir=str(workdir))
+                         enable_model_summary=False, callbacks=callbacks, default_root_dir=str(workdir))
     start = time.perf_counter()
     trainer.fit(Classifier(data, args.seed, args.lr, args.batch))
     seconds = time.perf_counter() - start
@@ -116,13 +151,71 @@ def run(key: str, data: tuple[torch.Tensor, ...], args: argparse.Namespace, work
 
 LABELS = {
     "ddp": "DDP (fp32 gradient all-reduce every step)",
-    "swarm_h1": "SwarmSGD H=1, 8-bit, non-blocking",
-    "swarm_h4": "SwarmSGD H=4, 8-bit, non-blocking",
+    "swarm_h1": "SwarmSGD H=1, 8-bit, async",
+    "swarm_h4": "SwarmSGD H=4, 8-bit, async",
+    "swarm_h1_dither": "SwarmSGD H=1, 8-bit dithered, async",
+    "swarm_h1_lockstep": "SwarmSGD H=1, 8-bit, lock-step non-blocking",
+    "swarm_h4_lockstep": "SwarmSGD H=4, 8-bit, lock-step non-blocking",
     "swarm_h1_blocking": "SwarmSGD H=1, 8-bit, blocking",
     "swarm_h4_blocking": "SwarmSGD H=4, 8-bit, blocking",
     "swarm_h4_fp32": "SwarmSGD H=4, fp32 models, non-blocking",
     "swarm_h1_4bit": "SwarmSGD H=1, 4-bit, non-blocking",
 }
+
+
+class _SleepNet(pl.LightningModule):
+    """A tiny MLP on random data: the step is dominated by the callback's sleep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+        gen = torch.Generator().manual_seed(1)
+        self.data = TensorDataset(torch.randn(4096, 32, generator=gen), torch.randn(4096, 4, generator=gen))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=8)
+
+
+def straggler_bench(args: argparse.Namespace) -> None:
+    """Steps per rank within a fixed window, with and without a 3x slower rank, per mode."""
+    modes = {"async": "swarm_h1", "lockstep": "swarm_h1_lockstep", "ddp": "ddp"}
+    print(f"W={WORLD}, step = tiny MLP + {1e3 * args.bench_sleep:.0f} ms sleep; straggler rank 3 sleeps "
+          f"{args.slowdown}x; steps completed within {args.window:.1f} s of the common start", flush=True)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, key in modes.items():
+            for slow in (False, True):
+                os.environ["MASTER_PORT"] = str(free_port())
+                os.environ["MASTER_ADDR"] = "127.0.0.1"
+                out = Path(tmp) / f"{name}_{slow}"
+                out.mkdir()
+                extra = (args.slowdown - 1) * args.bench_sleep if slow else 0.0
+                trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=make_strategy(key, args.seed),
+                                     max_epochs=-1, max_steps=args.bench_steps, logger=False,
+                                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                     callbacks=[Straggle(3, extra, args.bench_sleep, out)],
+                                     default_root_dir=str(out))
+                trainer.fit(_SleepNet())
+                clocks = [torch.load(out / f"clock{r}.pt", weights_only=True) for r in range(WORLD)]
+                t0 = max(c["start"] for c in clocks)
+                rows[(name, slow)] = [sum(t - t0 <= args.window for t in c["times"]) for c in clocks]
+                print(f"  {name:8s} straggler={slow!s:5s} steps per rank in {args.window:.1f} s: "
+                      f"{rows[(name, slow)]}", flush=True)
+    print("\n| mode | steps per rank, no straggler | steps per rank, rank 3 slowed "
+          f"{args.slowdown:g}x | fast ranks with / without straggler |")
+    print("|---|---|---|---|")
+    for name in modes:
+        base, slow = rows[(name, False)], rows[(name, True)]
+        ratios = ", ".join(f"{100 * s / b:.0f} %" for s, b in zip(slow[:3], base[:3]))
+        print(f"| {name} | {base} | {slow} | {ratios} |")
 
 
 def main() -> None:
@@ -134,7 +227,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--configs", nargs="+", default=["ddp", "swarm_h1", "swarm_h4"], choices=list(LABELS))
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--straggler", type=int, default=-1, help="rank that sleeps --straggler-sleep s per step")
+    parser.add_argument("--straggler-sleep", type=float, default=0.0)
+    parser.add_argument("--straggler-bench", action="store_true", help="run the straggler throughput benchmark")
+    parser.add_argument("--bench-sleep", type=float, default=0.05, help="seconds of sleep per step (benchmark)")
+    parser.add_argument("--slowdown", type=float, default=3.0, help="straggler's sleep multiplier (benchmark)")
+    parser.add_argument("--bench-steps", type=int, default=60, help="steps per rank (benchmark)")
+    parser.add_argument("--window", type=float, default=2.5, help="seconds counted (benchmark)")
     args = parser.parse_args()
+    if args.straggler_bench:
+        straggler_bench(args)
+        return
     name, *data = load_data(args.train_size)
     params = sum(p.numel() for p in make_cnn(0).parameters())
     print(f"{name}; CNN {params:,} parameters; W={WORLD}, batch {args.batch}/rank, {args.epochs} epochs, "

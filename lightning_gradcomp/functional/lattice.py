@@ -21,6 +21,15 @@ so that ``|x / s| <= 2**16``: indices are exact in float32 and rounding errors s
 lattice units, which the error bound and the 1 % safety margin of :func:`pair_decodable` absorb.
 Sides are per block of coordinates: ``side`` arguments broadcast against the values (shape
 ``(blocks, 1)`` for values ``(blocks, block)``).
+
+**Dithered (unbiased) rounding.** The optional ``dither`` argument of :func:`lattice_index`,
+:func:`lattice_decode` and :func:`lattice_value` is a tensor ``u`` of uniform offsets in ``[-1/2, 1/2)``
+(:func:`lattice_dither`, drawn from a seed both ends know) shifting the lattice per coordinate:
+``k = round(x / s + u)`` and the value is ``(k - u) s``. Its error ``(k - u) s - x`` is uniform on
+``[-s/2, s/2)`` and independent of ``x`` (subtractive dither), so the quantizer is unbiased; without a
+dither, rounding is deterministic (nearest point, error a fixed function of ``x``: biased). The decode
+condition and :func:`pair_decodable` hold unchanged with dithered values. ``dither=None`` (the default)
+is the deterministic lattice, bit for bit as before.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ __all__ = [
     "lattice_checksum",
     "lattice_codes",
     "lattice_decode",
+    "lattice_dither",
     "lattice_error_bound",
     "lattice_index",
     "lattice_levels",
@@ -80,9 +90,24 @@ def lattice_sides(spread: Tensor, absmax: Tensor, bits: int, margin: float) -> T
     return side.float()
 
 
-def lattice_index(x: Tensor, side: Tensor) -> Tensor:
-    """Nearest lattice index ``round(x / side)`` (int32; ties to even). Needs ``|x / side| < 2**24``."""
-    return torch.round(x.float() / side.float()).to(torch.int32)
+def lattice_dither(shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+    """Uniform dither offsets in ``[-1/2, 1/2)`` (float32, CPU) drawn from ``generator``.
+
+    Both ends of an exchange seed ``generator`` identically (e.g. from the shared seed, the exchange id
+    and the sender's rank) to get the same offsets without sending them.
+    """
+    return torch.rand(shape, generator=generator, dtype=torch.float32) - 0.5
+
+
+def lattice_index(x: Tensor, side: Tensor, dither: Optional[Tensor] = None) -> Tensor:
+    """Nearest lattice index ``round(x / side)`` (int32; ties to even). Needs ``|x / side| < 2**24``.
+
+    With ``dither`` (:func:`lattice_dither`): ``round(x / side + dither)`` (unbiased with :func:`lattice_value`).
+    """
+    scaled = x.float() / side.float()
+    if dither is not None:
+        scaled = scaled + dither.float()
+    return torch.round(scaled).to(torch.int32)
 
 
 def lattice_codes(index: Tensor, bits: int) -> Tensor:
@@ -91,20 +116,27 @@ def lattice_codes(index: Tensor, bits: int) -> Tensor:
     return codes.to(torch.uint8) if bits <= 8 else codes
 
 
-def lattice_decode(codes: Tensor, reference: Tensor, side: Tensor, bits: int) -> Tensor:
+def lattice_decode(codes: Tensor, reference: Tensor, side: Tensor, bits: int,
+                   dither: Optional[Tensor] = None) -> Tensor:
     """Recover lattice indices (int32) from ``codes`` using the receiver's ``reference``.
 
     Exact when ``|index - reference / side| < 2**bits / 2`` for every coordinate; otherwise the wrong
-    coordinates are off by multiples of ``2**bits`` (and clamped to ``+-2**20``).
+    coordinates are off by multiples of ``2**bits`` (and clamped to ``+-2**20``). ``dither``: the
+    sender's offsets (the reference is shifted the same way, so the condition is unchanged).
     """
     q = float(lattice_levels(bits))
     c = codes.float()
-    k = c + q * torch.round((reference.float() / side.float() - c) / q)
+    scaled = reference.float() / side.float()
+    if dither is not None:
+        scaled = scaled + dither.float()
+    k = c + q * torch.round((scaled - c) / q)
     return k.clamp_(-_INDEX_CLAMP, _INDEX_CLAMP).to(torch.int32)
 
 
-def lattice_value(index: Tensor, side: Tensor) -> Tensor:
-    """Lattice point ``index * side`` (float32)."""
+def lattice_value(index: Tensor, side: Tensor, dither: Optional[Tensor] = None) -> Tensor:
+    """Lattice point ``index * side`` (float32); with ``dither``: ``(index - dither) * side``."""
+    if dither is not None:
+        return (index.float() - dither.float()) * side.float()
     return index.float() * side.float()
 
 

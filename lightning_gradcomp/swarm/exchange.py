@@ -17,6 +17,11 @@ Protocol of one exchange between ranks ``a`` and ``b`` (both run the same code):
    blocks of their model in fp32 (a second, usually empty, exchange whose size both ends know) and
    average them; such exchanges are counted in :class:`SwarmStats` and logged.
 
+Rounding: ``LatticeCodec(rounding="nearest")`` (default) rounds to the nearest lattice point, which is
+deterministic and biased (the error is a fixed function of the value); ``rounding="dithered"`` shifts
+the lattice by uniform offsets drawn from ``(seed, exchange id, sender rank)`` (known to both ends, never
+sent), making each end's quantized model unbiased at the same bytes (subtractive dither).
+
 Non-blocking use posts the exchange, lets the caller run more local steps, and completes it later:
 ``x <- avg(x_old, x_partner_old) + (x_now - x_old)``.
 """
@@ -37,12 +42,14 @@ from lightning_gradcomp.functional.lattice import (
     lattice_checksum,
     lattice_codes,
     lattice_decode,
+    lattice_dither,
     lattice_index,
     lattice_sides,
     lattice_value,
     pair_decodable,
 )
 from lightning_gradcomp.functional.packing import pack_bits, packed_nbytes, unpack_bits
+from lightning_gradcomp.swarm.pairing import round_generator
 
 __all__ = ["Decoded", "Encoded", "LatticeCodec", "PairwiseGossip", "PendingExchange", "SwarmStats",
            "average_pair", "blockwise_absmax"]
@@ -50,6 +57,8 @@ __all__ = ["Decoded", "Encoded", "LatticeCodec", "PairwiseGossip", "PendingExcha
 log = logging.getLogger(__name__)
 
 _SPREAD_DECAY = 0.95
+_DITHER_SALT = 1 << 20
+ROUNDINGS = ("nearest", "dithered")
 
 
 def _padded(values: Tensor, block_size: int) -> Tensor:
@@ -81,6 +90,7 @@ class Encoded:
     index: Tensor
     side: Tensor
     numel: int
+    dither: Optional[Tensor] = None
 
 
 @dataclass
@@ -90,6 +100,7 @@ class Decoded:
     index: Tensor
     side: Tensor
     checksum_ok: Tensor
+    dither: Optional[Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -100,11 +111,14 @@ class LatticeCodec:
         bits: bits per coordinate, 1 to 8 (packed with :mod:`~lightning_gradcomp.functional.packing`).
         block_size: coordinates sharing one side and one checksum (8 bytes on the wire per block).
         margin: the side decodes exactly for peers up to ``margin`` times the estimated distance away.
+        rounding: ``"nearest"`` (deterministic, biased) or ``"dithered"`` (shared-seed subtractive
+            dither: unbiased, same bytes; error uniform in half a side either way).
     """
 
     bits: int = 8
     block_size: int = 1024
     margin: float = 4.0
+    rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
@@ -114,6 +128,15 @@ class LatticeCodec:
             raise ValueError(f"`block_size` must be an integer in [1, {MAX_BLOCK}], got {self.block_size!r}")
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not self.margin >= 1:
             raise ValueError(f"`lattice_margin` must be a number >= 1, got {self.margin!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"`rounding` must be one of {ROUNDINGS}, got {self.rounding!r}")
+
+    def dither(self, numel: int, seed: int, exchange_id: int, sender: int) -> Optional[Tensor]:
+        """The sender's dither offsets ``(blocks, block_size)`` for one exchange (``None`` for nearest)."""
+        if self.rounding != "dithered":
+            return None
+        gen = round_generator(seed, exchange_id, salt=_DITHER_SALT + int(sender))
+        return lattice_dither((self.blocks(numel), self.block_size), gen)
 
     def blocks(self, numel: int) -> int:
         """Number of side blocks for ``numel`` coordinates."""
@@ -123,24 +146,25 @@ class LatticeCodec:
         """Bytes of one message: ``8 * blocks + ceil(numel * bits / 8)`` (side and checksum per block)."""
         return 8 * self.blocks(numel) + packed_nbytes(numel, self.bits)
 
-    def encode(self, x: Tensor, spread: Tensor) -> Encoded:
+    def encode(self, x: Tensor, spread: Tensor, dither: Optional[Tensor] = None) -> Encoded:
         """Encode flat fp32 ``x`` with sides sized for peers ``spread`` (per block) away."""
         values = _padded(x.float(), self.block_size)
         side = lattice_sides(spread, values.abs().amax(dim=1), self.bits, float(self.margin))
-        index = lattice_index(values, side.view(-1, 1))
+        index = lattice_index(values, side.view(-1, 1), dither)
         codes = lattice_codes(index, self.bits).reshape(-1)[: x.numel()]
         checksum = lattice_checksum(index).to(torch.int32)
         message = torch.cat([side.view(torch.uint8), checksum.view(torch.uint8), pack_bits(codes, self.bits)])
-        return Encoded(message=message, index=index, side=side, numel=x.numel())
+        return Encoded(message=message, index=index, side=side, numel=x.numel(), dither=dither)
 
-    def decode(self, message: Tensor, reference: Tensor) -> Decoded:
+    def decode(self, message: Tensor, reference: Tensor, dither: Optional[Tensor] = None) -> Decoded:
         """Decode a partner's ``message`` against this end's flat ``reference`` model."""
         numel, blocks = reference.numel(), self.blocks(reference.numel())
         side = message[: 4 * blocks].clone().view(torch.float32)
         checksum = message[4 * blocks: 8 * blocks].clone().view(torch.int32).long()
         codes = _padded(unpack_bits(message[8 * blocks:], self.bits, numel), self.block_size)
-        index = lattice_decode(codes, _padded(reference.float(), self.block_size), side.view(-1, 1), self.bits)
-        return Decoded(index=index, side=side, checksum_ok=lattice_checksum(index) == checksum)
+        index = lattice_decode(codes, _padded(reference.float(), self.block_size), side.view(-1, 1), self.bits,
+                               dither)
+        return Decoded(index=index, side=side, checksum_ok=lattice_checksum(index) == checksum, dither=dither)
 
 
 def average_pair(codec: LatticeCodec, own: Encoded, partner: Decoded) -> tuple[Tensor, Tensor, Tensor]:
@@ -151,8 +175,8 @@ def average_pair(codec: LatticeCodec, own: Encoded, partner: Decoded) -> tuple[T
         ``accepted`` (identical on both ends) and the per-block ``max |Q(x_own) - Q(x_partner)|``
         (meaningful in accepted blocks). Float addition is commutative, so both ends get the same bits.
     """
-    own_value = lattice_value(own.index, own.side.view(-1, 1))
-    other_value = lattice_value(partner.index, partner.side.view(-1, 1))
+    own_value = lattice_value(own.index, own.side.view(-1, 1), own.dither)
+    other_value = lattice_value(partner.index, partner.side.view(-1, 1), partner.dither)
     gap = (own_value - other_value).abs().amax(dim=1)
     accepted = pair_decodable(own_value, other_value, own.side.view(-1, 1), partner.side.view(-1, 1), codec.bits)
     accepted &= partner.checksum_ok
@@ -238,11 +262,13 @@ class PairwiseGossip:
         numel: length of the flat model.
         codec: lattice wire format, or ``None`` to exchange fp32 models.
         stats: where gossip figures go.
+        seed: shared seed of the dither offsets (``rounding="dithered"``).
     """
 
     def __init__(self, comm: Comm, numel: int, codec: Optional[LatticeCodec],
-                 stats: Optional[SwarmStats] = None) -> None:
+                 stats: Optional[SwarmStats] = None, seed: int = 0) -> None:
         self.comm = comm
+        self.seed = int(seed)
         self.numel = int(numel)
         self.codec = codec
         self.stats = stats if stats is not None else SwarmStats()
@@ -263,7 +289,7 @@ class PairwiseGossip:
             sent = x_old
             received = torch.empty_like(x_old)
         else:
-            own = self.codec.encode(x_old, self._spread_estimate(x_old))
+            own = self.codec.encode(x_old, self._spread_estimate(x_old), self._dither(round_index, self.comm.rank))
             sent = own.message
             received = torch.empty_like(sent)
         works = self.comm.exchange(sent, received, peer, async_op=True)
@@ -281,7 +307,8 @@ class PairwiseGossip:
             average = (x_old + pending.received) / 2  # commutative: both ends get the same bits
         else:
             own = pending.own if pending.own is not None else self._own_from_message(pending)
-            average, accepted, gap = average_pair(self.codec, own, self.codec.decode(pending.received, x_old))
+            partner = self.codec.decode(pending.received, x_old, self._dither(pending.round_index, pending.peer))
+            average, accepted, gap = average_pair(self.codec, own, partner)
             if not bool(accepted.all()):
                 self._fallback(pending, accepted, average, gap)
             self.spread = gap if self.spread is None else torch.maximum(gap, _SPREAD_DECAY * self.spread)
@@ -318,8 +345,13 @@ class PairwiseGossip:
 
     def _own_from_message(self, pending: PendingExchange) -> Encoded:
         assert self.codec is not None
-        decoded = self.codec.decode(pending.sent, pending.x_old)  # exact: the reference is x itself
-        return Encoded(message=pending.sent, index=decoded.index, side=decoded.side, numel=self.numel)
+        dither = self._dither(pending.round_index, self.comm.rank)
+        decoded = self.codec.decode(pending.sent, pending.x_old, dither)  # exact: the reference is x itself
+        return Encoded(message=pending.sent, index=decoded.index, side=decoded.side, numel=self.numel, dither=dither)
+
+    def _dither(self, exchange_id: int, sender: int) -> Optional[Tensor]:
+        assert self.codec is not None
+        return self.codec.dither(self.numel, self.seed, exchange_id, sender)
 
     def _spread_estimate(self, x: Tensor) -> Tensor:
         """Expected ``max |x - x_partner|`` per block: the (slowly decaying) largest distance measured in

@@ -7,6 +7,10 @@ gradient with no per-step collective (a DDP wrapper with a no-op hook would stil
 buckets, and its construction-time broadcast would overwrite per-rank models on resume). The initial
 parameters are broadcast from rank 0 once at the start of ``fit`` (skipped when resuming per-rank
 models).
+
+Two modes: ``"async"`` (default) pairs whoever is ready, with no global round, through store-based
+match-making and a background exchange thread (:mod:`lightning_gradcomp.swarm.asynchronous`); ``"lockstep"``
+runs the shared-seed matching rounds (the reproducible baseline).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -31,7 +36,8 @@ from typing_extensions import override
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.compressors.base import check_number
 from lightning_gradcomp.strategy import check_timeout, load_verified
-from lightning_gradcomp.swarm.exchange import LatticeCodec, PairwiseGossip, PendingExchange, SwarmStats
+from lightning_gradcomp.swarm.asynchronous import AsyncGossip, PairingRecord, StoreMatchmaker, exchange_group
+from lightning_gradcomp.swarm.exchange import ROUNDINGS, LatticeCodec, PairwiseGossip, PendingExchange, SwarmStats
 from lightning_gradcomp.swarm.pairing import TOPOLOGIES, Edges, Topology, matching, round_local_steps, topology_edges
 
 __all__ = ["CHECKPOINT_KEY", "SwarmStrategy"]
@@ -43,13 +49,19 @@ CHECKPOINT_KEY = "swarm"
 
 _CHECKPOINT_VERSION = 1
 _EVAL_MODELS = ("mean", "rank0", "local")
+MODES = ("async", "lockstep")
 
 
 class SwarmStrategy(DDPStrategy):
     """SwarmSGD: each rank trains its own model and averages it with one random partner every H steps.
 
-    Every rank steps on its own gradient (no gradient all-reduce). After every ``local_steps``
-    optimizer steps all ranks enter a gossip round: a matching of ``topology`` drawn from
+    Every rank steps on its own gradient (no gradient all-reduce). In ``mode="async"`` (default) a rank
+    that finished its ``local_steps`` looks for a neighbour that is ready *now* (store match-making, no
+    global round) and the pair exchanges its ``bits``-bit lattice-coded models on a background thread
+    while both keep training; the average is applied at the next step boundary with the local progress
+    made meanwhile. A slow rank slows only itself. Every applied exchange is logged
+    (:attr:`pairing_log`); ``replay`` reproduces a run from the logs. In ``mode="lockstep"`` all ranks
+    enter a gossip round after every ``local_steps`` steps: a matching of ``topology`` drawn from
     ``(seed, round)`` (the same on every rank, so nobody has to ask) pairs them up, and each pair
     exchanges its models point-to-point as ``bits``-bit lattice codes decoded against the receiver's own
     model; both ends then hold ``(Q(x_a) + Q(x_b)) / 2``. With ``non_blocking`` (default) the exchange
@@ -86,7 +98,16 @@ class SwarmStrategy(DDPStrategy):
         average_at_end: replace every rank's model with the mean when ``fit`` ends.
         monitor_every: every this many rounds measure the consensus distance
             ``max_i ||x_i - mean||`` (two global collectives; 0 disables).
-        seed: shared seed of the pairings and of geometric H.
+        seed: shared seed of the pairings, of geometric H and of the dither.
+        mode: ``"async"`` (pair with whoever is ready, no global round) or ``"lockstep"`` (shared matching
+            rounds; the reproducible baseline).
+        replay: async only: every rank's pairing log (a list indexed by rank of :attr:`pairing_log` lists,
+            or a dict rank -> list); each rank then repeats the logged exchanges at the logged steps.
+        rounding: ``"nearest"`` (deterministic, biased) or ``"dithered"`` (shared-seed dither: unbiased,
+            same bytes) lattice rounding.
+        gossip_buffers: gossip floating-point buffers (BatchNorm running statistics) with the parameters,
+            so every model's statistics follow its averaged weights.
+        exchange_timeout: seconds after which an async exchange with a silent partner fails (dead partner).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for
             :class:`~lightning.pytorch.strategies.DDPStrategy`.
@@ -98,7 +119,9 @@ class SwarmStrategy(DDPStrategy):
                  torus_shape: Optional[tuple[int, int]] = None, bits: Optional[int] = 8, block_size: int = 1024,
                  lattice_margin: float = 4.0, non_blocking: bool = True,
                  eval_model: Literal["mean", "rank0", "local"] = "mean", average_at_end: bool = True,
-                 monitor_every: int = 0, seed: int = 0,
+                 monitor_every: int = 0, seed: int = 0, mode: Literal["async", "lockstep"] = "async",
+                 replay: Optional[Any] = None, rounding: Literal["nearest", "dithered"] = "nearest",
+                 gossip_buffers: bool = True, exchange_timeout: float = 120.0,
                  accelerator: Optional["pl.accelerators.Accelerator"] = None,
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None,
@@ -110,8 +133,11 @@ class SwarmStrategy(DDPStrategy):
         self.geometric_local_steps = _check_bool("geometric_local_steps", geometric_local_steps)
         self.topology = _check_topology(topology)
         self.torus_shape = None if torus_shape is None else _check_shape(torus_shape)
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"`rounding` must be one of {ROUNDINGS}, got {rounding!r}")
+        self.rounding = rounding
         self.codec = None if bits is None else LatticeCodec(bits=bits, block_size=block_size,
-                                                           margin=lattice_margin)
+                                                           margin=lattice_margin, rounding=rounding)
         self.bits = bits
         self.non_blocking = _check_bool("non_blocking", non_blocking)
         if eval_model not in _EVAL_MODELS:
@@ -121,6 +147,17 @@ class SwarmStrategy(DDPStrategy):
         self.monitor_every = int(check_number("monitor_every", monitor_every, 0, float("inf"), low_open=False,
                                               integer=True))
         self.seed = int(check_number("seed", seed, 0, 2**63 - 1, low_open=False, integer=True))
+        if mode not in MODES:
+            raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        if mode == "async" and self.monitor_every:
+            raise ValueError("`monitor_every` needs mode='lockstep': measuring the consensus distance is a global "
+                             "collective, which would put the asynchronous ranks back in lock-step")
+        if replay is not None and mode != "async":
+            raise ValueError("`replay` reproduces an asynchronous run: it needs mode='async'")
+        self.replay = _check_replay(replay)
+        self.gossip_buffers = _check_bool("gossip_buffers", gossip_buffers)
+        self.exchange_timeout = float(check_number("exchange_timeout", exchange_timeout, 0, float("inf")))
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -132,6 +169,10 @@ class SwarmStrategy(DDPStrategy):
         self._aux: Optional[Comm] = None
         self._engine: Optional[PairwiseGossip] = None
         self._params: list[Tensor] = []
+        self._gossip_names: list[str] = []
+        self._param_numel = 0
+        self._async: Optional[AsyncGossip] = None
+        self._store: Optional[dist.Store] = None
         self._edges: Optional[Edges] = None
         self._pending: Optional[PendingExchange] = None
         self._round_index = 0
@@ -159,8 +200,16 @@ class SwarmStrategy(DDPStrategy):
 
     @property
     def round_index(self) -> int:
-        """Number of gossip rounds started so far (identical on all ranks)."""
-        return self._round_index
+        """Lock-step: gossip rounds started so far (identical on all ranks). Async: this rank's attempts."""
+        return self._async.attempts if self._async is not None else self._round_index
+
+    @property
+    def pairing_log(self) -> list[PairingRecord]:
+        """Async: this rank's applied exchanges.
+
+        Entries are ``(pub_step, partner, partner_pub_step, ticket, apply_step, drained)``.
+        """
+        return list(self._async.log) if self._async is not None else []
 
     def message_bytes(self, numel: int) -> int:
         """Bytes one rank sends per exchange of a ``numel``-parameter model (no fallback)."""
@@ -190,9 +239,17 @@ class SwarmStrategy(DDPStrategy):
             self._edges = topology_edges(self.topology, self.world_size)
         elif isinstance(self.topology, str):
             topology_edges(self.topology, self.world_size, self.torus_shape)  # validates torus_shape
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self._param_numel = sum(p.numel() for _, p in named)
+        if self.gossip_buffers:
+            named += [(n, b) for n, b in self.model.named_buffers() if b.is_floating_point()]
+        self._gossip_names = [n for n, _ in named]
+        self._params = [t for _, t in named]
         numel = sum(p.numel() for p in self._params)
-        self._engine = PairwiseGossip(self._comm, numel, self.codec, self._swarm_stats)
+        comm = self._comm
+        if self.mode == "async" and self.world_size > 1:
+            comm = Comm(exchange_group(self.exchange_timeout), self._comm_stats)
+        self._engine = PairwiseGossip(comm, numel, self.codec, self._swarm_stats, seed=self.seed)
         restored = self._restored
         if restored is None:
             self._broadcast_start()
@@ -207,11 +264,60 @@ class SwarmStrategy(DDPStrategy):
             self._round_length = int(self._restored_counters["round_length"])
         if self.codec is not None and restored is None:
             self._engine.anchor = self._flat_params().clone()  # the common start: first distance estimate
+        if self.mode == "async" and self.world_size > 1:
+            self._setup_async(restored)
+
+    def _setup_async(self, restored: Optional[dict[str, Any]]) -> None:
+        """Match-making store (fresh prefix per setup), the background exchange engine, restored counters."""
+        assert self._engine is not None
+        edges = self._edges if self._edges is not None else topology_edges(self.topology, self.world_size,
+                                                                           self.torus_shape)
+        rank = self.global_rank
+        neighbours = sorted({j for i, j in edges if i == rank} | {i for i, j in edges if j == rank})
+        default = dist.distributed_c10d._get_default_store()
+        generation = (int(default.add("swarmsgd/setups", 1)) - 1) // self.world_size
+        self._store = dist.PrefixStore(f"swarmsgd/{generation}/", default)
+        replay, matchmaker = None, None
+        if self.replay is not None:
+            replay = self.replay.get(rank, []) if isinstance(self.replay, dict) else self.replay[rank]
+        else:
+            matchmaker = StoreMatchmaker(self._store, rank, neighbours, self.seed)
+            matchmaker.reset()
+        self._async = AsyncGossip(self._engine, matchmaker, self.local_steps, self.geometric_local_steps, self.seed,
+                                  self.exchange_timeout, replay=replay)
+        if restored is not None and restored.get("async") is not None:
+            self._async.load_state_dict(restored["async"])
+        dist.barrier(group=self._engine.comm.group)  # every state key exists before anybody claims
+        self._async.start()
 
     @override
     def on_train_start(self) -> None:
         self._restored = self._restored_counters = None  # consumed by setup and the optimizer restore
+        if self._async is not None:
+            self._unlock_training_loop()
         super().on_train_start()
+
+    def _unlock_training_loop(self) -> None:
+        """Replace Lightning's per-batch SIGTERM broadcast by a store flag (async mode only).
+
+        Lightning 2.6's training epoch loop broadcasts a SIGTERM flag from rank 0 before *every* batch
+        (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a global collective that would put the
+        asynchronous ranks back in lock-step (measured: a 3x slower rank held every rank at its pace). On
+        this trainer's loop instance, the check becomes: a rank that received SIGTERM sets a store key,
+        and every rank raises ``SIGTERMException`` at its next batch once the key exists (no waiting).
+        """
+        loop = getattr(getattr(self.lightning_module.trainer, "fit_loop", None), "epoch_loop", None)
+        if loop is None or not hasattr(loop, "_broadcast_sigterm_tensor"):
+            return
+        store, trainer = self._store, self.lightning_module.trainer
+
+        def check_sigterm() -> None:
+            if getattr(trainer, "received_sigterm", False):
+                store.set("sigterm", "1")
+            if store.check(["sigterm"]):
+                raise SIGTERMException()
+
+        loop._broadcast_sigterm_tensor = check_sigterm
 
     def _ensure_comms(self) -> None:
         if self._comm is None and dist.is_available() and dist.is_initialized():
@@ -267,7 +373,12 @@ class SwarmStrategy(DDPStrategy):
     def _local_step_done(self) -> None:
         assert self._engine is not None
         self._comm_stats.steps += 1
-        self._comm_stats.dense_bytes += all_reduce_bytes(4 * self._engine.numel, self.world_size)
+        self._comm_stats.dense_bytes += all_reduce_bytes(4 * self._param_numel, self.world_size)
+        if self._async is not None:
+            updated = self._async.boundary(self._comm_stats.steps, self._flat_params)
+            if updated is not None:
+                _write_flat(self._params, updated)
+            return
         self._steps_in_round += 1
         if self._steps_in_round < self._round_length:
             return
@@ -298,8 +409,17 @@ class SwarmStrategy(DDPStrategy):
         if self.monitor_every and (self._round_index + 1) % self.monitor_every == 0:
             self._measure_consensus()
 
-    def flush(self) -> None:
-        """Apply a posted, not yet applied exchange now (no-op in blocking mode)."""
+    def flush(self, final: bool = False) -> None:
+        """Apply a posted, not yet applied exchange now (no-op in blocking mode).
+
+        Async: withdraw an unclaimed offer and finish and apply an exchange in flight (``final``: this rank
+        takes part in no further exchange).
+        """
+        if self._async is not None:
+            updated = self._async.drain(self._comm_stats.steps, self._training_flat, final=final)
+            if updated is not None:
+                self._write_training_flat(updated)
+            return
         if self._pending is not None and self._engine is not None:
             _write_flat(self._params, self._engine.complete(self._pending, self._flat_params()))
             self._pending = None
@@ -317,8 +437,14 @@ class SwarmStrategy(DDPStrategy):
 
     @override
     def on_train_end(self) -> None:
-        """Apply the last exchange and (``average_at_end``) give every rank the mean model."""
-        self.flush()
+        """Apply the last exchange and (``average_at_end``) give every rank the mean model.
+
+        Async: every rank waits here for the others (one barrier), so no rank leaves, taking the store
+        server or its end of the exchange group with it, while another still trains.
+        """
+        self.flush(final=True)
+        if self._async is not None:
+            dist.barrier(group=self._engine.comm.group)
         if self.average_at_end and self._aux is not None and self.world_size > 1:
             _write_named(self.lightning_module, self._mean_of(self._model_tensors()))
         super().on_train_end()
@@ -413,6 +539,8 @@ class SwarmStrategy(DDPStrategy):
         Integer buffers (e.g. ``num_batches_tracked``) are this rank's. Every rank must call this (as
         ``Trainer.save_checkpoint`` does).
         """
+        if self._async is not None:
+            self.flush()  # async: apply exchanges in flight first, so the mean and the per-rank models agree
         state = self._local_model_state()
         self._ensure_comms()
         if self._aux is None or self.world_size < 2:
@@ -422,7 +550,10 @@ class SwarmStrategy(DDPStrategy):
         return state
 
     def _rank_state(self) -> dict[str, Any]:
+        if self._async is not None:
+            self.flush()  # async: no exchange in flight while saving (lock-step keeps its pending exchange)
         return {
+            "async": self._async.state_dict() if self._async is not None else None,
             "model": self._local_model_state(),
             "optimizers": [copy.deepcopy(self.optimizer_state(o)) for o in self.optimizers],
             "counters": {"round_index": self._round_index, "steps_in_round": self._steps_in_round,
@@ -486,6 +617,8 @@ class SwarmStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._pending = None
+        if self._async is not None:
+            self._async.close()  # kept: its pairing log and counters stay readable after fit
         super().teardown()
 
     # ------------------------------------------------------------------ registry
@@ -501,6 +634,18 @@ class SwarmStrategy(DDPStrategy):
     # ------------------------------------------------------------------ helpers
     def _flat_params(self) -> Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self._params])
+
+    def _training_tensors(self) -> list[Tensor]:
+        """The gossiped tensors of this rank's *training* model (the saved copies during evaluation)."""
+        if self._eval_backup is None:
+            return self._params
+        return [self._eval_backup.get(n, p) for n, p in zip(self._gossip_names, self._params)]
+
+    def _training_flat(self) -> Tensor:
+        return torch.cat([t.detach().reshape(-1).float() for t in self._training_tensors()])
+
+    def _write_training_flat(self, flat: Tensor) -> None:
+        _write_flat(self._training_tensors(), flat)
 
 
 def _write_flat(tensors: list[Tensor], flat: Tensor) -> None:
@@ -524,6 +669,21 @@ def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be a bool, got {value!r}")
     return value
+
+
+def _check_replay(replay: Any) -> Any:
+    if replay is None:
+        return None
+    if not isinstance(replay, (list, tuple, dict)):
+        raise TypeError(f"`replay` must be a list (or dict) of per-rank pairing logs, got {type(replay).__name__}")
+    logs = replay.values() if isinstance(replay, dict) else replay
+    for entries in logs:
+        for entry in entries:
+            if len(entry) != 6:
+                raise ValueError("`replay` entries must be (pub_step, partner, partner_pub_step, ticket, apply_step, "
+                                 f"drained), got {entry!r}")
+    return {int(k): [tuple(int(v) for v in e) for e in logs_] for k, logs_ in replay.items()} \
+        if isinstance(replay, dict) else [[tuple(int(v) for v in e) for e in entries] for entries in replay]
 
 
 def _check_topology(topology: Any) -> Topology:

@@ -106,3 +106,20 @@ def test_pair_test_is_symmetric_and_sufficient() -> None:
             else:
                 rejected += 1
     assert accepted > 30 and rejected > 30  # the trials straddle the boundary
+
+
+def test_dithered_rounding_decodes_exactly_and_is_unbiased() -> None:
+    from lightning_gradcomp.functional.lattice import lattice_dither
+
+    side = torch.tensor(0.1)
+    x = torch.full((20000,), 0.03)  # nearest rounding always gives 0.0: bias -0.03
+    y = x + 0.2  # receiver's reference, well inside the decodable range for 8 bits
+    dither = lattice_dither((20000,), torch.Generator().manual_seed(0))
+    index = lattice_index(x, side, dither)
+    decoded = lattice_decode(lattice_codes(index, 8), y, side, 8, dither)
+    assert torch.equal(decoded, index)
+    value = lattice_value(decoded, side, dither)
+    assert float((value - x).abs().max()) <= float(lattice_error_bound(side))
+    assert abs(float((value - x).mean())) < 0.002  # unbiased (the error is uniform on [-s/2, s/2))
+    assert float(lattice_value(lattice_index(x, side), side).mean()) == 0.0  # deterministic rounding: biased
+    assert torch.equal(lattice_index(x, side, None), lattice_index(x, side))  # default unchanged

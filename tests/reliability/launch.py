@@ -58,7 +58,7 @@ def build_case(case: str, *, timeout: Optional[float] = None, nonfinite: str = "
     if case == "ddp":
         return DDPStrategy(**extra)
     if case == "swarm":
-        return SwarmStrategy(local_steps=2, bits=8, **extra)
+        return SwarmStrategy(local_steps=2, bits=8, mode="lockstep", **extra)  # exact restart needs lock-step
     compressors: dict[str, Callable[[], Compressor]] = {
         "topk": lambda: TopK(0.05),
         "randomk": lambda: RandomK(0.1),

@@ -138,3 +138,21 @@ def test_wrap_around_resends_only_the_wrapped_blocks_in_fp32_on_both_ends() -> N
     assert torch.equal(out[0]["y"], out[1]["y"]) and torch.equal(out[0]["y"][:400], torch.full((400,), 0.5))
     assert torch.equal(out[0]["y"][400:], torch.zeros(400))
     assert torch.equal(out[0]["z"], out[1]["z"])
+
+
+def test_dithered_rounding_keeps_pair_ends_identical_and_needs_no_extra_bytes() -> None:
+    codec = LatticeCodec(bits=8, block_size=100, rounding="dithered")
+    gen = torch.Generator().manual_seed(5)
+    x_a = torch.randn(1050, generator=gen)
+    x_b = x_a + 0.01 * torch.randn(1050, generator=gen)
+    spread = blockwise_absmax(x_a - x_b, 100)
+    d_a, d_b = codec.dither(1050, 0, 7, 0), codec.dither(1050, 0, 7, 1)  # (seed, exchange id, sender)
+    assert not torch.equal(d_a, d_b) and torch.equal(d_a, codec.dither(1050, 0, 7, 0))
+    own_a, own_b = codec.encode(x_a, spread, d_a), codec.encode(x_b, spread, d_b)
+    nearest = LatticeCodec(bits=8, block_size=100)
+    assert own_a.message.numel() == codec.message_bytes(1050) == nearest.message_bytes(1050)
+    avg_a, ok_a, _ = average_pair(codec, own_a, codec.decode(own_b.message, x_a, d_b))
+    avg_b, ok_b, _ = average_pair(codec, own_b, codec.decode(own_a.message, x_b, d_a))
+    assert bool(ok_a.all()) and bool(ok_b.all()) and torch.equal(avg_a, avg_b)
+    bound = lattice_error_bound(own_a.side).repeat_interleave(100)[:1050]
+    assert bool(((avg_a - (x_a + x_b) / 2).abs() <= bound + 1e-6).all())

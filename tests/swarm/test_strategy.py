@@ -1,4 +1,4 @@
-"""SwarmStrategy end to end on forked CPU ranks: pairs, bytes, consensus, odd W, evaluation, resume."""
+"""SwarmStrategy (lock-step mode) end to end on forked CPU ranks: pairs, bytes, consensus, odd W, evaluation, resume."""
 
 from __future__ import annotations
 
@@ -84,11 +84,13 @@ def test_registry_name_and_local_steps_without_gradient_allreduce(tmp_path: Path
     # average is applied one round later in non-blocking mode)
     assert not torch.equal(records[0]["params"][0], records[1]["params"][0])
     assert torch.equal(probes[0]["final"], probes[1]["final"])  # average_at_end
-    assert probes[0]["comm"]["wire_bytes"] > 0 and probes[0]["swarm"]["exchanges"] == probes[0]["rounds"]
+    # the registered default is the asynchronous mode: one coded message per exchange actually made
+    assert records and all(p["comm"]["wire_bytes"] == p["swarm"]["exchanges"] * p["message"] for p in probes)
 
 
 def test_blocking_rounds_leave_pairs_identical_and_count_one_message_each(tmp_path: Path) -> None:
-    strategy = SwarmStrategy(local_steps=1, non_blocking=False, start_method="fork", average_at_end=False)
+    strategy = SwarmStrategy(mode="lockstep", local_steps=1, non_blocking=False, start_method="fork",
+                             average_at_end=False)
     records, probes = _run(tmp_path, "blocking", 4, strategy, max_epochs=3)
     partners = probes[0]["partners"]
     assert all(p["partners"] == partners for p in probes)  # every rank derived the same pairings
@@ -108,7 +110,8 @@ def test_blocking_rounds_leave_pairs_identical_and_count_one_message_each(tmp_pa
 def test_bytes_per_rank_per_round_do_not_depend_on_world_size(tmp_path: Path) -> None:
     per_world = {}
     for world in (2, 4):
-        strategy = SwarmStrategy(local_steps=1, lattice_margin=64.0, topology="ring", start_method="fork")
+        strategy = SwarmStrategy(mode="lockstep", local_steps=1, lattice_margin=64.0, topology="ring",
+                                 start_method="fork")
         _, probes = _run(tmp_path, f"w{world}", world, strategy, max_epochs=100, max_steps=6)
         for p in probes:
             assert p["swarm"]["fallbacks"] == 0 and p["swarm"]["exchanges"] == p["rounds"] == 6
@@ -121,9 +124,10 @@ def test_bytes_per_rank_per_round_do_not_depend_on_world_size(tmp_path: Path) ->
 
 def test_consensus_distance_stays_bounded(tmp_path: Path) -> None:
     model = TinyNet(samples=64, batch_size=8)
-    gossip, probes = _run(tmp_path, "gossip", 4, SwarmStrategy(local_steps=2, start_method="fork", monitor_every=1,
-                                                                average_at_end=False), model=model, max_epochs=20)
-    alone, _ = _run(tmp_path, "alone", 4, SwarmStrategy(local_steps=10**6, start_method="fork",
+    gossip, probes = _run(tmp_path, "gossip", 4, SwarmStrategy(mode="lockstep", local_steps=2, start_method="fork",
+                                                                monitor_every=1, average_at_end=False),
+                          model=model, max_epochs=20)
+    alone, _ = _run(tmp_path, "alone", 4, SwarmStrategy(mode="lockstep", local_steps=10**6, start_method="fork",
                                                          average_at_end=False), model=TinyNet(samples=64, batch_size=8),
                     max_epochs=20)
     c, a = _consensus(gossip), _consensus(alone)
@@ -136,7 +140,7 @@ def test_consensus_distance_stays_bounded(tmp_path: Path) -> None:
 
 
 def test_odd_world_size_one_rank_sits_out_per_round(tmp_path: Path) -> None:
-    strategy = SwarmStrategy(local_steps=1, start_method="fork")
+    strategy = SwarmStrategy(mode="lockstep", local_steps=1, start_method="fork")
     records, probes = _run(tmp_path, "odd", 3, strategy, model=TinyNet(samples=48, batch_size=8), max_epochs=3)
     rounds = probes[0]["rounds"]
     assert rounds == 6
@@ -148,7 +152,8 @@ def test_odd_world_size_one_rank_sits_out_per_round(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("eval_model", ["mean", "rank0"])
 def test_evaluation_uses_the_averaged_model_then_restores_local_ones(tmp_path: Path, eval_model: str) -> None:
-    strategy = SwarmStrategy(local_steps=1, eval_model=eval_model, start_method="fork", average_at_end=False)
+    strategy = SwarmStrategy(mode="lockstep", local_steps=1, eval_model=eval_model, start_method="fork",
+                             average_at_end=False)
     records, probes = _run(tmp_path, eval_model, 4, strategy, model=ValNet(samples=64, batch_size=8),
                            max_epochs=2, num_sanity_val_steps=0)
     for epoch in range(2):
@@ -163,7 +168,7 @@ def test_evaluation_uses_the_averaged_model_then_restores_local_ones(tmp_path: P
 
 def test_resume_is_exact(tmp_path: Path) -> None:
     def strategy() -> SwarmStrategy:
-        return SwarmStrategy(local_steps=2, geometric_local_steps=True, start_method="fork")
+        return SwarmStrategy(mode="lockstep", local_steps=2, geometric_local_steps=True, start_method="fork")
 
     def ckpt(dirpath: Path) -> ModelCheckpoint:
         return ModelCheckpoint(dirpath=dirpath, save_top_k=-1, every_n_epochs=1)
@@ -196,14 +201,14 @@ def test_resume_is_exact(tmp_path: Path) -> None:
 
 def test_resume_on_another_world_size_starts_every_rank_from_the_mean_model(tmp_path: Path) -> None:
     model = lambda: TinyNet(samples=64, batch_size=8)  # noqa: E731
-    _run(tmp_path, "w2", 2, SwarmStrategy(start_method="fork"), model=model(), max_epochs=1,
+    _run(tmp_path, "w2", 2, SwarmStrategy(mode="lockstep", start_method="fork"), model=model(), max_epochs=1,
          callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1)], enable_checkpointing=True)
     path = next((tmp_path / "ck").glob("*.ckpt"))
     saved = torch.load(path, weights_only=True)
     mean = torch.cat([v.reshape(-1) for v in saved["state_dict"].values()])
     assert not torch.equal(mean, torch.cat([v.reshape(-1) for v in saved["swarm"]["per_rank"][0]["model"].values()]))
-    _, probes = _run(tmp_path, "w4", 4, SwarmStrategy(start_method="fork"), model=model(), max_epochs=2,
-                     ckpt_path=str(path))
+    _, probes = _run(tmp_path, "w4", 4, SwarmStrategy(mode="lockstep", start_method="fork"), model=model(),
+                     max_epochs=2, ckpt_path=str(path))
     for p in probes:
         assert torch.equal(p["start"], mean)
         assert p["rounds"] == saved["swarm"]["per_rank"][0]["counters"]["round_index"] + 2  # counter kept

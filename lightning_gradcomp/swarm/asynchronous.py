@@ -1,0 +1,361 @@
+"""Asynchronous SwarmSGD gossip: store-based match-making and a background exchange thread per rank.
+
+No global rounds. Each rank, after its own H local steps, looks for a partner that is *ready now*; the
+pair exchanges quantized models point-to-point on a dedicated gloo group, driven by a background thread,
+while both main threads keep training. The average is applied at the rank's next step boundary in the
+non-blocking form ``x <- avg(x_pub, x_partner_pub) + (x_now - x_pub)``, where ``x_pub`` is the model this
+rank published (snapshotted) for the exchange.
+
+**Match-making** (``torch.distributed`` ``Store``: the process group's TCPStore, under a prefix). Every rank
+``r`` owns one key ``state/r``; only these transitions exist, each one atomic:
+
+* ``r`` publishes: ``state/r <- "wait:<seq>:<step>"`` (only ``r`` writes it, and only when it has no
+  exchange in flight), and hands its snapshot ``x_pub`` to its thread, which polls ``state/r``.
+* a ready rank ``c`` claims ``r``: ``compare_set(state/r, "wait:<seq>:<step>", "claim:<seq>:<c>:<ticket>:<c_step>")``
+  with a fresh ``ticket`` from ``store.add`` (the exchange id). At most one claimer succeeds; ``c`` claims only
+  while it is not published itself, so nobody is ever in two exchanges.
+* ``r`` withdraws: ``compare_set(state/r, "wait:...", "idle")``. If that fails, somebody claimed ``r`` first,
+  and ``r`` completes that exchange.
+
+**Why it cannot deadlock.** A claim pairs two ranks whose threads are both free (a published rank's thread
+waits only for its claim; a claimer has nothing in flight), and each thread runs one exchange at a time,
+so both ends post exactly one matching send/recv pair to each other and to nobody else. A thread never waits
+for a main thread, and a main thread waits for its own thread only when draining (end of ``fit``, before a
+checkpoint) or in replay. A rank that never gets claimed simply keeps training. A partner that died
+(claimed and vanished, or crashed mid-exchange) makes the gloo receive fail or time out
+(``exchange_timeout``); the error is raised on the main thread at its next step boundary.
+
+**Atomicity.** The thread computes the average from the two snapshots and hands it over whole; the main
+thread applies it between two optimizer steps (never during one, never during evaluation). Both ends
+apply an exchange once both messages arrived; a failed exchange is applied by neither (the error stops
+training).
+
+**Pairing log and replay.** Every applied exchange is recorded as
+``(pub_step, partner, partner_pub_step, ticket, apply_step, drained)`` (local optimizer-step counts;
+``drained`` is 1 when it was applied by a drain, at the end of ``fit`` or before a checkpoint, rather than at
+a step boundary). Passing the logs of all ranks back as ``replay`` reproduces the run exactly: each rank
+publishes at the logged step, exchanges with the logged partner and ticket (the dither seed), and applies
+at the logged step (or drain), waiting if needed. Replay cannot deadlock either: a rank waits only for an
+exchange that, in the logged run, had completed before that point, so the waits follow a real execution's
+happens-before order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_gradcomp.swarm.exchange import PairwiseGossip
+from lightning_gradcomp.swarm.pairing import round_generator
+
+__all__ = ["AsyncGossip", "PairingRecord", "StoreMatchmaker"]
+
+log = logging.getLogger(__name__)
+
+PairingRecord = tuple[int, int, int, int, int, int]
+"""``(pub_step, partner, partner_pub_step, ticket, apply_step, drained)`` of one applied exchange."""
+
+_POLL_SECONDS = 0.002
+_LOCAL_STEPS_SALT = 1 << 24
+
+
+class StoreMatchmaker:
+    """The claim protocol of the module docstring over a ``torch.distributed`` store.
+
+    Args:
+        store: a store shared by all ranks (use a fresh prefix per run).
+        rank: this rank.
+        neighbours: ranks this rank may pair with (its neighbours in the topology).
+        seed: seed of the random scan order.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, neighbours: Sequence[int], seed: int = 0) -> None:
+        self.store = store
+        self.rank = rank
+        self.neighbours = list(neighbours)
+        self._gen = round_generator(seed, rank, salt=2)
+        self._seq = 0
+
+    def key(self, rank: int) -> str:
+        return f"state/{rank}"
+
+    def reset(self) -> None:
+        """Mark this rank idle (call on every rank, then synchronize, before any claim)."""
+        self.store.set(self.key(self.rank), "idle")
+
+    def publish(self, step: int) -> str:
+        """Offer this rank for pairing; returns the published value (the claim's expected value)."""
+        self._seq += 1
+        value = f"wait:{self._seq}:{step}"
+        self.store.set(self.key(self.rank), value)
+        return value
+
+    def withdraw(self, published: str, final: bool = False) -> bool:
+        """Take the offer back; ``False`` if a claim came first (then that exchange must run)."""
+        desired = "done" if final else "idle"
+        return _text(self.store.compare_set(self.key(self.rank), published, desired)) == desired
+
+    def retire(self) -> None:
+        """Never to be claimed again (end of training; nothing published)."""
+        self.store.set(self.key(self.rank), "done")
+
+    def read_claim(self, published: str) -> Optional[tuple[int, int, int]]:
+        """``(claimer, ticket, claimer_step)`` once ``published`` was claimed, else ``None``."""
+        value = _text(self.store.get(self.key(self.rank)))
+        seq = published.split(":")[1]
+        if not value.startswith(f"claim:{seq}:"):
+            return None
+        _, _, claimer, ticket, step = value.split(":")
+        return int(claimer), int(ticket), int(step)
+
+    def claim(self, step: int) -> Optional[tuple[int, int, int]]:
+        """Claim a published neighbour, in random order: ``(partner, partner_step, ticket)`` or ``None``."""
+        order = torch.randperm(len(self.neighbours), generator=self._gen).tolist()
+        for idx in order:
+            peer = self.neighbours[idx]
+            value = _text(self.store.get(self.key(peer)))
+            if not value.startswith("wait:"):
+                continue
+            _, seq, peer_step = value.split(":")
+            ticket = int(self.store.add("ticket", 1))
+            desired = f"claim:{seq}:{self.rank}:{ticket}:{step}"
+            if _text(self.store.compare_set(self.key(peer), value, desired)) == desired:
+                return peer, int(peer_step), ticket
+        return None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+@dataclass
+class _Job:
+    """One exchange from this rank's view (a published offer becomes one once claimed)."""
+
+    x_pub: Tensor
+    pub_step: int
+    published: Optional[str] = None  # set while waiting for a claim
+    claimed: bool = False  # a withdrawal failed: the claim came first
+    peer: int = -1
+    peer_step: int = -1
+    ticket: int = -1
+    apply_step: int = -1  # replay only
+    drained: bool = False  # replay only
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    average: Optional[Tensor] = None
+    error: Optional[BaseException] = None
+
+
+class AsyncGossip:
+    """Per-rank asynchronous gossip: match-making on the main thread, exchanges on a background thread.
+
+    Args:
+        engine: the exchange engine; its ``comm`` must be on a group used by nobody else.
+        matchmaker: the claim protocol (``None`` only with ``replay``).
+        local_steps: mean local steps between gossip attempts (H).
+        geometric: draw each H from a geometric distribution (per rank) instead of fixed.
+        seed: seed of the H draws.
+        timeout: seconds a drain or a replayed exchange may wait before the partner is declared dead.
+        replay: this rank's pairing log to reproduce (see the module docstring).
+    """
+
+    def __init__(self, engine: PairwiseGossip, matchmaker: Optional[StoreMatchmaker], local_steps: int,
+                 geometric: bool, seed: int, timeout: float, replay: Optional[Sequence[Sequence[int]]] = None) -> None:
+        self.engine = engine
+        self.matchmaker = matchmaker
+        self.local_steps = local_steps
+        self.geometric = geometric
+        self.seed = seed
+        self.timeout = timeout
+        self.replay = None if replay is None else [tuple(int(v) for v in entry) for entry in replay]
+        self.log: list[PairingRecord] = []
+        self.attempts = 0
+        self.next_attempt = self._draw()
+        self._job: Optional[_Job] = None
+        self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._threads = torch.get_num_threads()
+
+    # ------------------------------------------------------------------ main thread
+    def start(self) -> None:
+        """Start the exchange thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="swarmsgd-gossip", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread (after :meth:`drain`)."""
+        if self._thread is not None:
+            if self._job is not None:
+                self._job.cancelled.set()
+            self._queue.put(None)
+            self._thread.join(timeout=self.timeout)
+            self._thread = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an offer or an exchange is outstanding."""
+        return self._job is not None
+
+    def boundary(self, step: int, current: Callable[[], Tensor]) -> Optional[Tensor]:
+        """Called after local step ``step`` (1-based count): apply a finished exchange, maybe start one.
+
+        Args:
+            step: optimizer steps taken so far by this rank.
+            current: returns this rank's flat model now (called only when needed).
+
+        Returns:
+            The new flat model when an exchange was applied, else ``None``.
+        """
+        if self.replay is not None:
+            return self._replay_boundary(step, current)
+        out = None
+        job = self._job
+        if job is not None and job.done.is_set() and not job.cancelled.is_set():
+            out = self._apply(job, step, current())
+        if step >= self.next_attempt:
+            applied = out
+            if self._attempt(step, lambda: applied if applied is not None else current()):
+                self.attempts += 1
+                self.next_attempt = step + self._draw()
+        return out
+
+    def drain(self, step: int, current: Callable[[], Tensor], final: bool = False) -> Optional[Tensor]:
+        """Withdraw an unclaimed offer, finish and apply an exchange in flight (``final``: retire)."""
+        out = None
+        if self.replay is not None:
+            out = self._replay_boundary(step, current, draining=True)
+        job = self._job
+        if job is not None and job.published is not None and not job.claimed and self.matchmaker is not None:
+            if self.matchmaker.withdraw(job.published, final=final):
+                job.cancelled.set()
+                self.engine.stats.sat_out += 1
+                self._job = job = None
+        if job is not None:
+            self._wait(job)
+            out = self._apply(job, step, out if out is not None else current(), drained=True)
+        if final and self.matchmaker is not None and self.replay is None:
+            self.matchmaker.retire()
+        return out
+
+    def _attempt(self, step: int, current: Callable[[], Tensor]) -> bool:
+        """Try to pair now; ``False`` if an exchange is still in flight (retry at the next boundary)."""
+        assert self.matchmaker is not None
+        job = self._job
+        if job is not None:
+            if job.published is None or job.claimed or not self.matchmaker.withdraw(job.published):
+                if job.published is not None:
+                    job.claimed = True
+                return False  # exchanging (or just claimed): try again after it is applied
+            job.cancelled.set()
+            self.engine.stats.sat_out += 1
+            self._job = None
+        self.engine.stats.rounds += 1
+        x_pub = current().detach().float().clone()
+        found = self.matchmaker.claim(step)
+        job = _Job(x_pub=x_pub, pub_step=step)
+        if found is not None:
+            job.peer, job.peer_step, job.ticket = found
+        else:
+            job.published = self.matchmaker.publish(step)
+        self._submit(job)
+        return True
+
+    def _submit(self, job: _Job) -> None:
+        self.start()
+        self._job = job
+        self._queue.put(job)
+
+    def _wait(self, job: _Job) -> None:
+        if not job.done.wait(self.timeout):
+            raise RuntimeError(f"SwarmSGD rank {self.engine.comm.rank}: the exchange with rank {job.peer} "
+                               f"(ticket {job.ticket}) did not finish within {self.timeout:.0f} s; the partner "
+                               f"is presumed dead")
+
+    def _apply(self, job: _Job, step: int, x_now: Tensor, drained: bool = False) -> Tensor:
+        self._job = None
+        if job.error is not None:
+            raise RuntimeError(f"SwarmSGD rank {self.engine.comm.rank}: exchange with rank {job.peer} (ticket "
+                               f"{job.ticket}) failed; the partner is presumed dead or stopped") from job.error
+        assert job.average is not None
+        self.engine.stats.exchanges += 1
+        self.log.append((job.pub_step, job.peer, job.peer_step, job.ticket, step, int(drained)))
+        return job.average + (x_now.detach().float() - job.x_pub)
+
+    def _replay_boundary(self, step: int, current: Callable[[], Tensor], draining: bool = False) -> Optional[Tensor]:
+        assert self.replay is not None
+        out = None
+        job = self._job
+        if job is not None and (draining or (job.apply_step == step and not job.drained)):
+            self._wait(job)
+            out = self._apply(job, step, current(), drained=draining)
+        index = len(self.log) + (self._job is not None)
+        if not draining and index < len(self.replay) and self.replay[index][0] == step and self._job is None:
+            pub_step, peer, peer_step, ticket, apply_step, drained = self.replay[index]
+            self.engine.stats.rounds += 1
+            x = out if out is not None else current()
+            self._submit(_Job(x_pub=x.detach().float().clone(), pub_step=pub_step, peer=peer, peer_step=peer_step,
+                              ticket=ticket, apply_step=apply_step, drained=bool(drained)))
+        return out
+
+    def _draw(self) -> int:
+        if not self.geometric or self.local_steps <= 1:
+            return self.local_steps
+        gen = round_generator(self.seed, self.attempts, salt=_LOCAL_STEPS_SALT + self.engine.comm.rank)
+        u = float(torch.rand((), generator=gen, dtype=torch.float64))
+        p = 1.0 / self.local_steps
+        return 1 + int(math.floor(math.log1p(-u) / math.log1p(-p)))
+
+    # ------------------------------------------------------------------ exchange thread
+    def _serve(self) -> None:
+        torch.set_num_threads(self._threads)
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if job.published is not None and not self._await_claim(job):
+                    continue
+                pending = self.engine.post(job.x_pub, job.peer, job.ticket)
+                job.average = self.engine.complete(pending)
+            except BaseException as exc:  # surfaced on the main thread
+                job.error = exc
+            finally:
+                job.done.set()
+
+    def _await_claim(self, job: _Job) -> bool:
+        assert self.matchmaker is not None and job.published is not None
+        while not job.cancelled.is_set():
+            claim = self.matchmaker.read_claim(job.published)
+            if claim is not None:
+                job.peer, job.ticket, job.peer_step = claim
+                return True
+            time.sleep(_POLL_SECONDS)
+        return False
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, the pairing log and the RNG position (call after :meth:`drain`)."""
+        return {"log": [list(r) for r in self.log], "attempts": self.attempts, "next_attempt": self.next_attempt}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`."""
+        self.log = [tuple(int(v) for v in r) for r in state.get("log", [])]
+        self.attempts = int(state.get("attempts", 0))
+        self.next_attempt = int(state.get("next_attempt", self.next_attempt))
+
+
+def exchange_group(timeout: float) -> dist.ProcessGroup:
+    """A gloo group over all ranks for the exchange thread only (every rank must call this, in order)."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))

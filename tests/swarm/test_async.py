@@ -1,0 +1,238 @@
+"""Asynchronous SwarmSGD: consistent pairings, bytes, replay, straggler, dead partner, BatchNorm, checkpoints."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from helpers.distributed import free_port
+from helpers.models import TinyNet, fit
+from lightning_gradcomp import SwarmStrategy
+from lightning_gradcomp.comm import Comm
+from lightning_gradcomp.swarm.asynchronous import AsyncGossip, StoreMatchmaker, exchange_group
+from lightning_gradcomp.swarm.exchange import LatticeCodec, PairwiseGossip
+
+
+class Probe(pl.Callback):
+    """Per rank: step clock, pairing log, figures, final parameters and buffers; optional sleep per step."""
+
+    def __init__(self, out: Path, sleep: float = 0.0, straggler: int = -1, slowdown: float = 3.0,
+                 jitter: float = 0.0) -> None:
+        self.out, self.sleep, self.straggler, self.slowdown, self.jitter = Path(out), sleep, straggler, slowdown, jitter
+        self.times: list[float] = []
+        self.start = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = time.monotonic()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        delay = self.sleep * (self.slowdown if trainer.global_rank == self.straggler else 1.0)
+        if self.jitter:
+            delay += random.Random(len(self.times) * 31 + trainer.global_rank).random() * self.jitter
+        if delay:
+            time.sleep(delay)
+        self.times.append(time.monotonic())
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        s = trainer.strategy
+        numel = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        buffers = sum(b.numel() for b in pl_module.buffers() if b.is_floating_point())
+        torch.save({"log": s.pairing_log, "swarm": s.swarm_stats.state_dict(), "comm": s.comm_stats.state_dict(),
+                    "message": s.message_bytes(numel + buffers), "times": self.times, "start": self.start,
+                    "final": torch.cat([t.detach().reshape(-1).clone() for t in pl_module.state_dict().values()
+                                        if t.is_floating_point()])},
+                   self.out / f"probe{trainer.global_rank}.pt")
+
+
+def _run(tmp_path: Path, name: str, devices: int, strategy: Any, probe: dict | None = None,
+         **kwargs: Any) -> tuple[list, list]:
+    out = tmp_path / name
+    out.mkdir(parents=True, exist_ok=True)
+    callbacks = [Probe(out, **(probe or {})), *kwargs.pop("callbacks", [])]
+    records = fit(strategy, out, devices=devices, callbacks=callbacks, **kwargs)
+    return records, [torch.load(out / f"probe{r}.pt", weights_only=True) for r in range(devices)]
+
+
+def _check_logs_consistent(probes: list) -> None:
+    """Every logged exchange appears on both ends with the same ticket and swapped steps."""
+    by_ticket: dict[int, list] = {}
+    for rank, p in enumerate(probes):
+        for pub, partner, partner_pub, ticket, applied, _ in p["log"]:
+            assert applied >= pub and partner != rank
+            by_ticket.setdefault(ticket, []).append((rank, partner, pub, partner_pub))
+    for ticket, ends in by_ticket.items():
+        assert len(ends) == 2, (ticket, ends)
+        (a, pa, sa, qa), (b, pb, sb, qb) = ends
+        assert (pa, pb, qa, qb) == (b, a, sb, sa), (ticket, ends)
+
+
+def test_async_exchanges_pair_consistently_and_send_one_message_each(tmp_path: Path) -> None:
+    strategy = SwarmStrategy(local_steps=1, start_method="fork", lattice_margin=16.0)
+    assert strategy.mode == "async"
+    _, probes = _run(tmp_path, "basic", 4, strategy, {"sleep": 0.005}, model=TinyNet(samples=128, batch_size=8),
+                     max_epochs=4)
+    _check_logs_consistent(probes)
+    for p in probes:
+        swarm = p["swarm"]
+        assert swarm["exchanges"] == len(p["log"]) > 0
+        assert swarm["fallbacks"] == 0
+        assert p["comm"]["wire_bytes"] == swarm["exchanges"] * p["message"]  # one coded message per exchange
+        steps = [entry[0] for entry in p["log"]]
+        assert steps == sorted(steps)
+    assert all(torch.equal(p["final"], probes[0]["final"]) for p in probes)  # average_at_end
+
+
+def test_replay_of_the_pairing_log_repeats_an_async_run_bit_for_bit(tmp_path: Path) -> None:
+    def strategy(replay: Any = None) -> SwarmStrategy:
+        return SwarmStrategy(local_steps=2, geometric_local_steps=True, rounding="dithered", start_method="fork",
+                             average_at_end=False, replay=replay, seed=3)
+
+    model = lambda: TinyNet(samples=192, batch_size=8)  # noqa: E731 - 6 steps per epoch per rank
+    first, probes = _run(tmp_path, "async", 4, strategy(), {"jitter": 0.01}, model=model(), max_epochs=4)
+    logs = [p["log"] for p in probes]
+    assert sum(map(len, logs)) >= 8
+    again, replayed = _run(tmp_path, "replay", 4, strategy(replay=logs), model=model(), max_epochs=4)
+    for rank in range(4):
+        assert replayed[rank]["log"] == logs[rank]
+        assert len(first[rank]["params"]) == len(again[rank]["params"]) == 24
+        for step, (a, b) in enumerate(zip(first[rank]["params"], again[rank]["params"])):
+            assert torch.equal(a, b), (rank, step)
+
+
+@pytest.mark.parametrize("mode", ["async", "lockstep"])
+def test_a_straggler_slows_only_itself_in_async_mode(tmp_path: Path, mode: str) -> None:
+    """W=4, rank 3 sleeps 3x as long per step (sleep-dominated steps, so two cores suffice)."""
+    steps = 20
+    strategy = SwarmStrategy(local_steps=1, mode=mode, start_method="fork")
+    _, probes = _run(tmp_path, mode, 4, strategy, {"sleep": 0.06, "straggler": 3},
+                     model=TinyNet(samples=64, batch_size=8), max_epochs=-1, max_steps=steps)
+    t0 = max(p["start"] for p in probes)
+    horizon = min(probes[r]["times"][-1] for r in range(3))  # when the first fast rank finished
+    done = [sum(t <= horizon for t in p["times"]) for p in probes]
+    if mode == "async":
+        assert min(done[:3]) >= 2 * done[3], done  # fast ranks >= 2x the straggler's steps in the same time
+        assert probes[3]["swarm"]["exchanges"] > 0
+    else:
+        assert max(done[:3]) <= 1.5 * done[3] + 1, done  # lock-step: everybody at the straggler's pace
+    assert horizon > t0
+
+
+def _dead_partner_worker(rank: int, port: int, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    group = exchange_group(3.0)
+    store = dist.PrefixStore("test/", dist.distributed_c10d._get_default_store())
+    matchmaker = StoreMatchmaker(store, rank, [1 - rank])
+    matchmaker.reset()
+    dist.barrier(group=group)
+    if rank == 1:  # claim rank 0's offer, then die without exchanging
+        while not store.get("state/0").decode().startswith("wait:"):
+            time.sleep(0.01)
+        assert matchmaker.claim(step=1) is not None
+        os._exit(0)
+    engine = PairwiseGossip(Comm(group), 1000, LatticeCodec())
+    engine.anchor = torch.zeros(1000)
+    gossip = AsyncGossip(engine, matchmaker, local_steps=1, geometric=False, seed=0, timeout=3.0)
+    start = time.monotonic()
+    try:
+        for step in range(1, 2000):
+            gossip.boundary(step, lambda: torch.zeros(1000))
+            time.sleep(0.005)
+        results.put(("no error", time.monotonic() - start))
+    except RuntimeError as exc:
+        results.put((str(exc), time.monotonic() - start))
+    results.close()
+    results.join_thread()  # flush the queue before the hard exit
+    os._exit(0)
+
+
+def test_a_partner_that_died_is_detected_within_the_timeout() -> None:
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_dead_partner_worker, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        message, seconds = results.get(timeout=30)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    assert "presumed dead" in message and seconds < 3.0 + 5.0, (message, seconds)
+
+
+class BatchNormNet(TinyNet):
+    """TinyNet with a BatchNorm layer (running statistics are buffers)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.norm = nn.BatchNorm1d(self.hparams.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.body(x)))
+
+
+def test_batchnorm_statistics_are_gossiped_with_the_parameters(tmp_path: Path) -> None:
+    strategy = SwarmStrategy(local_steps=1, mode="lockstep", non_blocking=False, average_at_end=False,
+                             start_method="fork")
+    _, probes = _run(tmp_path, "bn", 2, strategy, model=BatchNormNet(samples=64, batch_size=8), max_epochs=2)
+    # W=2, blocking: after the last round both models, running statistics included, are bit-identical
+    assert torch.equal(probes[0]["final"], probes[1]["final"])
+    assert probes[0]["comm"]["wire_bytes"] == probes[0]["swarm"]["exchanges"] * probes[0]["message"]
+    off = SwarmStrategy(local_steps=1, mode="lockstep", non_blocking=False, average_at_end=False,
+                        gossip_buffers=False, start_method="fork")
+    _, probes = _run(tmp_path, "bn_off", 2, off, model=BatchNormNet(samples=64, batch_size=8), max_epochs=2)
+    assert not torch.equal(probes[0]["final"], probes[1]["final"])  # statistics stayed local
+
+
+def test_async_checkpoint_drains_exchanges_and_resumes(tmp_path: Path) -> None:
+    def strategy() -> SwarmStrategy:
+        return SwarmStrategy(local_steps=1, start_method="fork")
+
+    model = lambda: TinyNet(samples=128, batch_size=8)  # noqa: E731 - 4 steps per epoch per rank
+    _run(tmp_path, "first", 4, strategy(), {"sleep": 0.01, "straggler": 3}, model=model(), max_epochs=2,
+         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_epochs=1)],
+         enable_checkpointing=True)
+    path = next((tmp_path / "ck").glob("epoch=0*.ckpt"))
+    saved = torch.load(path, weights_only=True)["swarm"]["per_rank"]
+    for rank, entry in enumerate(saved):
+        assert entry["pending"] is None and entry["async"] is not None
+        assert all(applied <= 4 for *_, applied, _ in entry["async"]["log"])  # drained at step 4, nothing after
+    _check_logs_consistent([{"log": [tuple(e) for e in entry["async"]["log"]]} for entry in saved])
+    _, probes = _run(tmp_path, "resumed", 4, strategy(), {"sleep": 0.01}, model=model(), max_epochs=3,
+                     ckpt_path=str(path))
+    for rank, p in enumerate(probes):
+        old = [tuple(e) for e in saved[rank]["async"]["log"]]
+        assert p["log"][: len(old)] == old and len(p["log"]) > len(old)
+        assert all(pub >= 4 for pub, *_ in p["log"][len(old):])
+        assert p["comm"]["steps"] == 12
+    assert all(torch.equal(p["final"], probes[0]["final"]) for p in probes)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"mode": "gossip"}, ValueError, "mode"),
+    ({"rounding": "stochastic"}, ValueError, "rounding"),
+    ({"mode": "lockstep", "replay": [[]]}, ValueError, "replay"),
+    ({"replay": 3}, TypeError, "replay"),
+    ({"replay": [[(1, 2, 3, 4, 5)]]}, ValueError, "replay"),
+    ({"monitor_every": 2}, ValueError, "monitor_every"),
+    ({"gossip_buffers": 1}, TypeError, "gossip_buffers"),
+    ({"exchange_timeout": 0}, ValueError, "exchange_timeout"),
+])
+def test_bad_async_arguments_are_rejected(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        SwarmStrategy(**kwargs)
