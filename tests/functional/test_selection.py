@@ -245,3 +245,25 @@ def test_sampled_threshold_estimates_quantile() -> None:
     t = sampled_threshold(x, 4000, torch.Generator().manual_seed(1), sample_size=40_000)
     count = int((x >= t).sum())
     assert 0.8 * 4000 <= count <= 1.2 * 4000
+
+
+@pytest.mark.parametrize("n", [1000, 32768, 100_003, 1 << 20])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1, 0.2])
+@pytest.mark.parametrize("kind", ["normal", "heavy", "sparse", "constant_tail"])
+def test_exact_topk_equals_torch_topk(n: int, density: float, kind: str) -> None:  # sparsify.topk_indices too
+    """The candidate filter gives exactly ``torch.topk``'s magnitudes (and its indices where there are no ties)."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=gen)
+    if kind == "heavy":
+        x = x * torch.rand(n, generator=gen).pow(-2)
+    elif kind == "sparse":
+        x = x * (torch.rand(n, generator=gen) < 0.05)
+    elif kind == "constant_tail":  # many equal magnitudes around the k-th value
+        x = torch.where(torch.rand(n, generator=gen) < 0.5, torch.full_like(x, 0.5), x)
+    k = max(1, int(n * density))
+    ours = exact_topk_indices(x, k)
+    ref = torch.topk(x.abs(), k, sorted=False)
+    assert ours.numel() == k and torch.equal(ours, ours.unique())
+    assert torch.equal(x.abs()[ours].sort().values, ref.values.sort().values)
+    if kind in ("normal", "heavy"):
+        assert torch.equal(ours, ref.indices.sort().values)
