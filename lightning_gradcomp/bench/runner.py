@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 from lightning_gradcomp.bench.configs import available_configs
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address
 
-__all__ = ["free_port", "recommend", "run_bench", "summarise"]
+__all__ = ["free_port", "plot_ladder", "print_ladder", "recommend", "run_bench", "run_ladder", "summarise"]
 
 DEFAULT_CONFIGS = ("ddp", "torch_fp16", "torch_powersgd", "gradcomp_fp16", "gradcomp_topk", "gradcomp_randomk")
 
@@ -74,8 +74,23 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         if "torch_powersgd" in rows:
             row["throughput_vs_torch_powersgd"] = (row["throughput_samples_per_s"]
                                                    / rows["torch_powersgd"]["throughput_samples_per_s"])
+    references = _references(ranks)
+    for row in rows.values():
+        # our work runs on the communication thread, PyTorch's in the hook: compare whichever did the work
+        work_ms = max(row["hook_ms_per_step"], row["thread_ms_per_step"])
+        row["work_vs_clone"] = work_ms / references["clone_ms"] if references else None
+        row["work_vs_clone_rand"] = (work_ms / (references["clone_ms"] + references["rand_like_ms"])
+                                     if references else None)
     return {"world_size": world, "compute_only_step_s": compute, "params": ranks[0]["configs"][next(iter(rows))]["params"],
-            "configs": rows}
+            "references": references, "configs": rows}
+
+
+def _references(ranks: list[dict[str, Any]]) -> Optional[dict[str, float]]:
+    """Mean over ranks of one pass over the gradient (clone, rand_like, fp16 cast), in ms; ``None`` if absent."""
+    found = [r["compute_only"].get("references") for r in ranks]
+    if not all(found):
+        return None
+    return {f"{name}_ms": 1e3 * statistics.mean(f[name] for f in found) for name in found[0]}
 
 
 def recommend(summary: dict[str, Any]) -> str:
@@ -178,7 +193,66 @@ def print_report(result: dict[str, Any]) -> None:
                   "bytes minus one Ethernet/IPv4/TCP header per packet (the TCP payload gloo sent); hook ms = time "
                   "the hook blocks the autograd thread; thread ms = our communication thread's time per step "
                   "(compression plus its in-line waits; it overlaps backward)")
+    refs = summary.get("references")
+    if refs:
+        overhead = Table(title="compression work per step against one pass over the gradient (same run, per rank)")
+        for col in ("config", "work ms", "/ clone", "/ (clone + rand_like)"):
+            overhead.add_column(col, justify="left" if col == "config" else "right")
+        for name, row in summary["configs"].items():
+            work = max(row["hook_ms_per_step"], row["thread_ms_per_step"])
+            overhead.add_row(name, f"{work:.1f}", f"{row['work_vs_clone']:.1f}x", f"{row['work_vs_clone_rand']:.2f}x")
+        console.print(overhead)
+        console.print(f"references: clone {refs['clone_ms']:.2f} ms, rand_like {refs['rand_like_ms']:.2f} ms, "
+                      f"fp16 cast {refs['half_ms']:.2f} ms; work = our communication thread's time (compression "
+                      "plus in-line waits) or the hook's time for PyTorch's hooks")
     console.print(f"[bold]recommendation:[/bold] {result['recommendation']}")
+
+
+def run_ladder(links: Sequence[str], **kwargs: Any) -> dict[str, dict[str, Any]]:
+    """:func:`run_bench` once per link (``"loopback"``: no emulation), in order; ``{link: result}``."""
+    return {link: run_bench(link=None if link == "loopback" else link, **kwargs) for link in links}
+
+
+def print_ladder(results: dict[str, dict[str, Any]]) -> None:
+    """Scaling efficiency of every configuration on every link (one column per link)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table()
+    table.add_column("config")
+    for link in results:
+        table.add_column(link, justify="right")
+    names = list(next(iter(results.values()))["summary"]["configs"])
+    for name in names:
+        table.add_row(name, *(f"{r['summary']['configs'][name]['scaling_efficiency']:.0%}" for r in results.values()))
+    console = Console(width=max(Console().width, 120))
+    console.print("scaling efficiency (compute-only step / step) per link:")
+    console.print(table)
+
+
+def plot_ladder(results: dict[str, dict[str, Any]], path: str) -> None:
+    """A PNG bar chart of the scaling efficiency per configuration per link (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = list(results)
+    names = list(next(iter(results.values()))["summary"]["configs"])
+    width = 0.8 / len(links)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(names)), 4.0))
+    for i, link in enumerate(links):
+        effs = [100 * results[link]["summary"]["configs"][n]["scaling_efficiency"] for n in names]
+        ax.bar([j + i * width for j in range(len(names))], effs, width, label=link)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=30, ha="right")
+    ax.set_ylabel("scaling efficiency (%)")
+    ax.axhline(100, color="grey", linewidth=0.8)
+    first = next(iter(results.values()))
+    ax.set_title(f"{first['model']}, W={first['summary']['world_size']}")
+    ax.legend(title="link")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def add_arguments(parser: Any) -> None:
@@ -191,7 +265,11 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help="comma-separated: ddp, torch_fp16, torch_powersgd and any strategy preset name "
                              "(`lightning-gradcomp list`)")
-    parser.add_argument("--link", default=None, help="emulate a link per rank, e.g. 100mbit or 1gbit (Linux, root)")
+    parser.add_argument("--link", default=None, help="emulate a link per rank, e.g. 100mbit or 1gbit (Linux, root); "
+                                                     "a comma-separated ladder such as loopback,1gbit,100mbit,10mbit "
+                                                     "runs every configuration on each link in turn")
+    parser.add_argument("--chart", default=None, help="with a link ladder: write a PNG of the scaling efficiency "
+                                                      "per configuration per link (needs matplotlib)")
     parser.add_argument("--batch-size", type=int, default=None, help="samples per rank and step (built-in models; "
                                                                      "default: the model's own)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
@@ -203,8 +281,24 @@ def run_command(args: Any) -> int:
     """Run ``bench`` from parsed arguments; prints the table, the recommendation and the JSON summary."""
     import lightning_gradcomp  # noqa: F401 - declares every preset
 
-    result = run_bench(args.model, args.world_size, args.steps, args.warmup,
-                       [c.strip() for c in args.configs.split(",") if c.strip()], args.link, args.bucket_cap_mb,
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    links = [link.strip() for link in (args.link or "").split(",") if link.strip()]
+    if len(links) > 1 or getattr(args, "chart", None):
+        ladder = run_ladder(links or ["loopback"], model=args.model, world_size=args.world_size, steps=args.steps,
+                            warmup=args.warmup, configs=configs, bucket_cap_mb=args.bucket_cap_mb,
+                            threads=args.threads, batch_size=args.batch_size)
+        for result in ladder.values():
+            print_report(result)
+        print_ladder(ladder)
+        if args.chart:
+            plot_ladder(ladder, args.chart)
+        public = {link: {k: v for k, v in r.items() if k != "raw"} for link, r in ladder.items()}
+        print(json.dumps(public, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(ladder, indent=1))
+        return 0
+    result = run_bench(args.model, args.world_size, args.steps, args.warmup, configs,
+                       links[0] if links and links[0] != "loopback" else None, args.bucket_cap_mb,
                        args.threads, batch_size=args.batch_size)
     print_report(result)
     public = {k: v for k, v in result.items() if k != "raw"}

@@ -84,7 +84,31 @@ def _compute_only(spec: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=False)
 
-    return {"step_times": _run_steps(step, spec["warmup"], spec["steps"])}
+    times = _run_steps(step, spec["warmup"], spec["steps"])
+    workload().backward()
+    return {"step_times": times, "references": reference_times([p.grad for p in workload.parameters()
+                                                                if p.grad is not None])}
+
+
+def reference_times(grads: list[torch.Tensor], repeats: int = 5) -> dict[str, float]:
+    """Seconds of one pass over ``grads`` (one flat fp32 copy of the model's gradient), timed on this rank.
+
+    ``clone``: one copy; ``rand_like``: one uniform draw of the same size; ``half``: a cast to fp16 (what
+    PyTorch's ``fp16_compress_hook`` does). The medians of ``repeats`` runs: the references the overhead table
+    divides our communication thread's time by.
+    """
+    flat = torch.cat([g.reshape(-1) for g in grads]).float()
+    ops = {"clone": flat.clone, "rand_like": lambda: torch.rand_like(flat), "half": flat.half}
+    out = {}
+    for name, op in ops.items():
+        op()
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            op()
+            runs.append(time.perf_counter() - start)
+        out[name] = sorted(runs)[len(runs) // 2]
+    return out
 
 
 def _barrier_tx(iface: Optional[str], count: int) -> tuple[int, int]:

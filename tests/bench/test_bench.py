@@ -16,7 +16,7 @@ from lightning_gradcomp.bench.worker import header_bytes_per_packet
 FIELDS = {"step_time_median_s", "step_time_p25_s", "step_time_p75_s", "throughput_samples_per_s", "scaling_efficiency",
           "wire_bytes_per_step", "iface_tx_bytes_per_step", "iface_tx_payload_bytes_per_step",
           "iface_payload_vs_ours", "hook_ms_per_step", "thread_ms_per_step", "peak_rss_mb", "speedup_vs_ddp",
-          "bytes_ratio_vs_ddp"}
+          "bytes_ratio_vs_ddp", "work_vs_clone", "work_vs_clone_rand"}
 
 
 def _rank(times: dict[str, list[float]], compute: list[float]) -> dict:
@@ -88,6 +88,20 @@ def test_short_loopback_run_has_every_field(tmp_path) -> None:
         assert FIELDS <= set(row)
     assert rows["gradcomp_topk"]["wire_bytes_per_step"] < rows["torch_fp16"]["wire_bytes_per_step"] < \
         rows["ddp"]["wire_bytes_per_step"]
+    refs = result["summary"]["references"]
+    assert set(refs) == {"clone_ms", "rand_like_ms", "half_ms"} and all(v > 0 for v in refs.values())
+    assert rows["gradcomp_topk"]["work_vs_clone"] > 0 and rows["gradcomp_topk"]["thread_ms_per_step"] > 0
+    assert "compression work per step against one pass over the gradient" in proc.stdout
+
+
+def test_link_ladder_prints_one_column_per_link_and_draws_the_chart(tmp_path) -> None:
+    chart = tmp_path / "ladder.png"
+    proc = subprocess.run([sys.executable, "-m", "lightning_gradcomp.cli", "bench", "--model", "mlp-small", "--steps",
+                           "2", "--warmup", "3", "--configs", "ddp,gradcomp_topk", "--link", "loopback,loopback",
+                           "--chart", str(chart)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "scaling efficiency (compute-only step / step) per link" in proc.stdout
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_invalid_bench_arguments() -> None:
