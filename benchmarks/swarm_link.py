@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scalecom_fidelity import Classifier, load_data  # noqa: E402 - the shared task
-from swarm_compare import LABELS, WORLD, accuracy, make_strategy  # noqa: E402
+from swarm_compare import LABELS, WORLD, Straggle, accuracy, make_strategy  # noqa: E402
 
 from lightning_gradcomp import SwarmStrategy  # noqa: E402
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address  # noqa: E402
@@ -150,7 +150,9 @@ def worker(key: str, out: Path, args: argparse.Namespace) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=WORLD,
                          strategy=make_strategy(key, args.seed, start_method="popen"), max_epochs=args.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[StepClock(args.every, out)],
+                         enable_model_summary=False,
+                         callbacks=[StepClock(args.every, out), *([Straggle(args.straggler, args.straggler_sleep)]
+                                                                  if args.straggler >= 0 else [])],
                          default_root_dir=str(out))
     trainer.fit(Classifier(data, args.seed, args.lr, args.batch))
 
@@ -168,7 +170,8 @@ def launch(key: str, link: Optional[EmulatedLink], args: argparse.Namespace, wor
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", key, "--worker-out", str(out),
                    "--epochs", str(args.epochs), "--batch", str(args.batch), "--lr", str(args.lr),
-                   "--seed", str(args.seed), "--every", str(args.every)]
+                   "--seed", str(args.seed), "--every", str(args.every), "--straggler", str(args.straggler),
+                   "--straggler-sleep", str(args.straggler_sleep)]
             if link is not None:
                 env.update(MASTER_ADDR=rank_address(0), GLOO_SOCKET_IFNAME=link.interface(rank))
                 cmd = ["ip", "netns", "exec", link.namespace(rank), *cmd]
@@ -266,6 +269,9 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.85, help="test accuracy to reach (fraction)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(LABELS))
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
+    parser.add_argument("--straggler", type=int, default=-1, help="rank that sleeps --straggler-sleep s per step "
+                                                                  "(the sleep is on the step clock)")
+    parser.add_argument("--straggler-sleep", type=float, default=0.0)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
