@@ -16,6 +16,7 @@ runs the shared-seed matching rounds (the reproducible baseline).
 from __future__ import annotations
 
 import copy
+import time
 import logging
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
@@ -290,6 +291,33 @@ class SwarmStrategy(DDPStrategy):
         dist.barrier(group=self._engine.comm.group)  # every state key exists before anybody claims
         self._async.start()
 
+    def _await_peers(self, poll: float = 0.2) -> None:
+        """Wait until every rank has finished training (async mode), however long the slowest one takes.
+
+        Each rank counts its batches in the store (``beat/<rank>``, see :meth:`_unlock_training_loop`). The wait
+        fails when a rank that has not finished completes no batch for ``max(exchange_timeout, 600)`` seconds
+        (dead or hung; an evaluation loop in between is allowed that long).
+        """
+        assert self._store is not None
+        store, rank, world = self._store, self.global_rank, self.world_size
+        store.set(f"done/{rank}", "1")
+        patience = max(self.exchange_timeout, 600.0)
+        seen: dict[int, tuple[int, float]] = {}
+        while True:
+            pending = [r for r in range(world) if not store.check([f"done/{r}"])]
+            if not pending:
+                return
+            now = time.monotonic()
+            for r in pending:
+                beat = int(store.add(f"beat/{r}", 0))
+                if r not in seen or seen[r][0] != beat:
+                    seen[r] = (beat, now)
+                elif now - seen[r][1] > patience:
+                    raise RuntimeError(f"SwarmStrategy (rank {rank}): rank {r} has completed no batch for "
+                                       f"{patience:.0f} s while this rank waits for every rank to finish training: "
+                                       f"presumed dead or hung")
+            time.sleep(poll)
+
     @override
     def on_train_start(self) -> None:
         self._restored = self._restored_counters = None  # consumed by setup and the optimizer restore
@@ -309,9 +337,10 @@ class SwarmStrategy(DDPStrategy):
         loop = getattr(getattr(self.lightning_module.trainer, "fit_loop", None), "epoch_loop", None)
         if loop is None or not hasattr(loop, "_broadcast_sigterm_tensor"):
             return
-        store, trainer = self._store, self.lightning_module.trainer
+        store, trainer, beat = self._store, self.lightning_module.trainer, f"beat/{self.global_rank}"
 
         def check_sigterm() -> None:
+            store.add(beat, 1)  # liveness for the end-of-training wait (_await_peers)
             if getattr(trainer, "received_sigterm", False):
                 store.set("sigterm", "1")
             if store.check(["sigterm"]):
@@ -439,11 +468,14 @@ class SwarmStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         """Apply the last exchange and (``average_at_end``) give every rank the mean model.
 
-        Async: every rank waits here for the others (one barrier), so no rank leaves, taking the store
-        server or its end of the exchange group with it, while another still trains.
+        Async: every rank waits here for the others, so no rank leaves, taking the store server or its end of
+        the exchange group with it, while another still trains. A fast rank may wait for a straggler far
+        longer than any collective timeout, so it polls the store (:meth:`_await_peers`) and fails only when a
+        rank that is still training stops completing batches; then one barrier, which every rank reaches.
         """
         self.flush(final=True)
         if self._async is not None:
+            self._await_peers()
             dist.barrier(group=self._engine.comm.group)
         if self.average_at_end and self._aux is not None and self.world_size > 1:
             _write_named(self.lightning_module, self._mean_of(self._model_tensors()))

@@ -158,6 +158,15 @@ def _dead_partner_worker(rank: int, port: int, results: Any) -> None:
     os._exit(0)
 
 
+def test_fast_ranks_wait_for_a_straggler_longer_than_the_exchange_timeout(tmp_path: Path) -> None:
+    """At the end of training the fast ranks wait for the straggler however long it takes (it is alive)."""
+    strategy = SwarmStrategy(local_steps=1, start_method="fork", exchange_timeout=0.5)
+    _, probes = _run(tmp_path, "wait", 2, strategy, {"sleep": 0.03, "straggler": 1, "slowdown": 8.0},
+                     model=TinyNet(samples=64, batch_size=8), max_epochs=-1, max_steps=12)
+    assert probes[1]["times"][-1] - probes[0]["times"][-1] > 1.0  # the straggler finished > 2 timeouts later
+    assert torch.equal(probes[0]["final"], probes[1]["final"])  # average_at_end ran after the wait
+
+
 def test_a_partner_that_died_is_detected_within_the_timeout() -> None:
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
