@@ -15,7 +15,9 @@ so all settings see the same samples in the same order; only the communication d
     ``LocalSGDStrategy(outer="average")``: plain Local SGD (model averaging every H steps).
 
 Options per setting (``kind:key=value,...``): ``H`` (local steps, default 20), ``cltk`` (CLT-k ratio of the
-pseudo-gradient reduction with error feedback; default dense), ``topk`` (local top-k ratio), ``olr`` (outer lr,
+pseudo-gradient reduction with error feedback; default dense), ``topk`` (local top-k ratio), ``sign`` (EF-SignSGD
+with this bucket size), ``psgd`` (PowerSGD of this rank), ``f16=1`` (CLT-k / top-k values in fp16), ``d16=1``
+(CLT-k indices as ``delta16`` gaps), ``beta`` (error-feedback low-pass factor, default 1), ``olr`` (outer lr,
 default 0.7), ``mom`` (outer momentum, default 0.9), ``F`` (fragments, default 1). Rank 0 evaluates the final
 (global) model on the held-out tokens and reports the bytes it sent (``comm_stats``) next to what per-step DDP
 would have sent over the same steps.
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
@@ -43,7 +46,7 @@ import lgreco_compare as lg  # noqa: E402 - the L-GreCo benchmark's tasks, model
 
 from lightning_gradcomp import GradCompStrategy, LocalSGDStrategy  # noqa: E402
 from lightning_gradcomp.bench.runner import free_port  # noqa: E402
-from lightning_gradcomp.compressors import CLTK, NoCompression, TopK  # noqa: E402
+from lightning_gradcomp.compressors import CLTK, NoCompression, PowerSGD, SignSGD, TopK  # noqa: E402
 
 DEFAULTS = {"H": 20, "olr": 0.7, "mom": 0.9, "F": 1}
 
@@ -56,7 +59,7 @@ def parse_setting(text: str) -> tuple[str, dict[str, float]]:
     opts: dict[str, float] = dict(DEFAULTS)
     for part in filter(None, rest.split(",")):
         key, _, value = part.partition("=")
-        if key not in ("H", "cltk", "topk", "olr", "mom", "F"):
+        if key not in ("H", "cltk", "topk", "sign", "psgd", "f16", "d16", "beta", "olr", "mom", "F"):
             raise SystemExit(f"unknown option {key!r} in {text!r}")
         opts[key] = float(value)
     return kind, opts
@@ -67,13 +70,20 @@ def make_strategy(kind: str, opts: dict[str, float], task: lg.Task, seed: int) -
     if kind == "ddp":
         return GradCompStrategy(compressor=None, min_numel=task.min_numel, seed=seed, start_method="fork")
     compressor: Any = NoCompression()
+    values = torch.float16 if opts.get("f16") else torch.float32
     if "cltk" in opts:
-        compressor = CLTK(ratio=opts["cltk"])
+        compressor = CLTK(ratio=opts["cltk"], value_dtype=values,
+                          index_coding="delta16" if opts.get("d16") else "int32")
     elif "topk" in opts:
-        compressor = TopK(ratio=opts["topk"])
+        compressor = TopK(ratio=opts["topk"], value_dtype=values)
+    elif "sign" in opts:
+        compressor = SignSGD(bucket_size=int(opts["sign"]))
+    elif "psgd" in opts:
+        compressor = PowerSGD(rank=int(opts["psgd"]))
     return LocalSGDStrategy(local_steps=int(opts["H"]), outer="nesterov" if kind == "diloco" else "average",
                             outer_lr=opts["olr"], outer_momentum=opts["mom"], fragments=int(opts["F"]),
-                            compressor=compressor, min_numel=task.min_numel, seed=seed, start_method="fork")
+                            compressor=compressor, min_numel=task.min_numel, beta=opts.get("beta", 1.0), seed=seed,
+                            start_method="fork")
 
 
 class FinalProbe(pl.Callback):

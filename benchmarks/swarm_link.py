@@ -158,8 +158,10 @@ def worker(key: str, out: Path, args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- parent
-def launch(key: str, link: Optional[EmulatedLink], args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
-    """Start the W ranks of ``key`` (each in its namespace), wait, and load what each saved."""
+def launch(key: str, link: Optional[EmulatedLink], args: argparse.Namespace, workdir: Path,
+           script: Optional[Path] = None) -> list[dict[str, Any]]:
+    """Start the W ranks of ``key`` (each in its namespace) as ``python <script> --worker ...`` (default: this
+    file), wait, and load what each saved."""
     out = workdir / key
     out.mkdir()
     port = str(free_port())
@@ -168,7 +170,7 @@ def launch(key: str, link: Optional[EmulatedLink], args: argparse.Namespace, wor
         for rank in range(WORLD):
             env = {**os.environ, "LOCAL_RANK": "0", "NODE_RANK": str(rank), "WORLD_SIZE": str(WORLD),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", key, "--worker-out", str(out),
+            cmd = [sys.executable, str(script or Path(__file__).resolve()), "--worker", key, "--worker-out", str(out),
                    "--epochs", str(args.epochs), "--batch", str(args.batch), "--lr", str(args.lr),
                    "--seed", str(args.seed), "--every", str(args.every), "--straggler", str(args.straggler),
                    "--straggler-sleep", str(args.straggler_sleep)]
@@ -255,8 +257,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"| {step} | " + " | ".join(cells) + " |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def task_arguments(parser: argparse.ArgumentParser, configs: Sequence[str], choices: Sequence[str]) -> None:
+    """The options of this script (shared with ``localsgd_link.py``, whose ranks take the same worker options)."""
     parser.add_argument("--link", default="100mbit", help="per-rank outgoing rate (tc tbf), or 'none' for loopback")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--train-size", type=int, default=20000)
@@ -267,7 +269,7 @@ def main() -> None:
     parser.add_argument("--series-every", type=int, default=40,
                         help="evaluate every this many steps (a multiple of --every; finer near the target)")
     parser.add_argument("--target", type=float, default=0.85, help="test accuracy to reach (fraction)")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(LABELS))
+    parser.add_argument("--configs", nargs="+", default=list(configs), choices=list(choices))
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
     parser.add_argument("--straggler", type=int, default=-1, help="rank that sleeps --straggler-sleep s per step "
                                                                   "(the sleep is on the step clock)")
@@ -275,10 +277,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker is not None:
-        worker(args.worker, args.worker_out, args)
-        return
+
+
+def check_parent_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[bool, Any]:
+    """Validate the parent's options; returns ``(emulate, (name, *data))`` with the task's data loaded."""
     if args.every < 1 or args.series_every < 1 or args.series_every % args.every or not 0 < args.target <= 1:
         parser.error("--every must be >= 1, --series-every a positive multiple of it, and --target in (0, 1]")
     emulate = args.link.lower() != "none"
@@ -286,7 +288,17 @@ def main() -> None:
         ok, why = can_emulate()
         if not ok:
             parser.error(f"cannot emulate {args.link}: {why} (use --link none for loopback)")
-    name, *data = load_data(args.train_size)
+    return emulate, load_data(args.train_size)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    task_arguments(parser, CONFIGS, LABELS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(args.worker, args.worker_out, args)
+        return
+    emulate, (name, *data) = check_parent_arguments(parser, args)
     where = f"emulated {args.link} out of each rank (netns + veth + tc tbf)" if emulate else "loopback"
     print(f"{name}; W={WORLD}, one process per rank, {where}, 1 thread each, batch {args.batch}/rank, "
           f"{args.epochs} epoch(s), lr {args.lr}, seed {args.seed}; snapshots every {args.every} steps, "

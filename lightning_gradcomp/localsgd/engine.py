@@ -18,6 +18,14 @@ fragment) does, in the same order on every rank:
    ``delta``;
 5. every rank's parameters (and the fragment's buffers) become ``theta``: replicas are bit-identical after it.
 
+**Overlap** (``overlap=tau >= 1``): a fragment's exchange (steps 1-3) is *issued* at its sync step and runs
+in a background thread on a dedicated process group while the rank takes its next ``tau`` local steps; the
+outer step and the write-back (4-5) are *applied* at step ``issue + tau``, on the main thread. At application
+the fragment's parameters become the new ``theta`` (the fragment's local progress of those ``tau`` steps is
+dropped), so replicas are bit-identical in that fragment right after it. At most one exchange is in flight
+(``tau <= local_steps / fragments``). :meth:`drain` waits for the exchange without applying it (checkpoints
+store its averaged result and apply it at the same step after a resume).
+
 The object also quacks like :class:`~lightning_gradcomp.hook.GradCompHook` where
 :class:`~lightning_gradcomp.callbacks.CompressionLogger` reads it (``stats``, ``step``, ``start_step``,
 ``observers``, ``memory``, ``compressor``, ``comm``, ``plans()``, ``param_of()``): the logger's bytes, ratio,
@@ -26,7 +34,9 @@ memory norm and compression error (sampled per sync) work unchanged. ``step`` co
 
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -64,6 +74,22 @@ def split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
     return groups
 
 
+@dataclass
+class _Exchange:
+    """One fragment exchange: what was issued, and (once done) its averaged result."""
+
+    indices: list[int]
+    step: int                                   # sync index (ReduceContext.step)
+    apply_at: int                               # optimizer step at which the result is applied
+    deltas: dict[str, Tensor] = field(default_factory=dict)
+    buffer_values: dict[str, Tensor] = field(default_factory=dict)
+    averaged: Optional[dict[str, Tensor]] = None
+    buffers: Optional[dict[str, Tensor]] = None
+    thread: Optional[threading.Thread] = None
+    error: Optional[BaseException] = None
+    seconds: float = 0.0
+
+
 class OuterSync:
     """Per-rank state and logic of the periodic outer synchronization (see the module docstring).
 
@@ -79,6 +105,9 @@ class OuterSync:
         outer_momentum: outer Nesterov momentum.
         seed: base seed of the compressor's generators.
         beta: error-feedback low-pass factor.
+        overlap: local steps between issuing a fragment's exchange and applying it (0: synchronous).
+        async_comm: the byte-counting collectives of the background exchanges (a dedicated process group
+            sharing ``comm``'s stats); required when ``overlap > 0``.
     """
 
     start_step = 0
@@ -87,9 +116,14 @@ class OuterSync:
     def __init__(self, compressor: Compressor, comm: Comm, params: list[tuple[str, nn.Parameter]],
                  buffers: list[tuple[str, Tensor]], *, fragments: int = 1, policy: Optional[SlotPolicy] = None,
                  outer: str = "nesterov", outer_lr: float = 0.7, outer_momentum: float = 0.9, seed: int = 0,
-                 beta: float = 1.0) -> None:
+                 beta: float = 1.0, overlap: int = 0, async_comm: Optional[Comm] = None) -> None:
+        if overlap and async_comm is None:
+            raise ValueError("`overlap > 0` needs `async_comm` (collectives on a dedicated process group)")
         self.compressor = compressor
         self.comm = comm
+        self.overlap = overlap
+        self.async_comm = async_comm
+        self._inflight: Optional[_Exchange] = None
         self.policy = policy or SlotPolicy()
         self.outer, self.outer_lr, self.outer_momentum, self.seed = outer, outer_lr, outer_momentum, seed
         self.memory = ErrorFeedback(beta)
@@ -142,59 +176,141 @@ class OuterSync:
                 layer.dense_bytes += all_reduce_bytes(slot.numel * self.params[slot.name].element_size(), world)
 
     def sync_next(self) -> None:
-        """Synchronize the fragment under the cursor and advance the cursor."""
-        self.sync([self.cursor])
+        """Synchronize (or, with ``overlap``, issue the exchange of) the fragment under the cursor; advance it."""
+        if self.overlap:
+            self.issue([self.cursor])
+        else:
+            self.sync([self.cursor])
         self.cursor = (self.cursor + 1) % len(self.fragments)
 
     def sync(self, indices: list[int]) -> None:
-        """Reduce the pseudo-gradients of fragments ``indices`` and take the outer step (collective)."""
+        """Reduce the pseudo-gradients of fragments ``indices`` and take the outer step now (collective).
+
+        An exchange still in flight is applied first.
+        """
+        self.finish()
         start = time.perf_counter()
-        plans = [self.fragments[i] for i in indices]
-        slots = [s for plan in plans for s in plan.slots]
-        last = len(self.fragments) - 1 in indices
-        buffers = list(self.buffers) if last else []
-        with torch.no_grad():
-            deltas = {s.name: self.theta[s.name] - self.params[s.name].detach().to(torch.float32) for s in slots}
-            averaged = self._reduce(plans, deltas, buffers)
-            for slot in slots:
-                self._outer_step(slot.name, averaged[slot.name])
-                self.params[slot.name].copy_(self.theta[slot.name])
-            for name in buffers:
-                self.theta_buffers[name] = self.buffers[name].detach().clone()
-        self.step += 1
-        self.stats.compressed_steps += int(not self.compressor.dense)
+        job = self._prepare(indices, self.local_steps)
+        self._run(job, self.comm)
+        if job.error is not None:
+            raise job.error
+        self._apply(job)
         self.stats.hook_seconds += time.perf_counter() - start
 
-    def _reduce(self, plans: list[BucketPlan], deltas: dict[str, Tensor], buffers: list[str]) -> dict[str, Tensor]:
-        world = self.comm.world_size
+    def issue(self, indices: list[int]) -> None:
+        """Start the exchange of fragments ``indices`` in the background; applied ``overlap`` steps later."""
+        self.finish()
+        start = time.perf_counter()
+        job = self._prepare(indices, self.local_steps + self.overlap)
+        assert self.async_comm is not None
+        job.thread = threading.Thread(target=self._run, args=(job, self.async_comm), daemon=True,
+                                      name=f"localsgd-sync-{job.step}")
+        self._inflight = job
+        job.thread.start()
+        self.stats.hook_seconds += time.perf_counter() - start
+
+    def due(self) -> bool:
+        """Whether an exchange in flight is to be applied at the current optimizer step."""
+        return self._inflight is not None and self.local_steps >= self._inflight.apply_at
+
+    def in_flight(self) -> bool:
+        """Whether an issued exchange has not been applied yet."""
+        return self._inflight is not None
+
+    def drain(self) -> None:
+        """Wait for the exchange in flight to complete, without applying it (e.g. before a checkpoint)."""
+        job = self._inflight
+        if job is None or job.thread is None:
+            return
+        start = time.perf_counter()
+        job.thread.join()
+        job.thread = None
+        self.stats.hook_seconds += time.perf_counter() - start
+        self.stats.comm_thread_seconds += job.seconds
+        if job.error is not None:
+            self._inflight = None
+            raise job.error
+
+    def finish(self) -> None:
+        """Wait for the exchange in flight (if any) and apply it: outer step, parameters become ``theta``."""
+        job = self._inflight
+        if job is None:
+            return
+        self.drain()
+        start = time.perf_counter()
+        self._inflight = None
+        self._apply(job)
+        self.stats.hook_seconds += time.perf_counter() - start
+
+    def _prepare(self, indices: list[int], apply_at: int) -> _Exchange:
+        """Snapshot the pseudo-gradients (and, with the last fragment, the buffers); count the sync."""
+        job = _Exchange(list(indices), self.step, apply_at)
+        last = len(self.fragments) - 1 in indices
+        with torch.no_grad():
+            for i in indices:
+                for slot in self.fragments[i].slots:
+                    job.deltas[slot.name] = self.theta[slot.name] - self.params[slot.name].detach().to(torch.float32)
+            if last:
+                job.buffer_values = {n: b.detach().reshape(-1).to(torch.float32, copy=True)
+                                     for n, b in self.buffers.items()}
+        self.step += 1
+        self.stats.compressed_steps += int(not self.compressor.dense)
+        return job
+
+    def _run(self, job: _Exchange, comm: Comm) -> None:
+        """The collectives of one exchange (main thread, or the background thread with ``overlap``)."""
+        start = time.perf_counter()
+        try:
+            with torch.no_grad():
+                job.averaged, job.buffers = self._reduce(job, comm)
+        except BaseException as error:  # re-raised on the main thread by sync / drain
+            job.error = error
+        job.seconds = time.perf_counter() - start
+
+    def _apply(self, job: _Exchange) -> None:
+        """Outer step on ``theta`` for the exchanged fragments; parameters (and buffers) become the global model."""
+        assert job.averaged is not None and job.buffers is not None
+        with torch.no_grad():
+            for i in job.indices:
+                for slot in self.fragments[i].slots:
+                    self._outer_step(slot.name, job.averaged[slot.name])
+                    self.params[slot.name].copy_(self.theta[slot.name])
+            for name, value in job.buffers.items():
+                self.buffers[name].copy_(value.view_as(self.buffers[name]))
+                self.theta_buffers[name] = self.buffers[name].detach().clone()
+
+    def _reduce(self, job: _Exchange, comm: Comm) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        world = comm.world_size
+        plans = [self.fragments[i] for i in job.indices]
+        deltas = job.deltas
         dense = [s for plan in plans for s in plan.dense]
         comp = [s for plan in plans for s in plan.compressed]
         out: dict[str, Tensor] = {}
-        parts = [deltas[s.name].reshape(-1) for s in dense] + \
-                [self.buffers[n].detach().reshape(-1).to(torch.float32) for n in buffers]
+        buffers: dict[str, Tensor] = {}
+        names = list(job.buffer_values)
+        parts = [deltas[s.name].reshape(-1) for s in dense] + [job.buffer_values[n] for n in names]
         if parts:
             flat = torch.cat(parts).div_(world)
-            shares = [(s.name, s.numel) for s in dense] + [(n, self.buffers[n].numel()) for n in buffers]
-            self.comm.all_reduce(flat, shares=shares)
-            pieces = torch.split(flat, [s.numel for s in dense] + [self.buffers[n].numel() for n in buffers])
+            shares = [(s.name, s.numel) for s in dense] + [(n, job.buffer_values[n].numel()) for n in names]
+            comm.all_reduce(flat, shares=shares)
+            pieces = torch.split(flat, [s.numel for s in dense] + [job.buffer_values[n].numel() for n in names])
             for slot, piece in zip(dense, pieces):
                 out[slot.name] = piece.view(slot.shape)
-            for name, piece in zip(buffers, pieces[len(dense):]):
-                self.buffers[name].copy_(piece.view_as(self.buffers[name]))
+            for name, piece in zip(names, pieces[len(dense):]):
+                buffers[name] = piece.to(self.buffers[name].dtype)
         if not comp:
-            return out
+            return out, buffers
         use_ef = self.compressor.uses_error_feedback
         tensors = [self.memory.compensate(s.name, deltas[s.name].reshape(-1)) if use_ef
                    else deltas[s.name].reshape(-1).clone() for s in comp]
-        watchers = [obs for obs in self.observers if obs.wants(self.step)]
+        watchers = [obs for obs in self.observers if obs.wants(job.step)]
         inputs = [t.clone() for t in tensors] if watchers else []
-        ctx = ReduceContext(self.comm, self.step, plans[0].index, comp, [self.param_of(s.name) for s in comp],
-                            self.seed)
+        ctx = ReduceContext(comm, job.step, plans[0].index, comp, [self.param_of(s.name) for s in comp], self.seed)
         reduction = reduce_with_feedback(self.compressor, self.memory if use_ef else None, tensors, ctx,
                                          watchers, inputs)
         for slot, avg in zip(comp, reduction.averaged.wait()):
             out[slot.name] = avg.reshape(slot.shape).to(torch.float32)
-        return out
+        return out, buffers
 
     def _outer_step(self, name: str, delta: Tensor) -> None:
         theta = self.theta[name]
@@ -236,10 +352,16 @@ class OuterSync:
     # ------------------------------------------------------------------ state
     def shared_state(self) -> dict[str, Any]:
         """The replicated state (identical on all ranks): global model, outer momentum, counters."""
+        self.drain()
+        job = self._inflight
+        pending = None if job is None else {
+            "indices": list(job.indices), "step": job.step, "apply_at": job.apply_at,
+            "averaged": {k: v.clone() for k, v in (job.averaged or {}).items()},
+            "buffers": {k: v.clone() for k, v in (job.buffers or {}).items()}}
         return {"theta": {k: v.clone() for k, v in self.theta.items()},
                 "theta_buffers": {k: v.clone() for k, v in self.theta_buffers.items()},
                 "momentum": {k: v.clone() for k, v in self.momentum.items()},
-                "step": self.step, "local_steps": self.local_steps, "cursor": self.cursor}
+                "step": self.step, "local_steps": self.local_steps, "cursor": self.cursor, "pending": pending}
 
     def load_shared_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`shared_state` (tensors go to the parameters' device)."""
@@ -250,9 +372,18 @@ class OuterSync:
         self.momentum = {k: v.to(device=device.get(k), dtype=torch.float32, copy=True)
                          for k, v in state["momentum"].items()}
         self.step, self.local_steps, self.cursor = int(state["step"]), int(state["local_steps"]), int(state["cursor"])
+        pending = state.get("pending")
+        self._inflight = None
+        if pending is not None:  # an exchange that was complete but not yet applied when the checkpoint was taken
+            self._inflight = _Exchange(
+                list(pending["indices"]), int(pending["step"]), int(pending["apply_at"]),
+                averaged={k: v.to(device=device.get(k), dtype=torch.float32, copy=True)
+                          for k, v in pending["averaged"].items()},
+                buffers={k: v.to(device=device.get(k), copy=True) for k, v in pending["buffers"].items()})
 
     def rank_state(self) -> dict[str, Any]:
         """This rank's own state: error-feedback memories, compressor state, stats."""
+        self.drain()
         return {"memory": self.memory.state_dict(), "compressor": self.compressor.state_dict(),
                 "stats": self.stats.state_dict()}
 

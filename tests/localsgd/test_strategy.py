@@ -18,7 +18,7 @@ from helpers.models import TinyNet, fit
 from lightning_gradcomp import LocalSGDStrategy
 from lightning_gradcomp.callbacks import CompressionLogger
 from lightning_gradcomp.comm import all_reduce_bytes, broadcast_bytes
-from lightning_gradcomp.compressors import CLTK, DIANA, NoCompression, PowerSGD, QSGD
+from lightning_gradcomp.compressors import CLTK, DIANA, NoCompression, PowerSGD, QSGD, SignSGD
 from lightning_gradcomp.functional.sparsify import kept_count
 from lightning_gradcomp.localsgd import split_fragments
 
@@ -95,6 +95,7 @@ class ScheduledNet(TinyNet):
     (2, NoCompression(), "nesterov"),
     (3, CLTK(ratio=0.1), "nesterov"),
     (3, QSGD(bits=4, bucket_size=128), "average"),
+    (3, SignSGD(bucket_size=128), "nesterov"),  # the >= 500x setting of docs/localsgd.md (server memory too)
 ])
 def test_replicas_identical_right_after_every_sync(tmp_path: Path, devices: int, compressor: Any, outer: str):
     steps = 8
@@ -206,6 +207,47 @@ def test_resume_mid_fragment_cycle_is_exact(tmp_path: Path):
             assert torch.equal(m, pb[rank]["memory"][name])
 
 
+def test_overlap_applies_each_exchange_tau_steps_later_and_replicas_agree(tmp_path: Path):
+    # H = 2, tau = 1: exchanges issued after steps 2, 4, 6, 8 and applied after steps 3, 5, 7 (and at the end)
+    steps = 8
+    records, probes = _run(tmp_path, "run", LocalSGDStrategy(local_steps=2, overlap=1, compressor=CLTK(ratio=0.1),
+                                                             start_method="fork"),
+                           max_steps=steps, max_epochs=-1)
+    for t in range(steps):
+        same = torch.equal(records[0]["params"][t], records[1]["params"][t])
+        assert same == (t in (2, 4, 6)), f"after batch {t}: identical={same}"
+    assert torch.equal(probes[0]["final"], probes[1]["final"])
+    assert probes[0]["syncs"] == 4  # the last one applied by on_train_end; nothing left for a final sync
+    assert any(torch.count_nonzero(m) for m in probes[0]["memory"].values())  # error feedback ran (in the thread)
+
+
+def test_resume_with_an_exchange_in_flight_is_exact(tmp_path: Path):
+    def strategy() -> LocalSGDStrategy:  # fragment exchanges issued after steps 2, 4, ..., applied a step later
+        return LocalSGDStrategy(local_steps=6, fragments=3, overlap=1, compressor=CLTK(ratio=0.1),
+                                start_method="fork")
+
+    def ckpt(d: Path) -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=d, save_top_k=-1, every_n_epochs=1)
+
+    straight, pa = _run(tmp_path, "a", strategy(), max_epochs=2, callbacks=[ckpt(tmp_path / "ck_a")],
+                        enable_checkpointing=True)
+    path = next((tmp_path / "ck_a").glob("epoch=0*.ckpt"))
+    saved = torch.load(path, weights_only=True)["localsgd"]
+    pending = saved["shared"]["pending"]  # the epoch ends after step 4: that exchange was drained, not applied
+    assert pending is not None and pending["apply_at"] == 5 and pending["indices"] == [1]
+    resumed, pb = _run(tmp_path, "b", strategy(), max_epochs=2, ckpt_path=str(path))
+    for rank in range(2):
+        for a, b in zip(straight[rank]["params"][4:], resumed[rank]["params"], strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(pa[rank]["final"], pb[rank]["final"])
+        assert pa[rank]["comm"]["wire_bytes"] == pb[rank]["comm"]["wire_bytes"]
+        for name, m in pa[rank]["memory"].items():
+            assert torch.equal(m, pb[rank]["memory"][name])
+    with pytest.raises(Exception, match="overlap"):  # resuming with another overlap is refused
+        _run(tmp_path, "c", LocalSGDStrategy(local_steps=6, fragments=3, compressor=CLTK(ratio=0.1),
+                                             start_method="fork"), max_epochs=2, ckpt_path=str(path))
+
+
 def test_resume_on_another_world_size_resets_per_rank_state(tmp_path: Path):
     _run(tmp_path, "w2", LocalSGDStrategy(local_steps=3, compressor=CLTK(0.1), start_method="fork"), max_epochs=1,
          callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1)], enable_checkpointing=True)
@@ -260,6 +302,8 @@ def test_registry_names():
     ({"min_numel": 0}, ValueError, "min_numel"),
     ({"beta": 0.0}, ValueError, "beta"),
     ({"sync_at_end": 1}, TypeError, "sync_at_end"),
+    ({"overlap": -1}, ValueError, "overlap"),
+    ({"local_steps": 6, "fragments": 3, "overlap": 3}, ValueError, "overlap.*at most"),
 ])
 def test_bad_arguments_are_rejected(kwargs: dict, error: type, match: str):
     with pytest.raises(error, match=match):
