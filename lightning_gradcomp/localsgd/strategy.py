@@ -34,6 +34,7 @@ from lightning_gradcomp.compressors.base import Compressor, check_number
 from lightning_gradcomp.compressors.cltk import CLTK
 from lightning_gradcomp.compressors.diana import DIANA
 from lightning_gradcomp.compressors.none import NoCompression
+from lightning_gradcomp.evaluation import EvaluationSwap
 from lightning_gradcomp.localsgd.engine import OUTERS, OuterSync
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta
 from lightning_gradcomp.plan import SlotPolicy
@@ -50,7 +51,7 @@ _CHECKPOINT_VERSION = 1
 _REJECTED = (DIANA,)
 
 
-class LocalSGDStrategy(DDPStrategy):
+class LocalSGDStrategy(EvaluationSwap, DDPStrategy):
     """Local SGD / DiLoCo: every rank takes ``local_steps`` inner optimizer steps alone, then all synchronize.
 
     The inner optimizer is the LightningModule's own (``configure_optimizers``, LR schedulers, gradient
@@ -307,45 +308,7 @@ class LocalSGDStrategy(DDPStrategy):
             self._engine.write(self._eval_backup)
             self._eval_backup = None
 
-    @override
-    def on_validation_start(self) -> None:
-        self._enter_eval()
-        super().on_validation_start()
-
-    @override
-    def on_validation_end(self) -> None:
-        self._exit_eval()
-        super().on_validation_end()
-
-    @override
-    def on_test_start(self) -> None:
-        self._enter_eval()
-        super().on_test_start()
-
-    @override
-    def on_test_end(self) -> None:
-        self._exit_eval()
-        super().on_test_end()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._enter_eval()
-        super().on_predict_start()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._exit_eval()
-        super().on_predict_end()
-
     # ------------------------------------------------------------------ checkpoints
-    def _local_model_state(self) -> dict[str, Any]:
-        """This rank's own (local) model state dict, even while the global model is swapped in."""
-        state = {k: v.detach().clone() if isinstance(v, Tensor) else v
-                 for k, v in self.lightning_module.state_dict().items()}
-        if self._eval_backup is not None:
-            state.update({k: v.clone() for k, v in self._eval_backup.items() if k in state})
-        return state
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The checkpoint's ``state_dict``: the **global** model (identical on all ranks, no communication)."""

@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.compressors.base import check_number
+from lightning_gradcomp.evaluation import EvaluationSwap
 from lightning_gradcomp.strategy import check_timeout, load_verified
 from lightning_gradcomp.swarm.asynchronous import AsyncGossip, PairingRecord, StoreMatchmaker, exchange_group
 from lightning_gradcomp.swarm.exchange import ROUNDINGS, LatticeCodec, PairwiseGossip, PendingExchange, SwarmStats
@@ -53,7 +54,7 @@ _EVAL_MODELS = ("mean", "rank0", "local")
 MODES = ("async", "lockstep")
 
 
-class SwarmStrategy(DDPStrategy):
+class SwarmStrategy(EvaluationSwap, DDPStrategy):
     """SwarmSGD: each rank trains its own model and averages it with one random partner every H steps.
 
     Every rank steps on its own gradient (no gradient all-reduce). In ``mode="async"`` (default) a rank
@@ -525,45 +526,7 @@ class SwarmStrategy(DDPStrategy):
             _write_named(self.lightning_module, self._eval_backup)
             self._eval_backup = None
 
-    @override
-    def on_validation_start(self) -> None:
-        self._enter_eval()
-        super().on_validation_start()
-
-    @override
-    def on_validation_end(self) -> None:
-        self._exit_eval()
-        super().on_validation_end()
-
-    @override
-    def on_test_start(self) -> None:
-        self._enter_eval()
-        super().on_test_start()
-
-    @override
-    def on_test_end(self) -> None:
-        self._exit_eval()
-        super().on_test_end()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._enter_eval()
-        super().on_predict_start()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._exit_eval()
-        super().on_predict_end()
-
     # ------------------------------------------------------------------ checkpoints
-    def _local_model_state(self) -> dict[str, Any]:
-        """This rank's own model state dict (its training model even during evaluation)."""
-        state = {k: v.detach().clone() if isinstance(v, Tensor) else v
-                 for k, v in self.lightning_module.state_dict().items()}
-        if self._eval_backup is not None:
-            state.update({k: v.clone() for k, v in self._eval_backup.items() if k in state})
-        return state
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The checkpoint's ``state_dict``: the mean over ranks of every floating tensor (an all-reduce).
