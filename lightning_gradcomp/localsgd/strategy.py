@@ -34,10 +34,10 @@ from lightning_gradcomp.compressors.base import Compressor, check_number
 from lightning_gradcomp.compressors.cltk import CLTK
 from lightning_gradcomp.compressors.diana import DIANA
 from lightning_gradcomp.compressors.none import NoCompression
-from lightning_gradcomp.evaluation import EvaluationSwap
 from lightning_gradcomp.localsgd.engine import OUTERS, OuterSync
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta
 from lightning_gradcomp.plan import SlotPolicy
+from lightning_gradcomp.replicas import DivergentReplicas
 from lightning_gradcomp.strategy import DEFAULT_TIMEOUT, _as_compressor, check_timeout, load_verified, register_names
 
 __all__ = ["CHECKPOINT_KEY", "LocalSGDStrategy"]
@@ -51,7 +51,7 @@ _CHECKPOINT_VERSION = 1
 _REJECTED = (DIANA,)
 
 
-class LocalSGDStrategy(EvaluationSwap, DDPStrategy):
+class LocalSGDStrategy(DivergentReplicas, DDPStrategy):
     """Local SGD / DiLoCo: every rank takes ``local_steps`` inner optimizer steps alone, then all synchronize.
 
     The inner optimizer is the LightningModule's own (``configure_optimizers``, LR schedulers, gradient
@@ -364,21 +364,6 @@ class LocalSGDStrategy(EvaluationSwap, DDPStrategy):
                            f"optimizer state; error-feedback memories and compressor state are reset; the global "
                            f"model, outer momentum, step counter and fragment cursor are kept")
         return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Load this rank's local model when the checkpoint has it, else the global model."""
-        if self._restored is not None:
-            self.lightning_module.load_state_dict(self._restored["model"], strict=strict)
-            return
-        super().load_model_state_dict(checkpoint, strict=strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Load this rank's inner optimizer states when the checkpoint has them, else rank 0's."""
-        if self._restored is not None:
-            checkpoint = {**checkpoint, "optimizer_states": self._restored["optimizers"]}
-        super().load_optimizer_state_dict(checkpoint)
 
     # ------------------------------------------------------------------ registry
     @classmethod

@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.compressors.base import check_number
-from lightning_gradcomp.evaluation import EvaluationSwap
+from lightning_gradcomp.replicas import DivergentReplicas
 from lightning_gradcomp.strategy import check_timeout, load_verified
 from lightning_gradcomp.swarm.asynchronous import AsyncGossip, PairingRecord, StoreMatchmaker, exchange_group
 from lightning_gradcomp.swarm.exchange import ROUNDINGS, LatticeCodec, PairwiseGossip, PendingExchange, SwarmStats
@@ -54,7 +54,7 @@ _EVAL_MODELS = ("mean", "rank0", "local")
 MODES = ("async", "lockstep")
 
 
-class SwarmStrategy(EvaluationSwap, DDPStrategy):
+class SwarmStrategy(DivergentReplicas, DDPStrategy):
     """SwarmSGD: each rank trains its own model and averages it with one random partner every H steps.
 
     Every rank steps on its own gradient (no gradient all-reduce). In ``mode="async"`` (default) a rank
@@ -593,21 +593,6 @@ class SwarmStrategy(EvaluationSwap, DDPStrategy):
                            f"{self.world_size}: every rank starts from the mean model with rank 0's optimizer "
                            f"state; the round counter is kept, the in-flight exchange is dropped")
         return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Load this rank's own model when the checkpoint has it, else the mean model."""
-        if self._restored is not None:
-            self.lightning_module.load_state_dict(self._restored["model"], strict=strict)
-            return
-        super().load_model_state_dict(checkpoint, strict=strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Load this rank's own optimizer states when the checkpoint has them, else rank 0's."""
-        if self._restored is not None:
-            checkpoint = {**checkpoint, "optimizer_states": self._restored["optimizers"]}
-        super().load_optimizer_state_dict(checkpoint)
 
     @override
     def teardown(self) -> None:
