@@ -15,16 +15,31 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any, Optional
 
 
-def run_once(target: str, timeout: float) -> tuple[str, float, str]:
-    """``(outcome, seconds, last output line)``; outcome is ``passed``, ``failed`` or ``hung``."""
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
+
+
+def run_once(target: str, timeout: float, keep: Optional[Path] = None, index: int = 0) -> tuple[str, float, str]:
+    """``(outcome, seconds, last output line)``; outcome is ``passed``, ``failed`` or ``hung``.
+
+    With ``keep``, the whole output of a run that did not pass is written to ``keep/run-<index>.log``.
+    """
     start = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", target],
                               capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            (keep / f"run-{index}.log").write_text(_text(exc.stdout) + _text(exc.stderr))
         return "hung", time.monotonic() - start, f"killed after {timeout:.0f} s"
+    if keep is not None and proc.returncode != 0:
+        keep.mkdir(parents=True, exist_ok=True)
+        (keep / f"run-{index}.log").write_text(proc.stdout + proc.stderr)
     lines = proc.stdout.strip().splitlines()
     last = lines[-1] if lines else ""
     failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
@@ -38,10 +53,12 @@ def main() -> int:
     parser.add_argument("target", help="pytest target, e.g. tests/swarm")
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a run counts as hung")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="folder for the whole output of every run that failed or hung")
     args = parser.parse_args()
     outcomes, seconds = [], []
     for i in range(1, args.runs + 1):
-        outcome, took, last = run_once(args.target, args.timeout)
+        outcome, took, last = run_once(args.target, args.timeout, args.keep, i)
         outcomes.append(outcome)
         seconds.append(took)
         print(f"run {i:3d}: {outcome:6s} {took:6.1f} s  {last}", flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import random
 import time
 from pathlib import Path
@@ -176,12 +177,15 @@ def test_a_partner_that_died_is_detected_within_the_timeout() -> None:
         p.start()
     try:
         message, seconds = results.get(timeout=30)
+    except queue.Empty:
+        message, seconds = "rank 0 reported nothing within 30 s", float("inf")
     finally:
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-    assert "presumed dead" in message and seconds < 3.0 + 5.0, (message, seconds)
+    codes = [p.exitcode for p in procs]
+    assert "presumed dead" in message and seconds < 3.0 + 5.0, (message, seconds, codes)
 
 
 class BatchNormNet(TinyNet):
