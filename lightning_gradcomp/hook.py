@@ -48,6 +48,7 @@ from lightning_gradcomp.commthread import CommThread
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy, build_plan
+from lightning_gradcomp.schedule import CompressionSchedule, scheduled_param
 
 __all__ = ["BucketRecord", "GradCompHook", "HookObserver", "gradcomp_comm_hook", "reduce_with_feedback"]
 
@@ -102,11 +103,14 @@ class GradCompHook:
         beta: low-pass factor of the error-feedback memory.
         device: where restored state tensors go (the gradients' device).
         nonfinite: ``"dense"`` or ``"zero"``: what a bucket holding NaN/Inf on some rank becomes.
+        schedule: the compression parameter over steps (a checked
+            :class:`~lightning_gradcomp.schedule.CompressionSchedule`), or ``None`` for the compressor's own.
     """
 
     def __init__(self, compressor: Compressor, comm: Comm, param_names: dict[int, str], *, start_step: int = 2,
                  policy: Optional[SlotPolicy] = None, seed: int = 0, beta: float = 1.0,
-                 device: Optional[torch.device] = None, nonfinite: str = "dense") -> None:
+                 device: Optional[torch.device] = None, nonfinite: str = "dense",
+                 schedule: Optional[CompressionSchedule] = None) -> None:
         self.compressor = compressor
         self.comm = comm
         self.param_names = param_names
@@ -117,7 +121,9 @@ class GradCompHook:
         self.nonfinite = nonfinite
         self.memory = ErrorFeedback(beta)
         self.layer_params: dict[str, Any] = {}
+        self.schedule = schedule
         self.step = 0
+        self._scheduled: Any = compressor.default_param  # the schedule's uniform value at self.step
         self.observers: list[HookObserver] = []
         self.loss_scale: Optional[Callable[[], Optional[Tensor]]] = None
         self._plans: dict[int, tuple[tuple[int, ...], BucketPlan]] = {}
@@ -127,6 +133,7 @@ class GradCompHook:
         self._compressed = False      # ... and it compressed something
         self._optimizer_hooks: list[Any] = []
         self._thread: Optional[CommThread] = None
+        self._follow_schedule()
 
     @property
     def stats(self) -> CommStats:
@@ -150,8 +157,17 @@ class GradCompHook:
         return [plan for _, plan in self._plans.values()]
 
     def param_of(self, name: str) -> Any:
-        """The compression parameter used for layer ``name``."""
-        return self.layer_params.get(name, self.compressor.default_param)
+        """The compression parameter used for layer ``name`` at the current step (schedule applied)."""
+        base = self.layer_params.get(name, self.compressor.default_param)
+        if self.schedule is None or self._scheduled == self.compressor.default_param:
+            return base
+        return scheduled_param(self.compressor, base, self._scheduled)
+
+    def _follow_schedule(self) -> None:
+        """Set the schedule's uniform value for ``self.step`` (training thread, between backward passes)."""
+        if self.schedule is not None:
+            value = self.schedule.value(self.step, self.compressor.default_param)
+            self._scheduled = scheduled_param(self.compressor, self.compressor.default_param, value)
 
     # ------------------------------------------------------------------ steps
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -185,6 +201,7 @@ class GradCompHook:
         """A new backward pass starts from the committed state: whatever the last one staged is dropped."""
         self._in_backward = True
         self._compressed = False
+        self._follow_schedule()
         self.memory.discard()
         self.compressor.discard_state()
 
@@ -316,6 +333,7 @@ class GradCompHook:
         self.step = int(state.get("step", 0))
         self.memory.beta = float(state.get("beta", self.memory.beta))
         self.layer_params = dict(state.get("layer_params", {}))
+        self._follow_schedule()
         if per_rank:
             self.memory.load_state_dict(state.get("memory", {}), device=self.device)
             self.compressor.load_state_dict(state.get("compressor", {}))
