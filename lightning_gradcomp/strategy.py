@@ -29,6 +29,7 @@ from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta
 from lightning_gradcomp.plan import SlotPolicy
 from lightning_gradcomp.presets import PRESETS, register_preset
+from lightning_gradcomp.schedule import CompressionSchedule, as_schedule
 
 __all__ = ["CHECKPOINT_KEY", "DEFAULT_TIMEOUT", "GradCompStrategy", "check_timeout", "load_verified",
            "verify_checkpoint_file"]
@@ -72,6 +73,10 @@ class GradCompStrategy(DDPStrategy):
             compressor state are never updated from it): ``"dense"`` reduces it densely, as DDP would (use
             with fp16 AMP, whose GradScaler then skips the step); ``"zero"`` zeroes it on every rank, so the
             step contributes no gradient and training continues.
+        schedule: the compression parameter over optimizer steps, e.g. a density warm-up:
+            :class:`~lightning_gradcomp.schedule.WarmupSchedule` (``WarmupSchedule(steps=300, start=0.25)``), a
+            ``{step: value}`` mapping, or a callable ``step -> value``; per-layer parameters (L-GreCo) follow it
+            relative to the compressor's own value. ``None``: the compressor's value at every compressed step.
         layerwise: a callback that tunes per-layer parameters, e.g.
             :class:`~lightning_gradcomp.callbacks.LGreCo`; the strategy keeps a private copy and adds it to
             the Trainer's callbacks itself (so a strategy name can bundle it).
@@ -87,6 +92,7 @@ class GradCompStrategy(DDPStrategy):
     def __init__(self, compressor: Union[Compressor, str, None] = None, start_step: int = 2, min_numel: int = 1024,
                  compress_1d: bool = False, beta: float = 1.0, seed: int = 0, nonfinite: str = "dense",
                  layerwise: Optional[Callback] = None,
+                 schedule: Union[CompressionSchedule, dict[int, float], None] = None,
                  timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT, **kwargs: Any) -> None:
         for name in _INCOMPATIBLE:
             if kwargs.get(name) is not None:
@@ -98,6 +104,7 @@ class GradCompStrategy(DDPStrategy):
             min_numel=int(check_number("min_numel", min_numel, 1, float("inf"), low_open=False, integer=True)),
             compress_1d=_check_bool("compress_1d", compress_1d))
         self.beta = validate_beta(beta)
+        self.schedule = as_schedule(schedule, self.compressor)
         self.seed = int(check_number("seed", seed, 0, 2**63 - 1, low_open=False, integer=True))
         if nonfinite not in ("dense", "zero"):
             raise ValueError(f"`nonfinite` must be 'dense' or 'zero', got {nonfinite!r}")
@@ -157,7 +164,8 @@ class GradCompStrategy(DDPStrategy):
         compressor = self.compressor.clone()
         compressor.prepare()
         hook = GradCompHook(compressor, comm, param_names, start_step=self.start_step, policy=self.policy,
-                            seed=self.seed, beta=self.beta, device=device, nonfinite=self.nonfinite)
+                            seed=self.seed, beta=self.beta, device=device, nonfinite=self.nonfinite,
+                            schedule=self.schedule)
         hook.loss_scale = self._loss_scale
         return hook
 
