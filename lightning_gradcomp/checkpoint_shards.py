@@ -1,0 +1,298 @@
+"""Per-rank shard files of the compression state, next to a Lightning checkpoint.
+
+Error-feedback memories are as large as the model and differ on every rank. Instead of gathering them into
+rank 0's checkpoint file, every rank writes its own state to a *shard*, and the checkpoint carries only a small
+*manifest* that lists the shards with their sizes and SHA-256 checksums::
+
+    last.ckpt                      # Lightning's file (rank 0): model, optimizer, ..., checkpoint["gradcomp"] = manifest
+    last.ckpt.gradcomp/
+        rank-00000-3f9c2a1b.pt     # rank 0's hook state (torch.save), written by rank 0
+        rank-00001-3f9c2a1b.pt     # rank 1's, written by rank 1
+        ...
+
+The token (``3f9c2a1b``) is new at every save, so saving over an existing checkpoint never touches the files
+that the previous manifest lists: until the new checkpoint file is in place, the old one stays consistent.
+Each rank deletes its stale shards after the new checkpoint file is written (:func:`remove_stale_shards`).
+
+Files go through fsspec (Lightning's ``get_filesystem``), so remote paths (``s3://...``) work as they do for the
+checkpoint itself. A shard is written atomically: a temporary file in the same folder, then a rename (object
+stores publish an object only when its upload is complete).
+
+Example::
+
+    >>> import tempfile, torch
+    >>> ckpt = tempfile.mkdtemp() + "/last.ckpt"
+    >>> entry = write_shard({"step": 7, "memory": {"w": torch.ones(3)}}, ckpt, rank=0, token="t0")
+    >>> entry["file"], entry["bytes"] > 0
+    ('rank-00000-t0.pt', True)
+    >>> manifest = build_manifest([entry], compressor="TopK", replicated={"step": 7}, checkpoint_path=ckpt)
+    >>> check_manifest(manifest)
+    >>> load_shard(ckpt, manifest, rank=0)["memory"]["w"]
+    tensor([1., 1., 1.])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import secrets
+from typing import Any, Optional
+
+import torch
+from fsspec import AbstractFileSystem
+from lightning.fabric.utilities.cloud_io import get_filesystem
+
+__all__ = ["FORMAT_VERSION", "SUFFIX", "build_manifest", "check_manifest", "is_sharded", "load_shard",
+           "new_token", "read_shards", "remove_shards", "remove_stale_shards", "shard_dir", "shard_name",
+           "shard_path", "write_shard"]
+
+FORMAT_VERSION = 2
+"""Version of the sharded ``checkpoint["gradcomp"]`` entry (version 1 held every rank's state inline)."""
+
+SUFFIX = ".gradcomp"
+"""The shard folder is the checkpoint path plus this suffix."""
+
+_NAME = re.compile(r"rank-(\d{5,})-([0-9A-Za-z_]+)\.pt")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl"}
+_MANIFEST_KEYS = ("version", "compressor", "world_size", "dir", "replicated", "shards")
+
+
+# ---------------------------------------------------------------------------------------------- paths
+def shard_dir(checkpoint_path: Any) -> str:
+    """The shard folder of a checkpoint: ``<checkpoint_path>.gradcomp``."""
+    return f"{os.fspath(checkpoint_path)}{SUFFIX}"
+
+
+def shard_name(rank: int, token: str) -> str:
+    """A shard's file name: ``rank-00003-<token>.pt``."""
+    if not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"`rank` must be a non-negative int, got {rank!r}")
+    name = f"rank-{rank:05d}-{token}.pt"
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"`token` must be letters, digits or '_', got {token!r}")
+    return name
+
+
+def shard_path(checkpoint_path: Any, rank: int, token: str) -> str:
+    """The path of rank ``rank``'s shard of the save ``token`` of ``checkpoint_path``."""
+    return _join(shard_dir(checkpoint_path), shard_name(rank, token))
+
+
+def new_token() -> str:
+    """A fresh save token (8 hex digits): every save of a checkpoint writes new shard files."""
+    return secrets.token_hex(4)
+
+
+def _join(folder: str, name: str) -> str:
+    return f"{folder.rstrip('/')}/{name}" if "://" in folder else os.path.join(folder, name)
+
+
+def _parent(path: str) -> str:
+    return path.rpartition("/")[0] if "://" in path else os.path.dirname(path)
+
+
+def _base(path: str) -> str:
+    return path.rstrip("/").rpartition("/")[2] if "://" in path else os.path.basename(path)
+
+
+# ---------------------------------------------------------------------------------------------- write
+def write_shard(state: dict[str, Any], checkpoint_path: Any, rank: int, token: str) -> dict[str, Any]:
+    """Write this rank's ``state`` (``torch.save``) atomically to its shard; create the folder if needed.
+
+    Args:
+        state: this rank's compression state (tensors, numbers, strings: ``weights_only``-loadable).
+        checkpoint_path: the Lightning checkpoint the shard belongs to (local path or fsspec URL).
+        rank: this rank's global rank.
+        token: the save token, the same on every rank (:func:`new_token`, broadcast from rank 0).
+
+    Returns:
+        The manifest entry ``{"rank", "file", "bytes", "sha256"}`` of the bytes written.
+    """
+    path = shard_path(checkpoint_path, rank, token)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getbuffer()
+    fs = get_filesystem(path)
+    fs.makedirs(_parent(path), exist_ok=True)
+    _atomic_write(fs, path, data)
+    return {"rank": rank, "file": _base(path), "bytes": data.nbytes, "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _atomic_write(fs: AbstractFileSystem, path: str, data: memoryview) -> None:
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    if protocols & _OBJECT_STORES:  # an object appears only once its upload is complete
+        fs.pipe_file(path, bytes(data))
+        return
+    temporary = f"{path}.tmp-{os.getpid()}"
+    try:
+        with fs.open(temporary, "wb") as file:
+            file.write(data)
+        fs.mv(temporary, path)  # a rename within the folder
+    finally:
+        if fs.exists(temporary):
+            fs.rm(temporary)
+
+
+# ---------------------------------------------------------------------------------------------- manifest
+def build_manifest(shards: list[dict[str, Any]], compressor: str, replicated: dict[str, Any],
+                   checkpoint_path: Any) -> dict[str, Any]:
+    """The ``checkpoint["gradcomp"]`` entry: format version, compressor, world size, shard folder and shards.
+
+    Args:
+        shards: every rank's :func:`write_shard` entry, in rank order (``len(shards)`` is the world size).
+        compressor: the compressor's class name (a resume with another one is refused).
+        replicated: the parts of the state that are identical on every rank (step, beta, per-layer
+            parameters); a resume on another world size keeps only these.
+        checkpoint_path: the checkpoint the shards belong to; its shard folder's *name* is recorded, so a
+            symbolic link to the checkpoint (``ModelCheckpoint(save_last="link")``) finds the shards.
+    """
+    manifest = {"version": FORMAT_VERSION, "compressor": compressor, "world_size": len(shards),
+                "dir": _base(shard_dir(checkpoint_path)), "replicated": replicated, "shards": list(shards)}
+    check_manifest(manifest)
+    return manifest
+
+
+def is_sharded(entry: Any) -> bool:
+    """Whether a ``checkpoint["gradcomp"]`` entry is a shard manifest (format version 2)."""
+    return isinstance(entry, dict) and entry.get("version") == FORMAT_VERSION
+
+
+def check_manifest(manifest: Any) -> None:
+    """Validate a manifest's structure.
+
+    Raises:
+        ValueError: a key is missing or has the wrong type, the shards are not one per rank in rank order, or a
+            file name is not a shard name (no folders: a manifest cannot point outside its shard folder).
+    """
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise ValueError(f"checkpoint entry 'gradcomp' is malformed or from an unknown version ({problem}; "
+                         f"expected version {FORMAT_VERSION} with one shard per rank)")
+
+
+def _manifest_problem(manifest: Any) -> Optional[str]:
+    if not isinstance(manifest, dict) or any(key not in manifest for key in _MANIFEST_KEYS):
+        return f"expected a dict with the keys {', '.join(_MANIFEST_KEYS)}"
+    if manifest["version"] != FORMAT_VERSION:
+        return f"version {manifest['version']!r}"
+    world, shards, folder = manifest["world_size"], manifest["shards"], manifest["dir"]
+    if not isinstance(manifest["compressor"], str) or not isinstance(manifest["replicated"], dict):
+        return "'compressor' must be a str and 'replicated' a dict"
+    if not isinstance(folder, str) or not folder.endswith(SUFFIX) or "/" in folder or os.sep in folder:
+        return f"'dir' must be a folder name ending in {SUFFIX!r}, got {folder!r}"
+    if not isinstance(world, int) or world < 1 or not isinstance(shards, list) or len(shards) != world:
+        return f"{len(shards) if isinstance(shards, list) else 'no'} shards for world size {world!r}"
+    for rank, shard in enumerate(shards):
+        if not isinstance(shard, dict) or shard.get("rank") != rank:
+            return f"shard entry {rank} is not a dict for rank {rank}"
+        match = _NAME.fullmatch(str(shard.get("file")))
+        if match is None or int(match.group(1)) != rank:
+            return f"shard entry {rank} has the file name {shard.get('file')!r}"
+        if not isinstance(shard.get("bytes"), int) or not _SHA256.fullmatch(str(shard.get("sha256"))):
+            return f"shard entry {rank} needs 'bytes' (int) and 'sha256' (64 hex digits)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- read
+def load_shard(checkpoint_path: Any, manifest: dict[str, Any], rank: int,
+               weights_only: bool = True) -> dict[str, Any]:
+    """Read rank ``rank``'s shard, check its size and SHA-256 against the manifest, and load it (on CPU).
+
+    The shard folder is the manifest's ``dir`` next to ``checkpoint_path``, else ``<checkpoint_path>.gradcomp``
+    (a checkpoint renamed together with its folder).
+
+    Raises:
+        FileNotFoundError: the shard is missing; the message names the file and says what to do.
+        RuntimeError: the shard's size or checksum differs from the manifest's, or it does not load; the message
+            names the file.
+    """
+    check_manifest(manifest)
+    checkpoint_path = os.fspath(checkpoint_path)
+    entry = manifest["shards"][rank]
+    path = _locate(checkpoint_path, manifest["dir"], entry["file"])
+    fs = get_filesystem(path)
+    try:
+        with fs.open(path, "rb") as file:
+            data = file.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"compression-state shard '{path}' of checkpoint '{checkpoint_path}' is missing (rank {rank} of "
+            f"{manifest['world_size']}): every rank's error-feedback memory and compressor state live in the folder "
+            f"'{manifest['dir']}' next to the checkpoint file. Copy that folder together with the checkpoint (and "
+            f"make it visible to every rank), or resume from an earlier checkpoint") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) != entry["bytes"] or digest != entry["sha256"]:
+        raise RuntimeError(
+            f"compression-state shard '{path}' of checkpoint '{checkpoint_path}' is corrupted: it has {len(data)} "
+            f"bytes with SHA-256 {digest[:16]}..., the checkpoint's manifest expects {entry['bytes']} bytes with "
+            f"{entry['sha256'][:16]}... (the file was changed, truncated or copied only partly, or belongs to "
+            f"another save); resume from an earlier checkpoint")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+    except Exception as err:  # noqa: BLE001 - the checksum matched, so this is a foreign or unsafe payload
+        raise RuntimeError(f"cannot load compression-state shard '{path}': {type(err).__name__}: "
+                           f"{str(err).strip().splitlines()[0] if str(err).strip() else '(no message)'}") from err
+
+
+def read_shards(checkpoint_path: Any, weights_only: bool = True) -> list[dict[str, Any]]:
+    """Every rank's state of a sharded checkpoint, verified (for tools and tests: a rank loads only its own).
+
+    Raises:
+        ValueError: the checkpoint has no shard manifest.
+        FileNotFoundError, RuntimeError: see :func:`load_shard`.
+    """
+    fs = get_filesystem(checkpoint_path)
+    with fs.open(os.fspath(checkpoint_path), "rb") as file:
+        manifest = torch.load(file, map_location="cpu", weights_only=weights_only).get("gradcomp")
+    if not is_sharded(manifest):
+        raise ValueError(f"checkpoint '{checkpoint_path}' holds no sharded 'gradcomp' entry")
+    return [load_shard(checkpoint_path, manifest, rank, weights_only) for rank in range(manifest["world_size"])]
+
+
+def _locate(checkpoint_path: str, folder: str, name: str) -> str:
+    recorded = _join(_join(_parent(checkpoint_path), folder), name)
+    renamed = _join(shard_dir(checkpoint_path), name)
+    if recorded != renamed and not get_filesystem(recorded).exists(recorded) \
+            and get_filesystem(renamed).exists(renamed):
+        return renamed
+    return recorded
+
+
+# ---------------------------------------------------------------------------------------------- remove
+def remove_stale_shards(checkpoint_path: Any, rank: int, keep: str) -> None:
+    """Delete rank ``rank``'s shard files of ``checkpoint_path`` other than ``keep`` (earlier saves, leftovers).
+
+    Each rank deletes only its own files, so this also works where every node has its own disk.
+    """
+    folder = shard_dir(checkpoint_path)
+    fs = get_filesystem(folder)
+    prefix = f"rank-{rank:05d}-"
+    try:
+        names = [_base(path) for path in fs.ls(folder, detail=False)]
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.startswith(prefix) and name != keep:
+            _remove_quietly(fs, _join(folder, name))
+
+
+def remove_shards(checkpoint_path: Any, rank: int) -> None:
+    """Delete rank ``rank``'s shard files of ``checkpoint_path``, then the folder once it is empty."""
+    remove_stale_shards(checkpoint_path, rank, keep="")
+    folder = shard_dir(checkpoint_path)
+    fs = get_filesystem(folder)
+    try:
+        if fs.exists(folder) and not fs.ls(folder, detail=False):
+            fs.rmdir(folder)
+    except Exception:  # noqa: BLE001 - best effort: another rank's file is still there, or it removed the folder
+        pass
+
+
+def _remove_quietly(fs: AbstractFileSystem, path: str) -> None:
+    try:
+        fs.rm(path)
+    except FileNotFoundError:
+        pass
