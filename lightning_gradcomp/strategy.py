@@ -8,7 +8,7 @@ import os
 import re
 import zipfile
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_gradcomp import checkpoint_shards
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors import registry
 from lightning_gradcomp.compressors.base import Compressor, check_number
@@ -37,7 +38,7 @@ __all__ = ["CHECKPOINT_KEY", "DEFAULT_TIMEOUT", "GradCompStrategy", "check_timeo
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "gradcomp"
-"""Top-level checkpoint key holding every rank's compression state."""
+"""Top-level checkpoint key holding the manifest of the compression-state shards (see :mod:`.checkpoint_shards`)."""
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """Default process-group timeout: how long a collective waits for a rank that stopped responding.
@@ -47,6 +48,12 @@ Lightning's default is 30 minutes; see docs/reliability.md for the trade-off.
 """
 
 _CHECKPOINT_VERSION = 1
+"""Version of the old single-file entry (every rank's state inline); still loaded, no longer written."""
+_PER_RANK_KEYS = ("memory", "compressor", "stats")
+"""Keys of ``GradCompHook.state_dict()`` that differ per rank (the rest is replicated and kept in the manifest)."""
+_SHARD: dict[str, Any] = {}
+"""Stand-in for the state held in this rank's shard (``_select_state`` -> ``load_checkpoint`` reads it)."""
+_T = TypeVar("_T")
 _INCOMPATIBLE = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 
 
@@ -223,27 +230,44 @@ class GradCompStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Gather every rank's compression state into the checkpoint (must run on all ranks)."""
-        local = self._hook.state_dict() if self._hook is not None else {}
-        per_rank: list[Any] = [local]
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            per_rank = [None] * self.world_size if self.global_rank == 0 else []
-            dist.gather_object(local, per_rank if self.global_rank == 0 else None, dst=0)
-        checkpoint[CHECKPOINT_KEY] = {
-            "version": _CHECKPOINT_VERSION,
-            "compressor": type(self.compressor).__name__,
-            "world_size": self.world_size,
-            "per_rank": per_rank,
-        }
+        """Write this rank's compression state to its shard next to ``filepath`` (must run on all ranks).
+
+        Rank 0's checkpoint file gets only the manifest (sizes and checksums of the shards) and the replicated
+        state; see :mod:`lightning_gradcomp.checkpoint_shards`. Every rank gets the same error if one cannot write.
+        """
+        state = self._hook.state_dict() if self._hook is not None else {}
+        filepath, token = self.broadcast((filepath, checkpoint_shards.new_token()))  # the file rank 0 writes
+        entry = self._on_every_rank(lambda: checkpoint_shards.write_shard(state, filepath, self.global_rank, token))
+        shards: list[Any] = [entry]
+        if self._distributed():
+            shards = [None] * self.world_size
+            dist.all_gather_object(shards, entry)
+        replicated = {key: value for key, value in state.items() if key not in _PER_RANK_KEYS}
+        checkpoint[CHECKPOINT_KEY] = checkpoint_shards.build_manifest(shards, type(self.compressor).__name__,
+                                                                      replicated, filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self._distributed():
+            self.barrier("GradCompStrategy.save_checkpoint")  # the new file is in place: older shards can go
+        checkpoint_shards.remove_stale_shards(filepath, self.global_rank, keep=entry["file"])
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove the checkpoint file (rank 0) and this rank's shards of it (every rank, as Lightning calls it)."""
+        super().remove_checkpoint(filepath)
+        checkpoint_shards.remove_shards(filepath, self.global_rank)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load the checkpoint and stash this rank's compression state for the hook.
 
+        A sharded checkpoint (format version 2) is read from this rank's shard only, when fitting on the same
+        number of ranks; an old single-file checkpoint (version 1, every rank's state inline) still loads.
+
         Raises:
-            RuntimeError: the file is truncated or corrupted (CRC check of a local file), or unreadable; the
-                message names the file.
+            RuntimeError: the file is truncated or corrupted (CRC check of a local file), or unreadable; a shard
+                (any rank's: every rank raises) does not match the manifest's size and checksum. The message names
+                the file.
+            FileNotFoundError: a shard (any rank's) is missing; the message names it.
             ValueError: the checkpoint was written with another compressor, or its ``"gradcomp"`` entry is
                 malformed.
         """
@@ -253,12 +277,47 @@ class GradCompStrategy(DDPStrategy):
             self._pending = self._select_state(checkpoint.get(CHECKPOINT_KEY))
         except ValueError as err:
             raise ValueError(f"cannot resume from '{checkpoint_path}': {err}") from None
+        if self._pending is not None and self._pending[0] is _SHARD:
+            self._pending = self._on_every_rank(lambda: checkpoint_shards.load_shard(
+                checkpoint_path, checkpoint[CHECKPOINT_KEY], self.global_rank,
+                weights_only=True if weights_only is None else weights_only)), True
         if self._pending is not None and self._hook is not None:
             self._hook.load_state_dict(*self._pending)
             self._pending = None
         return checkpoint
 
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and self.world_size > 1
+
+    def _on_every_rank(self, action: Callable[[], _T]) -> _T:
+        """Run ``action`` on this rank; if it fails on any rank, raise on every rank (instead of a hang).
+
+        The failing rank re-raises its own exception; the others raise a ``RuntimeError`` that quotes it.
+        """
+        try:
+            result, failure = action(), None
+        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+            result, failure = None, err
+        if not self._distributed():
+            if failure is not None:
+                raise failure
+            return result  # type: ignore[return-value]
+        failures: list[Optional[str]] = [None] * self.world_size
+        dist.all_gather_object(failures, None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        for rank, message in enumerate(failures):
+            if message is not None:
+                raise RuntimeError(f"GradCompStrategy: rank {rank} failed: {message}")
+        return result  # type: ignore[return-value]
+
     def _select_state(self, saved: Optional[dict[str, Any]]) -> Optional[tuple[dict[str, Any], bool]]:
+        """This rank's ``(state, per_rank)`` from a ``"gradcomp"`` entry, or ``None`` (nothing to restore).
+
+        ``state`` is ``_SHARD`` when it is in this rank's shard, which :meth:`load_checkpoint` then reads.
+        """
+        if checkpoint_shards.is_sharded(saved):
+            return self._select_sharded(saved)  # type: ignore[arg-type]
         if saved is None:
             if self._fitting():
                 rank_zero_warn(f"GradCompStrategy: the checkpoint has no {CHECKPOINT_KEY!r} entry (written by plain "
@@ -270,7 +329,20 @@ class GradCompStrategy(DDPStrategy):
                 or not isinstance(per_rank, list) or len(per_rank) != saved.get("world_size")
                 or not all(isinstance(entry, dict) for entry in per_rank) or "compressor" not in saved):
             raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} is malformed or from an unknown version "
-                             f"(expected version {_CHECKPOINT_VERSION} with one state per rank)")
+                             f"(expected version {checkpoint_shards.FORMAT_VERSION} with one shard per rank, or "
+                             f"version {_CHECKPOINT_VERSION} with one state per rank)")
+        if not self._same_ranks(saved):
+            return saved["per_rank"][0], False
+        return saved["per_rank"][self.global_rank], True
+
+    def _select_sharded(self, saved: dict[str, Any]) -> Optional[tuple[dict[str, Any], bool]]:
+        checkpoint_shards.check_manifest(saved)
+        if not self._same_ranks(saved):
+            return saved["replicated"], False
+        return (_SHARD, True) if self._fitting() else None  # evaluation needs no shard: the folder may be absent
+
+    def _same_ranks(self, saved: dict[str, Any]) -> bool:
+        """Refuse another compressor; warn and say ``False`` when the world size changed (replicated state only)."""
         ours = type(self.compressor).__name__
         if saved["compressor"] != ours:
             raise ValueError(f"checkpoint was written with compressor {saved['compressor']}, but this strategy "
@@ -279,8 +351,8 @@ class GradCompStrategy(DDPStrategy):
             rank_zero_warn(f"GradCompStrategy: checkpoint was written by {saved['world_size']} ranks, resuming on "
                            f"{self.world_size}: per-rank state (error-feedback memories, compressor state) is reset; "
                            f"the step counter and per-layer parameters are kept")
-            return saved["per_rank"][0], False
-        return saved["per_rank"][self.global_rank], True
+            return False
+        return True
 
     def _fitting(self) -> bool:
         trainer = getattr(self._lightning_module, "_trainer", None)

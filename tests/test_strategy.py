@@ -106,7 +106,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, name: str, worl
     ckpt_dir = tmp_path / "ckpt"
     run(tmp_path / "first", 2, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True)], enable_checkpointing=True)
     saved = torch.load(ckpt_dir / "last.ckpt", weights_only=True)
-    assert saved[CHECKPOINT_KEY]["world_size"] == world and len(saved[CHECKPOINT_KEY]["per_rank"]) == world
+    assert saved[CHECKPOINT_KEY]["world_size"] == world and len(saved[CHECKPOINT_KEY]["shards"]) == world
     resumed = run(tmp_path / "resumed", 4, ckpt_path=str(ckpt_dir / "last.ckpt"))
     for rank in range(world):
         tail = straight[rank]["params"][-len(resumed[rank]["params"]):]

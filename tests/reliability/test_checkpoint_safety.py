@@ -12,6 +12,7 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.checkpoint_shards import read_shards
 from lightning_gradcomp.compressors import CLTK, Compressor, TopK
 from lightning_gradcomp.strategy import CHECKPOINT_KEY, verify_checkpoint_file
 from reliability.launch import STATEFUL, load, losses, run, text
@@ -44,7 +45,9 @@ def test_every_checkpoint_loads_with_weights_only(killed_run: Any, case: str) ->
     for path in files:
         saved = torch.load(path, weights_only=True)
         entry = saved["swarm" if case == "swarm" else CHECKPOINT_KEY]
-        assert entry["world_size"] == 2 and len(entry["per_rank"]) == 2
+        assert entry["world_size"] == 2 and len(entry["per_rank" if case == "swarm" else "shards"]) == 2
+        if case != "swarm":
+            entry = {"manifest": entry, "shards": read_shards(path)}  # read with weights_only=True
         assert all(isinstance(leaf, (torch.Tensor, int, float, str, bool, type(None))) for leaf in _leaves(entry))
         verify_checkpoint_file(path)  # intact
 
@@ -93,7 +96,9 @@ def test_intact_file_loads_and_stashes_this_ranks_state(topk_checkpoint: Path) -
     strategy = _strategy(TopK(0.05), rank=1)
     checkpoint = strategy.load_checkpoint(topk_checkpoint)
     state, per_rank = strategy._pending
-    assert per_rank and state is checkpoint[CHECKPOINT_KEY]["per_rank"][1] and state["memory"]
+    assert per_rank and checkpoint[CHECKPOINT_KEY]["shards"][1]["rank"] == 1 and state["memory"]
+    want = read_shards(topk_checkpoint)[1]["memory"]
+    assert state["memory"].keys() == want.keys() and all(torch.equal(state["memory"][k], want[k]) for k in want)
 
 
 def test_another_compressor_is_rejected_naming_both(topk_checkpoint: Path) -> None:
@@ -107,11 +112,11 @@ def test_malformed_entry_is_rejected(topk_checkpoint: Path, tmp_path: Path, edit
     saved = torch.load(topk_checkpoint, weights_only=True)
     entry = saved[CHECKPOINT_KEY]
     if edit == "missing_rank":
-        entry["per_rank"] = entry["per_rank"][:1]
+        entry["shards"] = entry["shards"][:1]
     elif edit == "not_a_dict":
         saved[CHECKPOINT_KEY] = [entry]
     elif edit == "rank_entry_not_a_dict":
-        entry["per_rank"][1] = "state"
+        entry["shards"][1] = "state"
     else:
         del entry["compressor"]
     path = tmp_path / "edited.ckpt"

@@ -41,7 +41,7 @@ def test_killed_rank_in_a_fresh_interpreter_surfaces_within_60s(tmp_path: Path) 
     _assert_surfaced(killed, gradcomp=True)
     assert "Traceback" in killed.survivor_error  # printed on the survivor's stderr, not only recorded
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)  # the checkpoint before the kill
-    assert saved["global_step"] == CKPT_STEP and len(saved["gradcomp"]["per_rank"]) == 2
+    assert saved["global_step"] == CKPT_STEP and len(saved["gradcomp"]["shards"]) == 2
 
 
 @pytest.mark.parametrize("case", STATEFUL)
@@ -133,7 +133,7 @@ def _check_resumed_on_new_world(out: Path, ckpt: Path, case: str, old: int, new:
         assert all(s["round_index"] == counters["round_index"] for s in starts)
     else:
         assert "per-rank state (error-feedback memories, compressor state) is reset" in warning
-        kept = saved["gradcomp"]["per_rank"][0]
+        kept = saved["gradcomp"]["replicated"]
         for start in starts:
             hook = start["hook"]
             assert hook["step"] == kept["step"] and hook["layer_params"] == kept["layer_params"]
@@ -146,7 +146,7 @@ def _check_resumed_on_new_world(out: Path, ckpt: Path, case: str, old: int, new:
     ends = [load(out, "end", r) for r in range(new)]
     if case != "swarm":  # still one model, still compressed
         assert all(torch.equal(end["params"], ends[0]["params"]) for end in ends)
-        assert all(end["hook"]["step"] == saved["gradcomp"]["per_rank"][0]["step"] + steps for end in ends)
+        assert all(end["hook"]["step"] == saved["gradcomp"]["replicated"]["step"] + steps for end in ends)
         assert ends[0]["hook"]["stats"]["compressed_steps"] > 0
 
 
