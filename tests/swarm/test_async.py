@@ -84,9 +84,11 @@ def test_async_exchanges_pair_consistently_and_send_one_message_each(tmp_path: P
     _, probes = _run(tmp_path, "basic", 4, strategy, {"sleep": 0.005}, model=TinyNet(samples=128, batch_size=8),
                      max_epochs=4)
     _check_logs_consistent(probes)
+    # pairing is opportunistic: under heavy load a rank may find no partner in its 16 steps, but some pair did
+    assert sum(p["swarm"]["exchanges"] for p in probes) >= 2
     for p in probes:
         swarm = p["swarm"]
-        assert swarm["exchanges"] == len(p["log"]) > 0
+        assert swarm["exchanges"] == len(p["log"])
         assert swarm["fallbacks"] == 0
         assert p["comm"]["wire_bytes"] == swarm["exchanges"] * p["message"]  # one coded message per exchange
         steps = [entry[0] for entry in p["log"]]
@@ -138,10 +140,10 @@ def _dead_partner_worker(rank: int, port: int, results: Any) -> None:
     matchmaker = StoreMatchmaker(store, rank, [1 - rank])
     matchmaker.reset()
     dist.barrier(group=group)
-    if rank == 1:  # claim rank 0's offer, then die without exchanging
-        while not store.get("state/0").decode().startswith("wait:"):
-            time.sleep(0.01)
-        assert matchmaker.claim(step=1) is not None
+    if rank == 1:  # claim one of rank 0's offers, then die without exchanging
+        # rank 0 withdraws and republishes at every step, so a claim can lose the race to a withdrawal: retry
+        while matchmaker.claim(step=1) is None:
+            time.sleep(0.001)
         os._exit(0)
     engine = PairwiseGossip(Comm(group), 1000, LatticeCodec())
     engine.anchor = torch.zeros(1000)
