@@ -127,6 +127,7 @@ class GradCompHook:
         self.observers: list[HookObserver] = []
         self.loss_scale: Optional[Callable[[], Optional[Tensor]]] = None
         self._plans: dict[int, tuple[tuple[int, ...], BucketPlan]] = {}
+        self._small: set[str] = set()  # compressed slots that use policy.small_param
         self._auto_commit = True      # no optimizer attached: every backward pass is a step
         self._in_backward = False     # between the first and the last bucket of a backward pass
         self._unstepped = False       # a backward pass went through the hook since the last step
@@ -149,6 +150,7 @@ class GradCompHook:
         if cached is None or cached[0] != key:
             plan = build_plan(bucket.index(), params, self.param_names, self.policy, self.compressor.accepts)
             self._plans[bucket.index()] = (key, plan)
+            self._small.update(slot.name for slot in plan.slots if slot.small)
             return plan
         return cached[1]
 
@@ -158,7 +160,8 @@ class GradCompHook:
 
     def param_of(self, name: str) -> Any:
         """The compression parameter used for layer ``name`` at the current step (schedule applied)."""
-        base = self.layer_params.get(name, self.compressor.default_param)
+        default = self.policy.small_param if name in self._small else self.compressor.default_param
+        base = self.layer_params.get(name, default)
         if self.schedule is None or self._scheduled == self.compressor.default_param:
             return base
         return scheduled_param(self.compressor, base, self._scheduled)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -19,12 +19,14 @@ class LayerSlot:
         offset: first element in the flat bucket buffer.
         shape: the parameter's shape; ``numel`` elements follow ``offset``.
         compressed: whether the compressor handles it (else it joins the dense all-reduce).
+        small: compressed only because the policy has a ``small_param`` (the size rule alone would send it dense).
     """
 
     name: str
     offset: int
     shape: tuple[int, ...]
     compressed: bool
+    small: bool = False
 
     @property
     def numel(self) -> int:
@@ -47,10 +49,13 @@ class SlotPolicy:
     Args:
         min_numel: smallest tensor (in elements) that is compressed.
         compress_1d: also compress vectors (biases, norm weights).
+        small_param: when set, the tensors this rule leaves out are compressed too, with this compression
+            parameter (e.g. a density of 0.25) instead of going dense; ``None``: they go dense.
     """
 
     min_numel: int = 1024
     compress_1d: bool = False
+    small_param: Any = None
 
     def wants(self, shape: Sequence[int]) -> bool:
         """Whether a tensor of ``shape`` should be compressed."""
@@ -98,6 +103,8 @@ def build_plan(index: int, params: Sequence[torch.Tensor], names: dict[int, str]
         slot = LayerSlot(name, offset, shape, compressed=False)
         if policy.wants(shape) and accepts(slot):
             slot = LayerSlot(name, offset, shape, compressed=True)
+        elif policy.small_param is not None and accepts(slot):
+            slot = LayerSlot(name, offset, shape, compressed=True, small=True)
         slots.append(slot)
         offset += slot.numel
     return BucketPlan(index=index, numel=offset, slots=tuple(slots))

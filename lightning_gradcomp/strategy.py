@@ -74,6 +74,9 @@ class GradCompStrategy(DDPStrategy):
             At least 2, because DDP rebuilds its buckets after the first step.
         min_numel: smallest tensor (elements) that is compressed; smaller ones go dense.
         compress_1d: also compress 1-D tensors (biases, norm weights); off by default.
+        small_param: compress the tensors that ``min_numel`` / ``compress_1d`` leave out too, with this
+            compression parameter (a density such as 0.25 for the sparsifiers, bits for the quantizers) instead
+            of all-reducing them dense: on small models they otherwise cap the ratio. ``None``: dense.
         beta: error-feedback low-pass factor in (0, 1] (1 = classic error feedback).
         seed: base seed of the compressors' generators (shared and per-rank streams derive from it).
         nonfinite: what happens to a bucket whose gradient holds NaN/Inf on some rank (memories and
@@ -97,7 +100,7 @@ class GradCompStrategy(DDPStrategy):
     strategy_name = "gradcomp"
 
     def __init__(self, compressor: Union[Compressor, str, None] = None, start_step: int = 2, min_numel: int = 1024,
-                 compress_1d: bool = False, beta: float = 1.0, seed: int = 0, nonfinite: str = "dense",
+                 compress_1d: bool = False, small_param: Union[int, float, None] = None, beta: float = 1.0, seed: int = 0, nonfinite: str = "dense",
                  layerwise: Optional[Callback] = None,
                  schedule: Union[CompressionSchedule, dict[int, float], None] = None,
                  timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT, **kwargs: Any) -> None:
@@ -109,7 +112,8 @@ class GradCompStrategy(DDPStrategy):
         self.start_step = int(check_number("start_step", start_step, 2, float("inf"), low_open=False, integer=True))
         self.policy = SlotPolicy(
             min_numel=int(check_number("min_numel", min_numel, 1, float("inf"), low_open=False, integer=True)),
-            compress_1d=_check_bool("compress_1d", compress_1d))
+            compress_1d=_check_bool("compress_1d", compress_1d),
+            small_param=_check_small_param(small_param, self.compressor))
         self.beta = validate_beta(beta)
         self.schedule = as_schedule(schedule, self.compressor)
         self.seed = int(check_number("seed", seed, 0, 2**63 - 1, low_open=False, integer=True))
@@ -416,6 +420,19 @@ def _as_compressor(compressor: Union[Compressor, str, None]) -> Compressor:
         raise TypeError(f"`compressor` must be a Compressor instance or a registered name "
                         f"({', '.join(registry.list())}), got {compressor!r}")
     return compressor
+
+
+def _check_small_param(value: Any, compressor: Compressor) -> Any:
+    """``small_param`` checked against the compressor's parameter range (``None`` passes)."""
+    if value is None:
+        return None
+    if compressor.param_name is None:
+        raise ValueError(f"`small_param` needs a compressor with a compression parameter (ratio, rank or bits); "
+                         f"{compressor!r} has none")
+    try:
+        return compressor.check_param(value)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"`small_param`: {err}") from None
 
 
 def _check_bool(name: str, value: Any) -> bool:
