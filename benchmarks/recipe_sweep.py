@@ -7,7 +7,7 @@
 A setting is ``name=config [LightningCLI overrides...]`` (``config`` names ``recipes/configs/<task>/<config>.yaml``).
 Every run is ``python -m recipes.<task> fit -c ... --seed_everything=<seed> <overrides>`` from the repository root;
 its summary goes to ``<out>/<task>/<name>/seed<seed>.json`` and an existing summary is reused (``--table`` trains
-nothing). Ratios are whole-run: the sum over the run of the dense-equivalent bytes over the bytes sent.
+nothing; ``--plot`` draws metric against ratio). Ratios are whole-run: the sum over the run of the dense-equivalent bytes over the bytes sent.
 """
 
 from __future__ import annotations
@@ -72,6 +72,36 @@ def table(task: str, rows: list[tuple[str, str, list[str], dict[int, dict]]], re
     return "\n".join(lines)
 
 
+def plot(task: str, rows: list[tuple[str, str, list[str], dict[int, dict]]], path: Path,
+         reference: Optional[str]) -> None:
+    """Metric against whole-run compression ratio (log x), one point per seed and the mean per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _, metric_name, _ = METRICS[task]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, _, _, runs in rows:
+        if not runs:
+            continue
+        points = [summarize(task, runs[s]) for s in sorted(runs)]
+        xs, ys = [r for _, r in points], [m for m, _ in points]
+        line = ax.scatter(xs, ys, s=14, alpha=0.5)
+        ax.scatter([statistics.mean(xs)], [statistics.mean(ys)], s=60, color=line.get_facecolor()[0], label=name,
+                   marker="D" if name == reference else "o")
+    ax.axvline(65, color="grey", linestyle=":", label="65x")
+    ax.set_xscale("log")
+    ax.set_xlabel("whole-run compression ratio (dense bytes / bytes sent)")
+    ax.set_ylabel(metric_name)
+    ax.set_title(f"{task}: accuracy against bytes (small dots: seeds, large: mean)")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"[sweep] wrote {path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("task", choices=sorted(METRICS))
@@ -80,6 +110,7 @@ def main() -> int:
     parser.add_argument("--reference", default="dense", help="setting the gaps are measured against")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "sweep")
     parser.add_argument("--table", action="store_true", help="only print the table of existing summaries")
+    parser.add_argument("--plot", type=Path, default=None, help="also draw metric against ratio into this PNG")
     args = parser.parse_args()
     rows = []
     for text in args.setting:
@@ -95,6 +126,8 @@ def main() -> int:
                 print(f"[sweep] {args.task} {name} seed {seed}: {metric:.2f} at {ratio:.1f}x", flush=True)
         rows.append((name, config, overrides, runs))
     print(table(args.task, rows, args.reference))
+    if args.plot is not None:
+        plot(args.task, rows, args.plot, args.reference)
     return 0
 
 
