@@ -19,6 +19,10 @@ point-to-point send    ``B``
 
 The formulas are pure functions so tests can check counts against them without processes.
 
+With ``GradCompStrategy(hierarchy=...)`` the hook also reduces inside each node: a :class:`Comm` made with
+``intra=True`` counts its bytes as :attr:`CommStats.intra_bytes` (fast links), and ``wire_bytes`` are then the
+bytes sent over the slow, inter-node links only.
+
 :func:`then_same_numerics` is how every ``Future`` callback that computes floating-point results is attached:
 it makes the callback compute the same bits whichever thread runs it.
 """
@@ -137,8 +141,10 @@ class CommStats:
     """Cumulative communication figures of one rank.
 
     Attributes:
-        wire_bytes: bytes this rank put on the wire, by the formulas in this module.
-        dense_bytes: bytes dense DDP (fp32 ring all-reduce of every bucket) would have sent.
+        wire_bytes: bytes this rank put on the wire, by the formulas in this module; with
+            ``hierarchy=`` the inter-node bytes only (collectives over the cross-node group).
+        intra_bytes: with ``hierarchy=``, the bytes of the collectives inside the node (fast links); 0 when flat.
+        dense_bytes: bytes dense DDP (fp32 ring all-reduce of every bucket over all W ranks) would have sent.
         steps: optimizer steps whose gradients went through the hook.
         compressed_steps: steps at which the compressor ran (after ``start_step``).
         collectives: number of collectives issued.
@@ -150,6 +156,7 @@ class CommStats:
     """
 
     wire_bytes: float = 0.0
+    intra_bytes: float = 0.0
     dense_bytes: float = 0.0
     steps: int = 0
     compressed_steps: int = 0
@@ -182,10 +189,16 @@ class CommStats:
         for name, n in shares:
             self.layer(name).wire_bytes += nbytes * n / total
 
+    def add_intra(self, nbytes: float) -> None:
+        """Count ``nbytes`` sent inside the node (``hierarchy=``: fast links; not attributed to layers)."""
+        self.intra_bytes += nbytes
+        self.collectives += 1
+
     def state_dict(self) -> dict[str, Any]:
         """Plain, ``weights_only``-loadable representation."""
         return {
             "wire_bytes": self.wire_bytes,
+            "intra_bytes": self.intra_bytes,
             "dense_bytes": self.dense_bytes,
             "steps": self.steps,
             "compressed_steps": self.compressed_steps,
@@ -198,7 +211,7 @@ class CommStats:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`."""
-        for key in ("wire_bytes", "dense_bytes", "steps", "compressed_steps", "collectives",
+        for key in ("wire_bytes", "intra_bytes", "dense_bytes", "steps", "compressed_steps", "collectives",
                     "nonfinite_steps", "hook_seconds", "comm_thread_seconds"):
             setattr(self, key, state.get(key, getattr(self, key)))
         self.layers = {k: LayerStats(**v) for k, v in state.get("layers", {}).items()}
@@ -214,18 +227,28 @@ class Comm:
     Args:
         group: the process group (``None``: the default group).
         stats: where counts go (a new :class:`CommStats` when omitted).
+        intra: the group is inside one node (``hierarchy=``): bytes go to ``stats.intra_bytes``, not
+            ``stats.wire_bytes``.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None, *,
+                 intra: bool = False) -> None:
         self.group = group
         self.stats = stats if stats is not None else CommStats()
+        self.intra = intra
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+
+    def _count(self, nbytes: float, shares: Optional[LayerShares]) -> None:
+        if self.intra:
+            self.stats.add_intra(nbytes)
+        else:
+            self.stats.add_wire(nbytes, shares)
 
     def all_reduce(self, tensor: Tensor, *, async_op: bool = False, op: Any = dist.ReduceOp.SUM,
                    shares: Optional[LayerShares] = None) -> Optional[Future]:
         """In-place sum (or ``op``) across ranks. With ``async_op`` returns a ``Future[Tensor]``."""
-        self.stats.add_wire(all_reduce_bytes(_nbytes(tensor), self.world_size), shares)
+        self._count(all_reduce_bytes(_nbytes(tensor), self.world_size), shares)
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
         if not async_op:
             return None
@@ -233,7 +256,7 @@ class Comm:
 
     def all_gather(self, tensor: Tensor, *, shares: Optional[LayerShares] = None) -> Tensor:
         """Gather equal-sized ``tensor`` from every rank; returns shape ``(W, *tensor.shape)``."""
-        self.stats.add_wire(all_gather_bytes(_nbytes(tensor), self.world_size), shares)
+        self._count(all_gather_bytes(_nbytes(tensor), self.world_size), shares)
         out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out, tensor.contiguous().reshape(-1), group=self.group)
@@ -241,18 +264,18 @@ class Comm:
 
     def broadcast(self, tensor: Tensor, src: int, *, shares: Optional[LayerShares] = None) -> None:
         """In-place broadcast of ``tensor`` from group rank ``src``."""
-        self.stats.add_wire(broadcast_bytes(_nbytes(tensor), self.world_size), shares)
+        self._count(broadcast_bytes(_nbytes(tensor), self.world_size), shares)
         dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
 
     def all_to_all(self, output: Tensor, tensor: Tensor, *, shares: Optional[LayerShares] = None) -> None:
         """Exchange equal chunks: chunk ``j`` of ``tensor`` goes to rank ``j``, into ``output``."""
-        self.stats.add_wire(all_to_all_bytes(_nbytes(tensor), self.world_size), shares)
+        self._count(all_to_all_bytes(_nbytes(tensor), self.world_size), shares)
         dist.all_to_all_single(output, tensor, group=self.group)
 
     def exchange(self, send: Tensor, recv: Tensor, peer: int, *, async_op: bool = False,
                  shares: Optional[LayerShares] = None) -> list[dist.Work]:
         """Send ``send`` to and receive ``recv`` from group rank ``peer`` (both posted together)."""
-        self.stats.add_wire(p2p_bytes(_nbytes(send), self.world_size), shares)
+        self._count(p2p_bytes(_nbytes(send), self.world_size), shares)
         global_peer = dist.get_global_rank(self.group, peer) if self.group else peer
         ops = [dist.P2POp(dist.isend, send, global_peer, self.group),
                dist.P2POp(dist.irecv, recv, global_peer, self.group)]

@@ -29,12 +29,22 @@ without a step in between (``zero_grad()`` before stepping, a skipped AMP step, 
 rank, a GAN's other optimizer). The step counter counts optimizer steps. Without an attached optimizer
 (raw use of the hook) every backward pass commits and counts as a step.
 
+With a :class:`~lightning_gradcomp.hierarchy.Hierarchy` (``GradCompStrategy(hierarchy=...)``) each bucket is first
+summed densely inside the node; each rank then runs steps 2-4 over its cross-node group for the slots it owns
+(the node-mean gradient of its owned compressed slots goes to the compressor, its owned dense slots and the flag
+to the head all-reduce, both divided by W as above, so their sum over nodes is the global mean); finally every
+rank zeroes the slots it does not own and the node all-reduces the bucket again, so every rank receives every
+slot. Before ``start_step`` (or for a dense compressor) the owned slots are all-reduced across nodes without the
+flag, like DDP. With a single node nothing is compressed: one dense all-reduce in the node, as DDP. See
+:mod:`lightning_gradcomp.hierarchy`.
+
 Under fp16 AMP (``loss_scale`` set) the compressed slots are divided by the loss scale before compression
 and the averaged result is multiplied by it on write-back; both are exact (the scale is a power of two),
 and every memory and compressor state stays in unscaled units, whatever the scaler does to the scale.
 """
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
@@ -46,6 +56,7 @@ from torch.futures import Future
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes, completed_future, then_same_numerics
 from lightning_gradcomp.commthread import CommThread
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
+from lightning_gradcomp.hierarchy import Hierarchy
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy, build_plan
 from lightning_gradcomp.schedule import CompressionSchedule, scheduled_param
@@ -105,14 +116,17 @@ class GradCompHook:
         nonfinite: ``"dense"`` or ``"zero"``: what a bucket holding NaN/Inf on some rank becomes.
         schedule: the compression parameter over steps (a checked
             :class:`~lightning_gradcomp.schedule.CompressionSchedule`), or ``None`` for the compressor's own.
+        hierarchy: this rank's node and cross-node groups and the slot owners (``hierarchy=`` of the
+            strategy), or ``None`` for the flat protocol over ``comm``. ``comm`` stays the world's (W).
     """
 
     def __init__(self, compressor: Compressor, comm: Comm, param_names: dict[int, str], *, start_step: int = 2,
                  policy: Optional[SlotPolicy] = None, seed: int = 0, beta: float = 1.0,
                  device: Optional[torch.device] = None, nonfinite: str = "dense",
-                 schedule: Optional[CompressionSchedule] = None) -> None:
+                 schedule: Optional[CompressionSchedule] = None, hierarchy: Optional[Hierarchy] = None) -> None:
         self.compressor = compressor
         self.comm = comm
+        self.hierarchy = hierarchy
         self.param_names = param_names
         self.start_step = start_step
         self.policy = policy or SlotPolicy()
@@ -217,8 +231,10 @@ class GradCompHook:
         buf = bucket.buffer()
         plan = self.plan_for(bucket)
         step = self.step
-        compressing = step >= self.start_step and not self.compressor.dense and bool(plan.compressed)
-        self._compressed |= step >= self.start_step and not self.compressor.dense
+        compresses = step >= self.start_step and not self.compressor.dense and (
+            self.hierarchy is None or self.hierarchy.layout.num_nodes > 1)  # one node: no slow hop to spare
+        compressing = compresses and bool(plan.compressed)
+        self._compressed |= compresses
         scale = self.loss_scale() if compressing and self.loss_scale is not None else None
         if self._thread is None or not self._thread.alive:
             self._thread = CommThread()
@@ -244,10 +260,14 @@ class GradCompHook:
         """One bucket's whole protocol, on the communication thread."""
         start = time.perf_counter()
         self._count_dense_equivalent(plan, buf)
-        if compressing:
-            fut = self._reduce_compressed(plan, buf, step, scale)
+        if self.hierarchy is not None and self.hierarchy.layout.num_nodes == 1:
+            fut = self._reduce_dense(plan, buf, self.hierarchy.intra)
+        elif self.hierarchy is not None:
+            fut = self._reduce_hierarchical(self.hierarchy, plan, buf, step, compressing, scale)
+        elif compressing:
+            fut = self._reduce_compressed(plan, buf, step, scale, self.comm, plan.dense, plan.compressed)
         else:
-            fut = self._reduce_dense(plan, buf)
+            fut = self._reduce_dense(plan, buf, self.comm)
         self.stats.comm_thread_seconds += time.perf_counter() - start
         return fut
 
@@ -260,36 +280,39 @@ class GradCompHook:
             layer.param = self.param_of(slot.name) if slot.compressed else None
             layer.dense_bytes += all_reduce_bytes(slot.numel * size, world)
 
-    def _reduce_dense(self, plan: BucketPlan, buf: Tensor) -> Future:
-        """DDP's default: divide by W first, then one async all-reduce of the whole bucket."""
+    def _reduce_dense(self, plan: BucketPlan, buf: Tensor, comm: Comm) -> Future:
+        """DDP's default: divide by W first, then one async all-reduce of the whole bucket over ``comm`` (all W)."""
         buf.div_(self.comm.world_size)
-        fut = self.comm.all_reduce(buf, async_op=True, shares=[(s.name, s.numel) for s in plan.slots])
+        fut = comm.all_reduce(buf, async_op=True, shares=[(s.name, s.numel) for s in plan.slots])
         assert fut is not None
         return fut
 
-    def _reduce_compressed(self, plan: BucketPlan, buf: Tensor, step: int, scale: Optional[Tensor]) -> Future:
-        world = self.comm.world_size
-        dense, comp = plan.dense, plan.compressed
-        flag = (~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1)  # NaN/Inf anywhere -> sum
-        head = torch.cat([*(buf[s.offset:s.end] for s in dense), flag]).div_(world)
-        self.comm.all_reduce(head, shares=[(s.name, s.numel) for s in dense])
-        for slot, piece in zip(dense, torch.split(head[:-1], [s.numel for s in dense])):
-            buf[slot.offset:slot.end].copy_(piece)
-        if bool(head[-1] != 0):
-            return self._reduce_nonfinite(plan, buf)
+    def _reduce_compressed(self, plan: BucketPlan, buf: Tensor, step: int, scale: Optional[Tensor], comm: Comm,
+                           dense: tuple[LayerSlot, ...], comp: tuple[LayerSlot, ...], node_size: int = 1) -> Future:
+        """Reduce ``dense`` and ``comp`` (slots of ``buf``) over ``comm``; the Future resolves to ``buf``.
+
+        ``buf`` holds the sum of ``node_size`` ranks' gradients (1: this rank's own; with a hierarchy, the node's),
+        so the compressor's inputs are divided by ``node_size`` (node means) and every dense sum by W.
+        """
+        if self._head(buf, dense, comm, flag=True):
+            return self._reduce_nonfinite(buf, comp, comm)
+        if not comp:  # a hierarchy rank owning no compressed slot of this bucket (same on its cross-node group)
+            return completed_future(buf)
 
         use_ef = self.compressor.uses_error_feedback
         if scale is not None:
             scale = scale.to(device=buf.device, dtype=torch.float32).reshape(1)
+        divisor = scale if node_size == 1 else torch.full((1,), float(node_size), device=buf.device).mul_(
+            1.0 if scale is None else scale)
         grads = [buf[s.offset:s.end] for s in comp]
-        tensors = [self.memory.compensate(s.name, g, scale) if use_ef else _unscaled(g, scale)
+        tensors = [self.memory.compensate(s.name, g, divisor) if use_ef else _unscaled(g, divisor)
                    for s, g in zip(comp, grads)]
         watchers = [obs for obs in self.observers if obs.wants(step)]
         inputs = [t.clone() for t in tensors] if watchers else []
         raw = None
         if any(getattr(obs, "needs_gradients", False) for obs in watchers):  # without EF the inputs are g already
-            raw = [_unscaled(g, scale) for g in grads] if use_ef else inputs
-        ctx = ReduceContext(self.comm, step, plan.index, comp, [self.param_of(s.name) for s in comp], self.seed)
+            raw = [_unscaled(g, divisor) for g in grads] if use_ef else inputs
+        ctx = ReduceContext(comm, step, plan.index, comp, [self.param_of(s.name) for s in comp], self.seed)
         reduction = reduce_with_feedback(self.compressor, self.memory if use_ef else None, tensors, ctx,
                                          watchers, inputs, raw)
 
@@ -302,24 +325,65 @@ class GradCompHook:
 
         return then_same_numerics(reduction.averaged, write_back)
 
-    def _reduce_nonfinite(self, plan: BucketPlan, buf: Tensor) -> Future:
-        """Some rank saw NaN/Inf: leave all state untouched; reduce densely or zero the bucket."""
+    def _head(self, buf: Tensor, dense: tuple[LayerSlot, ...], comm: Comm, flag: bool) -> bool:
+        """All-reduce ``dense`` (divided by W), plus a "NaN/Inf in ``buf``" flag when ``flag``, in **one**
+        collective over ``comm``; write them back. Returns whether any rank flagged (skipped when there is
+        nothing to send)."""
+        pieces = [buf[s.offset:s.end] for s in dense]
+        if flag:  # NaN/Inf anywhere -> sum
+            pieces.append((~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1))
+        if not pieces:
+            return False
+        head = torch.cat(pieces).div_(self.comm.world_size)
+        comm.all_reduce(head, shares=[(s.name, s.numel) for s in dense])
+        for slot, piece in zip(dense, torch.split(head[:head.numel() - int(flag)], [s.numel for s in dense])):
+            buf[slot.offset:slot.end].copy_(piece)
+        return flag and bool(head[-1] != 0)
+
+    def _reduce_nonfinite(self, buf: Tensor, comp: tuple[LayerSlot, ...], comm: Comm) -> Future:
+        """Some rank saw NaN/Inf: leave all state untouched; reduce ``comp`` densely over ``comm`` or zero ``buf``."""
         self.stats.nonfinite_steps += 1
         if self.nonfinite == "zero":
             buf.zero_()
             return completed_future(buf)
-        comp = plan.compressed
+        if not comp:  # a hierarchy rank owning no compressed slot of this bucket
+            return completed_future(buf)
         rest = torch.cat([buf[s.offset:s.end] for s in comp]).div_(self.comm.world_size)
-        self.comm.all_reduce(rest, shares=[(s.name, s.numel) for s in comp])
+        comm.all_reduce(rest, shares=[(s.name, s.numel) for s in comp])
         for slot, piece in zip(comp, torch.split(rest, [s.numel for s in comp])):
             buf[slot.offset:slot.end].copy_(piece)
         return completed_future(buf)
 
+    def _reduce_hierarchical(self, hierarchy: Hierarchy, plan: BucketPlan, buf: Tensor, step: int, compressing: bool,
+                             scale: Optional[Tensor]) -> Future:
+        """Node sum, then this rank's owned slots across nodes, then the node shares its averaged slots."""
+        intra = hierarchy.intra
+        intra.all_reduce(buf)  # (1) dense, fast links: buf = sum over the node
+        owned = tuple(s for s in plan.slots if hierarchy.owns(s.name))
+        if compressing:  # (2) owned slots across nodes: the flat protocol on the cross-node group
+            comp = tuple(s for s in owned if s.compressed)
+            dense = tuple(s for s in owned if not s.compressed)
+            self._reduce_compressed(plan, buf, step, scale, hierarchy.cross, dense, comp,
+                                    hierarchy.layout.group_size).wait()  # its averages are needed in (3)
+        else:
+            self._head(buf, owned, hierarchy.cross, flag=False)
+        mine = torch.zeros(buf.numel(), dtype=torch.bool, device=buf.device)
+        for slot in owned:
+            mine[slot.offset:slot.end] = True
+        buf.masked_fill_(~mine, 0)  # (3) every slot is non-zero on its owner only: the node sum hands it to all
+        fut = intra.all_reduce(buf, async_op=True)
+        assert fut is not None
+        return fut
+
     # ------------------------------------------------------------------ state
+    def _layout(self) -> Optional[list[int]]:
+        return None if self.hierarchy is None else self.hierarchy.describe()
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: step, memories, compressor state, per-layer parameters, stats."""
         return {
             "step": self.step,
+            "hierarchy": self._layout(),
             "beta": self.memory.beta,
             "memory": self.memory.state_dict(),
             "compressor": self.compressor.state_dict(),
@@ -331,8 +395,15 @@ class GradCompHook:
         """Restore :meth:`state_dict`; with ``per_rank=False`` only the replicated parts.
 
         Replicated parts (identical on every rank): step, beta, per-layer parameters.
-        Per-rank parts: memories, compressor state, stats.
+        Per-rank parts: memories, compressor state, stats. They are reset, with a warning, when the state was
+        saved with another ``hierarchy`` layout (a rank's memories then belong to other slots or units).
         """
+        saved = state.get("hierarchy")  # absent before hierarchy= existed: flat
+        if per_rank and saved != self._layout():
+            warnings.warn(f"GradCompHook: the state was saved with hierarchy layout {saved} ([nodes, processes per "
+                          f"node]; None: flat) and is restored into {self._layout()}: per-rank state (error-feedback "
+                          f"memories, compressor state) is reset; the step counter and per-layer parameters are kept")
+            per_rank = False
         self.step = int(state.get("step", 0))
         self.memory.beta = float(state.get("beta", self.memory.beta))
         self.layer_params = dict(state.get("layer_params", {}))

@@ -26,6 +26,7 @@ from lightning_gradcomp.compressors.cast import Cast
 from lightning_gradcomp.compressors.none import NoCompression
 from lightning_gradcomp.compressors.randomk import RandomK
 from lightning_gradcomp.compressors.topk import TopK
+from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, HierarchySpec, check_hierarchy, group_size_for
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta
 from lightning_gradcomp.plan import SlotPolicy
@@ -93,6 +94,11 @@ class GradCompStrategy(DDPStrategy):
         timeout: process-group timeout, a ``timedelta`` or seconds (> 0); ``None`` uses PyTorch's backend
             default. A collective raises after waiting this long for a rank that hangs (a rank that dies is
             noticed at once). Default :data:`DEFAULT_TIMEOUT` (10 minutes).
+        hierarchy: compress only the slow, inter-node hops (:mod:`lightning_gradcomp.hierarchy`): ``None``
+            (default) reduces flat over all ranks; ``"node"`` sums each bucket densely over the processes of one
+            machine (``devices`` per node) and compresses across machines; an ``int`` ``k`` treats ranks
+            ``[0..k-1]``, ``[k..2k-1]``, ... as nodes (it must divide the world size; for tests on one machine).
+            Each local rank compresses the layers it owns (a balanced split by size, fixed for the run).
         **kwargs: any :class:`~lightning.pytorch.strategies.DDPStrategy` argument, except the comm-hook
             and model-averaging ones, which this strategy replaces.
     """
@@ -103,7 +109,8 @@ class GradCompStrategy(DDPStrategy):
                  compress_1d: bool = False, small_param: Union[int, float, None] = None, beta: float = 1.0, seed: int = 0, nonfinite: str = "dense",
                  layerwise: Optional[Callback] = None,
                  schedule: Union[CompressionSchedule, dict[int, float], None] = None,
-                 timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT, **kwargs: Any) -> None:
+                 timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT, hierarchy: HierarchySpec = None,
+                 **kwargs: Any) -> None:
         for name in _INCOMPATIBLE:
             if kwargs.get(name) is not None:
                 raise ValueError(f"`{name}` cannot be combined with GradCompStrategy: it installs its own "
@@ -123,6 +130,7 @@ class GradCompStrategy(DDPStrategy):
         if layerwise is not None and not isinstance(layerwise, Callback):
             raise TypeError(f"`layerwise` must be a Lightning Callback such as LGreCo(...), got {layerwise!r}")
         self.layerwise: Optional[Callback] = copy.deepcopy(layerwise)
+        self.hierarchy = _check_hierarchy_combination(check_hierarchy(hierarchy), self.compressor, self.layerwise)
         super().__init__(timeout=check_timeout(timeout), **kwargs)
         self._hook: Optional[GradCompHook] = None
         self._pending: Optional[tuple[dict[str, Any], bool]] = None
@@ -159,8 +167,8 @@ class GradCompStrategy(DDPStrategy):
             raise RuntimeError("set_layer_params() needs the hook: call it during fit")
         self._hook.layer_params.update(checked)
 
-    def make_hook(self, comm: Comm, param_names: dict[int, str],
-                  device: Optional[torch.device] = None) -> GradCompHook:
+    def make_hook(self, comm: Comm, param_names: dict[int, str], device: Optional[torch.device] = None,
+                  hierarchy: Optional[Hierarchy] = None) -> GradCompHook:
         """Build this strategy's hook engine for one rank: the single place a :class:`GradCompHook` is assembled.
 
         The strategy itself, ``lightning-gradcomp bench`` and the benchmark scripts all call this, so what is
@@ -171,18 +179,35 @@ class GradCompStrategy(DDPStrategy):
             comm: this rank's byte-counting collectives.
             param_names: ``id(parameter) -> qualified name``.
             device: where restored state tensors go (the gradients' device).
+            hierarchy: this rank's node/cross-node groups (:meth:`Hierarchy.create`), or ``None`` (flat).
         """
         compressor = self.compressor.clone()
         compressor.prepare()
         hook = GradCompHook(compressor, comm, param_names, start_step=self.start_step, policy=self.policy,
                             seed=self.seed, beta=self.beta, device=device, nonfinite=self.nonfinite,
-                            schedule=self.schedule)
+                            schedule=self.schedule, hierarchy=hierarchy)
         hook.loss_scale = self._loss_scale
         return hook
 
     def bind_hook(self, hook: GradCompHook) -> None:
         """Make ``hook`` this strategy's engine (what a fit does; the bench, which has no Trainer, calls it)."""
         self._hook = hook
+
+    def _hierarchy_layout(self) -> HierarchyLayout:
+        """The node layout ``hierarchy`` means here (in the worker, once the world is known).
+
+        Raises:
+            ValueError: the group size does not divide the world size, or (``"node"``) Lightning's ranks are not
+                numbered ``node_rank * devices + local_rank``.
+        """
+        size = group_size_for(self.hierarchy, self.world_size, self.num_processes)
+        if self.hierarchy == "node" and (self.world_size != self.num_nodes * size
+                                         or self.global_rank != self.node_rank * size + self.local_rank):
+            raise ValueError(f"`hierarchy='node'` needs ranks numbered node_rank * devices + local_rank over "
+                             f"num_nodes * devices processes; rank {self.global_rank} of {self.world_size} has "
+                             f"node_rank {self.node_rank}, local_rank {self.local_rank} ({self.num_nodes} nodes x "
+                             f"{size} devices): pass an int `hierarchy` or fix the launcher's rank order")
+        return HierarchyLayout(self.world_size, size)
 
     def _loss_scale(self) -> Optional[torch.Tensor]:
         """The fp16 AMP GradScaler's current scale (a one-element tensor, read without a host sync), if any."""
@@ -207,6 +232,8 @@ class GradCompStrategy(DDPStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         """DDP's setup, then attach the hook to every optimizer: state is committed by optimizer steps."""
+        if self.hierarchy is not None:
+            _check_hierarchy_callbacks(trainer.callbacks)
         super().setup(trainer)
         if self._hook is not None:
             for optimizer in self.optimizers:
@@ -225,7 +252,12 @@ class GradCompStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         if self._hook is None:
             names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-            self._hook = self.make_hook(Comm(self.model.process_group, CommStats()), names, self.root_device)
+            stats = CommStats()
+            hierarchy = None
+            if self.hierarchy is not None:
+                numels = {n: p.numel() for n, p in self.lightning_module.named_parameters() if p.requires_grad}
+                hierarchy = Hierarchy.create(self._hierarchy_layout(), self.global_rank, numels, stats, self._timeout)
+            self._hook = self.make_hook(Comm(self.model.process_group, stats), names, self.root_device, hierarchy)
             if self._pending is not None:
                 state, per_rank = self._pending
                 self._hook.load_state_dict(state, per_rank=per_rank)
@@ -420,6 +452,34 @@ def _as_compressor(compressor: Union[Compressor, str, None]) -> Compressor:
         raise TypeError(f"`compressor` must be a Compressor instance or a registered name "
                         f"({', '.join(registry.list())}), got {compressor!r}")
     return compressor
+
+
+def _check_hierarchy_combination(hierarchy: HierarchySpec, compressor: Compressor,
+                                 layerwise: Optional[Callback]) -> HierarchySpec:
+    """Refuse ``hierarchy=`` with a compressor or ``layerwise`` callback that needs every layer on every rank."""
+    if hierarchy is None:
+        return None
+    if not compressor.hierarchical:
+        raise ValueError(f"{type(compressor).__name__} cannot run with `hierarchy={hierarchy!r}`: it needs every rank "
+                         f"of the world (hierarchical mode hands each compressor node-mean gradients over the "
+                         f"cross-node group); use hierarchy=None")
+    if layerwise is not None:
+        raise ValueError(f"`layerwise={type(layerwise).__name__}(...)` cannot be combined with `hierarchy="
+                         f"{hierarchy!r}`: each rank only compresses the layers it owns, and the per-layer tuning "
+                         f"averages statistics of every layer over all ranks; use hierarchy=None")
+    return hierarchy
+
+
+def _check_hierarchy_callbacks(callbacks: list[Callback]) -> None:
+    """Refuse callbacks that exchange every layer's compression state between all ranks (each rank owns some)."""
+    from lightning_gradcomp.callbacks import LGreCo, LowPassMemoryFilter  # noqa: PLC0415 - callbacks import us
+
+    for cb in callbacks:
+        if isinstance(cb, LGreCo) or (isinstance(cb, LowPassMemoryFilter) and cb.similarity_every_n_steps):
+            what = "LGreCo" if isinstance(cb, LGreCo) else "LowPassMemoryFilter(similarity_every_n_steps=...)"
+            raise ValueError(f"{what} cannot be combined with GradCompStrategy(hierarchy=...): each rank holds the "
+                             f"compression state of the layers it owns only; use hierarchy=None"
+                             + ("" if isinstance(cb, LGreCo) else " or similarity_every_n_steps=0"))
 
 
 def _check_small_param(value: Any, compressor: Compressor) -> Any:

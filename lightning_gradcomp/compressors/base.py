@@ -132,6 +132,13 @@ class Compressor(ABC):
     dense: ClassVar[bool] = False
     """True when the compressor is a plain dense all-reduce (the engine takes its fast path)."""
 
+    hierarchical: ClassVar[bool] = True
+    """Whether it can run under ``GradCompStrategy(hierarchy=...)``: on the node-mean gradients of the slots a rank
+    owns, over the cross-node group (``ctx.comm``, ``ctx.rank`` = node, ``ctx.world_size`` = number of nodes).
+    Any compressor that communicates only through ``ctx.comm`` and keys its state by ``slot.name`` can; set
+    ``False`` when it needs every rank of the world (collectives outside ``ctx.comm``, or state that must see
+    each rank's own gradient), and the strategy refuses the combination at construction."""
+
     @property
     def uses_error_feedback(self) -> bool:
         """Whether the engine keeps an error-feedback memory for this compressor."""

@@ -1,0 +1,184 @@
+r"""Hierarchical reduction: a dense all-reduce inside each node, compression only across nodes.
+
+``GradCompStrategy(hierarchy=...)`` splits the W ranks into N "nodes" of L consecutive ranks (``[0..L-1]``,
+``[L..2L-1]``, ...: Lightning numbers ranks ``node_rank * L + local_rank``). Each rank belongs to two extra
+process groups: its **node group** (the L ranks of its node, fast links) and its **cross-node group** (the N
+ranks with its local rank, one per node: the slow links).
+
+Every parameter has an **owner**, a local rank chosen once from the names and sizes of all parameters of the
+model (:func:`assign_owners`: largest first, to the least loaded local rank), never from DDP's buckets, so it
+is the same before and after DDP's bucket rebuild and across resumes. Per bucket (:class:`Hierarchy` holds this
+rank's view; the protocol itself is in :meth:`GradCompHook._reduce_hierarchical
+<lightning_gradcomp.hook.GradCompHook._reduce_hierarchical>`):
+
+1. The bucket is summed over the node (one dense all-reduce in the node group).
+2. Each local rank reduces *the slots it owns* over its cross-node group: the compressor (with error feedback,
+   memories kept by the owner) on the node-mean of its compressed slots, and one all-reduce of its dense slots
+   plus the non-finite flag. The compressor sees the cross-node ``Comm``: ``ctx.rank`` is the node index,
+   ``ctx.world_size`` is N (CLT-k's leader rotates over nodes).
+3. Each rank zeroes the slots it does not own and the node group all-reduces the bucket again: every rank gets
+   every averaged slot (``x + 0 = x``: exact).
+
+Bytes per rank for a bucket of ``B`` bytes (ring formulas, :mod:`lightning_gradcomp.comm`): intra-node
+``2 * 2 (L-1)/L * B`` (``CommStats.intra_bytes``), inter-node only this rank's owned share, over N ranks
+(``CommStats.wire_bytes``).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping, Optional, Union
+
+import torch.distributed as dist
+
+from lightning_gradcomp.comm import Comm, CommStats
+
+__all__ = ["Hierarchy", "HierarchyLayout", "assign_owners", "check_hierarchy", "group_size_for"]
+
+HierarchySpec = Union[str, int, None]
+"""What ``GradCompStrategy(hierarchy=...)`` accepts: ``None``, ``"node"`` or a group size."""
+
+_ALLOWED = "None (flat), 'node' (the processes of one machine) or a positive int group size dividing the world size"
+
+
+def check_hierarchy(value: HierarchySpec) -> HierarchySpec:
+    """Validate ``hierarchy`` at construction; return it unchanged.
+
+    Raises:
+        ValueError: anything but ``None``, ``"node"`` or a positive ``int``; the message names ``hierarchy``
+            and the allowed values.
+    """
+    if value is None or value == "node":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`hierarchy` must be {_ALLOWED}; got {value!r}")
+    return value
+
+
+def group_size_for(hierarchy: HierarchySpec, world_size: int, processes_per_node: int) -> int:
+    """The node size L that ``hierarchy`` means on ``world_size`` ranks with ``processes_per_node`` per machine.
+
+    Raises:
+        ValueError: the size does not divide ``world_size``; the message names ``hierarchy``.
+    """
+    size = processes_per_node if hierarchy == "node" else check_hierarchy(hierarchy)
+    if not isinstance(size, int) or size < 1 or world_size % size:
+        raise ValueError(f"`hierarchy={hierarchy!r}` gives node groups of {size} processes, which does not divide "
+                         f"the world size {world_size}; `hierarchy` must be {_ALLOWED}")
+    return size
+
+
+@dataclass(frozen=True)
+class HierarchyLayout:
+    """W ranks as N nodes of L consecutive ranks.
+
+    Attributes:
+        world_size: W.
+        group_size: L, processes per node (divides W).
+    """
+
+    world_size: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1 or self.world_size % self.group_size:
+            raise ValueError(f"group size {self.group_size} does not divide world size {self.world_size}")
+
+    @property
+    def num_nodes(self) -> int:
+        """N."""
+        return self.world_size // self.group_size
+
+    def node_of(self, rank: int) -> int:
+        """The node of global ``rank``."""
+        return rank // self.group_size
+
+    def local_rank(self, rank: int) -> int:
+        """``rank``'s index inside its node."""
+        return rank % self.group_size
+
+    def node_ranks(self, node: int) -> list[int]:
+        """The ranks of ``node`` (its node group), in local-rank order."""
+        return list(range(node * self.group_size, (node + 1) * self.group_size))
+
+    def cross_ranks(self, local_rank: int) -> list[int]:
+        """The ranks with ``local_rank``, one per node (a cross-node group), in node order."""
+        return list(range(local_rank, self.world_size, self.group_size))
+
+
+def assign_owners(numels: Mapping[str, int], group_size: int) -> dict[str, int]:
+    """The local rank owning each parameter: largest first, to the least loaded (ties: lowest local rank).
+
+    A pure function of the names and sizes (sorted by ``(-numel, name)``), so it is the same on every rank, for
+    any bucket layout and after a resume.
+
+    >>> assign_owners({"a": 10, "b": 6, "c": 5, "d": 1}, 2)
+    {'a': 0, 'b': 1, 'c': 1, 'd': 0}
+    """
+    loads = [0] * group_size
+    owners = {}
+    for name, numel in sorted(numels.items(), key=lambda item: (-item[1], item[0])):
+        owner = min(range(group_size), key=lambda j: (loads[j], j))
+        owners[name] = owner
+        loads[owner] += numel
+    return owners
+
+
+class Hierarchy:
+    """One rank's view of the hierarchy: its node and cross-node ``Comm`` and the owner of every parameter.
+
+    Args:
+        layout: the node layout.
+        rank: this rank's global rank.
+        intra: collectives over this rank's node group (bytes counted as ``CommStats.intra_bytes``).
+        cross: collectives over this rank's cross-node group (bytes counted as ``CommStats.wire_bytes``).
+        owners: ``parameter name -> local rank`` (:func:`assign_owners`).
+    """
+
+    def __init__(self, layout: HierarchyLayout, rank: int, intra: Comm, cross: Comm, owners: dict[str, int]) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.local_rank = layout.local_rank(rank)
+        self.intra = intra
+        self.cross = cross
+        self.owners = owners
+
+    @classmethod
+    def create(cls, layout: HierarchyLayout, rank: int, numels: Mapping[str, int], stats: CommStats,
+               timeout: Optional[timedelta] = None) -> "Hierarchy":
+        """Create the node and cross-node groups (a collective: every rank calls it, in the same order).
+
+        Args:
+            layout: the node layout.
+            rank: this rank's global rank.
+            numels: ``parameter name -> number of elements`` of every trained parameter (ownership).
+            stats: where both ``Comm`` count their bytes (the hook's stats).
+            timeout: the groups' timeout (the strategy's process-group timeout).
+        """
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        intra = cross = None
+        for node in range(layout.num_nodes):  # every rank creates every group, in the same order
+            group = dist.new_group(layout.node_ranks(node), **kwargs)
+            if node == layout.node_of(rank):
+                intra = group
+        for local in range(layout.group_size):
+            group = dist.new_group(layout.cross_ranks(local), **kwargs)
+            if local == layout.local_rank(rank):
+                cross = group
+        return cls(layout, rank, Comm(intra, stats, intra=True), Comm(cross, stats),
+                   assign_owners(numels, layout.group_size))
+
+    def owner(self, name: str) -> int:
+        """The local rank owning ``name`` (a name outside the model: by a checksum of the name)."""
+        owner = self.owners.get(name)
+        return zlib.crc32(name.encode()) % self.layout.group_size if owner is None else owner
+
+    def owns(self, name: str) -> bool:
+        """Whether this rank reduces ``name`` across nodes."""
+        return self.owner(name) == self.local_rank
+
+    def describe(self) -> list[int]:
+        """``[num_nodes, group_size]``: recorded in checkpoints (per-rank state is only valid for this layout)."""
+        return [self.layout.num_nodes, self.layout.group_size]
