@@ -1,0 +1,30 @@
+"""benchmarks/hierarchy_link.py: the summary over ranks (slowest step, one NIC reading per node)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from hierarchy_link import summarise  # noqa: E402
+
+
+def _rank(times: list[float], wire: float, nic: float | None, thread: float = 0.1) -> dict:
+    row = {"step_times": times, "wire_bytes_per_step": wire, "intra_bytes_per_step": 2 * wire,
+           "hook_seconds_per_step": 0.01, "thread_seconds_per_step": thread, "nic_tx_payload_bytes_per_step": nic,
+           "params": 10}
+    return {"configs": {"cltk_hier": row}}
+
+
+def test_summary_takes_the_slowest_rank_and_node_nic_readers_only() -> None:
+    ranks = [_rank([1.0, 3.0, 2.0], 10.0, 100.0), _rank([2.0, 1.0, 1.0], 20.0, None, thread=0.3),
+             _rank([1.0, 1.0, 5.0], 30.0, 300.0), _rank([1.0, 1.0, 1.0], 40.0, None)]
+    row = summarise(ranks, per_node=2)["cltk_hier"]
+    assert row["step_time_median_s"] == 3.0  # per step the slowest rank: [2, 3, 5]
+    assert row["thread_seconds_per_step_max"] == 0.3
+    assert row["wire_bytes_per_rank_step_mean"] == 25.0 and row["intra_bytes_per_rank_step_mean"] == 50.0
+    assert row["nic_tx_payload_bytes_per_node_step"] == pytest.approx(200.0)  # ranks 0 and 2 read their node's NIC
+    assert summarise([_rank([1.0], 1.0, None), _rank([1.0], 1.0, None)], 1)["cltk_hier"][
+        "nic_tx_payload_bytes_per_node_step"] is None  # loopback: no interface
