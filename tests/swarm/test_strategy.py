@@ -84,8 +84,15 @@ def test_registry_name_and_local_steps_without_gradient_allreduce(tmp_path: Path
     # average is applied one round later in non-blocking mode)
     assert not torch.equal(records[0]["params"][0], records[1]["params"][0])
     assert torch.equal(probes[0]["final"], probes[1]["final"])  # average_at_end
-    # the registered default is the asynchronous mode: one coded message per exchange actually made
-    assert records and all(p["comm"]["wire_bytes"] == p["swarm"]["exchanges"] * p["message"] for p in probes)
+    # the registered default is the asynchronous mode: one coded message per exchange actually made, plus the fp32
+    # resend of the blocks whose lattice decode could wrap (rare; the pairing, hence the models' distance, depends
+    # on timing), at least 4 bytes per resent block
+    for rank, p in enumerate(probes):
+        swarm = p["swarm"]
+        extra = p["comm"]["wire_bytes"] - swarm["exchanges"] * p["message"]
+        detail = (rank, p["comm"]["wire_bytes"], swarm["exchanges"], p["message"], swarm["fallbacks"],
+                  swarm["fallback_blocks"])
+        assert (extra == 0) if swarm["fallbacks"] == 0 else (extra >= 4 * swarm["fallback_blocks"]), detail
 
 
 def test_blocking_rounds_leave_pairs_identical_and_count_one_message_each(tmp_path: Path) -> None:
