@@ -53,10 +53,10 @@ def summarize(task: str, summary: dict) -> tuple[float, float]:
 
 
 def table(task: str, rows: list[tuple[str, str, list[str], dict[int, dict]]], reference: Optional[str]) -> str:
-    """Markdown: setting, overrides, metric per seed and mean, gap to ``reference``'s mean, ratio."""
+    """Markdown: setting, config, metric per seed and mean, gap to ``reference``'s mean, ratio."""
     _, metric_name, _ = METRICS[task]
     means = {name: statistics.mean(summarize(task, s)[0] for s in runs.values()) for name, _, _, runs in rows if runs}
-    lines = [f"| setting | config + overrides | {metric_name} per seed | mean | vs {reference or '-'} | "
+    lines = [f"| setting | config | {metric_name} per seed | mean | vs {reference or '-'} | "
              f"whole-run ratio | fit s |", "|---|---|---|---|---|---|---|"]
     for name, config, overrides, runs in rows:
         if not runs:
@@ -66,7 +66,7 @@ def table(task: str, rows: list[tuple[str, str, list[str], dict[int, dict]]], re
         gap = f"{means[name] - means[reference]:+.2f}" if reference in means and name != reference else ""
         seconds = statistics.mean(runs[s]["fit_seconds"] for s in runs)
         per_seed = ", ".join(f"s{s}: {m:.2f}" for s, m in zip(sorted(runs), metrics))
-        text = " ".join([config, *overrides]).replace("|", "\\|")
+        text = config + (" + overrides" if overrides else "")  # the overrides are in the command line
         lines.append(f"| {name} | `{text}` | {per_seed} | {means[name]:.2f} | {gap} | "
                      f"{statistics.mean(ratios):.1f}x | {seconds:.0f} |")
     return "\n".join(lines)
