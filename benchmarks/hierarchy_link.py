@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from contextlib import nullcontext
@@ -41,8 +40,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.bench.models import load_workload
-from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address
-from lightning_gradcomp.bench.runner import free_port
+from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate
+from lightning_gradcomp.bench.runner import launch_ranks
 from lightning_gradcomp.bench.worker import _barrier_tx, _iface_tx, _run_steps, header_bytes_per_packet
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors import CLTK, Compressor, NoCompression
@@ -127,29 +126,10 @@ def run_rank(spec_path: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- parent
 def _launch(spec: dict[str, Any], link: Optional[EmulatedLink], timeout: float) -> list[dict[str, Any]]:
-    nodes, per_node = spec["nodes"], spec["per_node"]
-    world, port = nodes * per_node, free_port()
-    spec_path = Path(spec["out_dir"]) / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    procs = []
-    for rank in range(world):
-        node = rank // per_node
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": str(port),
-               "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)]
-        if link is not None:
-            env.update(MASTER_ADDR=rank_address(0), GLOO_SOCKET_IFNAME=link.interface(node))
-            cmd = ["ip", "netns", "exec", link.namespace(node), *cmd]
-        procs.append(subprocess.Popen(cmd, env=env))
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(codes):
-        raise RuntimeError(f"ranks exited with codes {codes}")
-    return [json.loads((Path(spec["out_dir"]) / f"rank{r}.json").read_text()) for r in range(world)]
+    per_node = spec["per_node"]
+    return launch_ranks(spec, spec["nodes"] * per_node, link, timeout,
+                        lambda path: [sys.executable, str(Path(__file__).resolve()), "--worker", str(path)],
+                        host_of=lambda rank: rank // per_node)
 
 
 def summarise(ranks: list[dict[str, Any]], per_node: int) -> dict[str, dict[str, Any]]:

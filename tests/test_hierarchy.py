@@ -7,7 +7,6 @@ the Lightning tests fit at W = 4 with nodes of 2 ranks.
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -20,7 +19,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from helpers.distributed import run_workers
-from helpers.models import ReadyOrderNet, TinyNet, assert_replicas_identical, fit
+from helpers.models import (LayerSizesNet, ReadyOrderNet, TinyNet, assert_replicas_identical, assert_resume_matches,
+                            fit)
 from helpers.wire import compressor_bytes
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.callbacks import LGreCo, LowPassMemoryFilter
@@ -136,26 +136,10 @@ COMPRESSORS: dict[str, Callable[[], Compressor]] = {
 }
 
 
-class HierNet(nn.Module):
-    """A linear model on random features whose parameters have the sizes above, plus ``Conv2d(3, 5, 3)``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv = nn.Conv2d(3, 5, 3)
-        self.layers = nn.ParameterDict({name: nn.Parameter(torch.randn(shape) / math.sqrt(math.prod(shape)))
-                                        for name, shape in SHAPES.items()})
-
-    def forward(self, image: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        out = self.conv(image).mean(dim=(1, 2, 3))
-        pieces = features.split([p.numel() for p in self.layers.values()], dim=1)
-        for weight, piece in zip(self.layers.values(), pieces):
-            out = out + piece @ weight.reshape(-1)
-        return out
 
 
 def _groups(rank: int, world: int, size: int) -> Hierarchy:
-    numels = {n: p.numel() for n, p in HierNet().named_parameters()}
+    numels = {n: p.numel() for n, p in LayerSizesNet(SHAPES).named_parameters()}
     return Hierarchy.create(HierarchyLayout(world, size), rank, numels, CommStats())
 
 
@@ -189,7 +173,7 @@ class _Recording:
 
 def _train(rank: int, groups: Hierarchy, comp: Compressor, nan_step: Optional[int] = None,
            loss_scale: float = 1.0, **kwargs: Any) -> dict[str, Any]:
-    model = HierNet()
+    model = LayerSizesNet(SHAPES)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)  # ~1000 floats per bucket: several buckets
     hook = _hook(model, groups, comp, **kwargs)
     if loss_scale != 1.0:
@@ -252,7 +236,7 @@ def _expected(comp: Compressor, call: dict[str, Any], owned: set[str], world: in
 def _problems(name: str, world: int, size: int, results: list[dict[str, Any]]) -> list[str]:
     comp = COMPRESSORS[name]()
     problems = []
-    first = torch.cat([p.detach().reshape(-1) for p in HierNet().parameters()])
+    first = torch.cat([p.detach().reshape(-1) for p in LayerSizesNet(SHAPES).parameters()])
     for rank, res in enumerate(results):
         if res["step"] != STEPS:
             problems.append(f"rank {rank}: hook.step = {res['step']}")
@@ -293,7 +277,7 @@ def _exact(rank: int, world: int, size: int) -> list[torch.Tensor]:
     groups = _groups(rank, world, size)
     out = []
     for comp in (NoCompression(), TopK(1.0), CLTK(1.0)):
-        model = HierNet()
+        model = LayerSizesNet(SHAPES)
         ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)
         hook = _hook(model, groups, comp)
         ddp.register_comm_hook(hook, gradcomp_comm_hook)
@@ -321,9 +305,9 @@ def test_the_average_is_the_global_mean() -> None:
 
 
 def _span(name: str) -> slice:
-    """Where parameter ``name`` lies in the concatenated parameters of :class:`HierNet`."""
+    """Where parameter ``name`` lies in the concatenated parameters of :class:`~helpers.models.LayerSizesNet`."""
     offset = 0
-    for n, p in HierNet().named_parameters():
+    for n, p in LayerSizesNet(SHAPES).named_parameters():
         if n == name:
             return slice(offset, offset + p.numel())
         offset += p.numel()
@@ -404,13 +388,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, name: str) -> N
     ckpt_dir = tmp_path / "ckpt"
     run(tmp_path / "first", 1, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True)], enable_checkpointing=True)
     resumed = run(tmp_path / "resumed", 3, ckpt_path=str(ckpt_dir / "last.ckpt"))
-    for rank in range(4):
-        tail = straight[rank]["params"][-len(resumed[rank]["params"]):]
-        diverged = [step for step, (a, b) in enumerate(zip(resumed[rank]["params"], tail)) if not torch.equal(a, b)]
-        assert not diverged, f"rank {rank}: parameters differ from resumed step {diverged[0]} on"
-        assert resumed[rank]["hook_step"] == straight[rank]["hook_step"]
-        mem_a, mem_b = resumed[rank]["memory"], straight[rank]["memory"]
-        assert mem_a.keys() == mem_b.keys() and all(torch.equal(mem_a[k], mem_b[k]) for k in mem_a)
+    assert_resume_matches(straight, resumed)
     assert all(resumed[rank]["memory"] for rank in (0, 2))  # local rank 0 owns a compressed layer
 
 

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from lightning_gradcomp.bench.configs import available_configs
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address
@@ -113,19 +113,26 @@ def recommend(summary: dict[str, Any]) -> str:
             f"{rows[rival]['scaling_efficiency']:.0%}")
 
 
-def _launch(spec: dict[str, Any], link: Optional[EmulatedLink], timeout: float) -> list[dict[str, Any]]:
-    world = spec["world_size"]
+def launch_ranks(spec: dict[str, Any], world: int, link: Optional[EmulatedLink], timeout: float,
+                 command: Callable[[Path], list[str]], host_of: Callable[[int], int] = lambda rank: rank,
+                 threads: int = 1) -> list[dict[str, Any]]:
+    """Run ``world`` processes of ``command(spec_path)`` (env ``RANK``, ``WORLD_SIZE``, ``MASTER_*``), each inside the
+    namespace of host ``host_of(rank)`` of ``link`` when given; return their ``<out_dir>/rank<r>.json`` files.
+
+    Raises:
+        RuntimeError: a rank exited with a non-zero code (all ranks are killed after ``timeout`` seconds).
+    """
     port = free_port()
     spec_path = Path(spec["out_dir"]) / "spec.json"
     spec_path.write_text(json.dumps(spec))
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": str(port),
-               "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": str(spec.get("threads", 1))}
-        cmd = [sys.executable, "-m", "lightning_gradcomp.bench.worker", str(spec_path)]
+               "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": str(threads)}
+        cmd = command(spec_path)
         if link is not None:
-            env.update(MASTER_ADDR=rank_address(0), GLOO_SOCKET_IFNAME=link.interface(rank))
-            cmd = ["ip", "netns", "exec", link.namespace(rank), *cmd]
+            env.update(MASTER_ADDR=rank_address(0), GLOO_SOCKET_IFNAME=link.interface(host_of(rank)))
+            cmd = ["ip", "netns", "exec", link.namespace(host_of(rank)), *cmd]
         procs.append(subprocess.Popen(cmd, env=env))
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
@@ -136,6 +143,12 @@ def _launch(spec: dict[str, Any], link: Optional[EmulatedLink], timeout: float) 
     if any(codes):
         raise RuntimeError(f"benchmark ranks exited with codes {codes}")
     return [json.loads((Path(spec["out_dir"]) / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _launch(spec: dict[str, Any], link: Optional[EmulatedLink], timeout: float) -> list[dict[str, Any]]:
+    return launch_ranks(spec, spec["world_size"], link, timeout,
+                        lambda path: [sys.executable, "-m", "lightning_gradcomp.bench.worker", str(path)],
+                        threads=spec.get("threads", 1))
 
 
 def run_bench(model: str = "mlp", world_size: int = 2, steps: int = 20, warmup: int = 5,

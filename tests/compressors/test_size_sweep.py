@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from helpers.distributed import run_workers
-from helpers.models import assert_replicas_identical, fit
+from helpers.models import LayerSizesNet, assert_replicas_identical, fit
 from helpers.wire import hook_call_bytes
 from lightning_gradcomp import GradCompStrategy, compressors
 from lightning_gradcomp.comm import Comm, CommStats
@@ -57,22 +57,6 @@ def _variants() -> dict[str, Callable[[], Compressor]]:
 VARIANTS = _variants()
 
 
-class SweepNet(nn.Module):
-    """A linear model on random features whose parameters have the sizes above, plus ``Conv2d(3, 5, 3)``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv = nn.Conv2d(3, 5, 3)
-        self.layers = nn.ParameterDict({name: nn.Parameter(torch.randn(shape) / math.sqrt(math.prod(shape)))
-                                        for name, shape in SHAPES.items()})
-
-    def forward(self, image: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        out = self.conv(image).mean(dim=(1, 2, 3))
-        pieces = features.split([p.numel() for p in self.layers.values()], dim=1)
-        for weight, piece in zip(self.layers.values(), pieces):
-            out = out + piece @ weight.reshape(-1)
-        return out
 
 
 class _Recording:
@@ -94,7 +78,7 @@ class _Recording:
 
 
 def _train(rank: int, world: int, name: str) -> dict[str, Any]:
-    model = SweepNet()
+    model = LayerSizesNet(SHAPES)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)  # ~1000 floats per bucket: several buckets
     names = {id(p): n for n, p in model.named_parameters()}
     strategy = GradCompStrategy(compressor=VARIANTS[name](), min_numel=1, compress_1d=True, start_step=START_STEP)
@@ -128,7 +112,7 @@ def _check(name: str, world: int, results: list[dict[str, Any]]) -> list[str]:
     """The problems of one variant: replica mismatch, byte mismatch, nothing compressed, wrong step count."""
     comp = VARIANTS[name]()
     problems = []
-    init = SweepNet()
+    init = LayerSizesNet(SHAPES)
     for rank, res in enumerate(results):
         if res["step"] != STEPS:
             problems.append(f"rank {rank}: hook.step = {res['step']}, expected {STEPS}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -9,6 +10,27 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+
+class LayerSizesNet(nn.Module):
+    """A linear model on random features with one parameter per entry of ``shapes``, plus ``Conv2d(3, 5, 3)``.
+
+    ``forward(image, features)``: ``features`` has ``sum(numel)`` columns, one block per parameter.
+    """
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 5, 3)
+        self.layers = nn.ParameterDict({name: nn.Parameter(torch.randn(shape) / math.sqrt(math.prod(shape)))
+                                        for name, shape in shapes.items()})
+
+    def forward(self, image: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        out = self.conv(image).mean(dim=(1, 2, 3))
+        pieces = features.split([p.numel() for p in self.layers.values()], dim=1)
+        for weight, piece in zip(self.layers.values(), pieces):
+            out = out + piece @ weight.reshape(-1)
+        return out
 
 
 class TinyNet(pl.LightningModule):
@@ -116,3 +138,14 @@ def assert_replicas_identical(records: list[dict[str, Any]]) -> None:
         for step, (a, b) in enumerate(zip(first, rec["params"])):
             assert torch.equal(a, b), f"rank {rank} differs from rank 0 after batch {step}"
 
+
+def assert_resume_matches(straight: list[dict[str, Any]], resumed: list[dict[str, Any]]) -> None:
+    """Every rank of a resumed run repeats the uninterrupted one bit for bit: parameters after every resumed batch,
+    the final step counter and the error-feedback memories (``torch.equal``)."""
+    for rank, (rec, ref) in enumerate(zip(resumed, straight, strict=True)):
+        tail = ref["params"][-len(rec["params"]):]
+        diverged = [step for step, (a, b) in enumerate(zip(rec["params"], tail)) if not torch.equal(a, b)]
+        assert not diverged, f"rank {rank}: parameters differ from resumed step {diverged[0]} on"
+        assert rec["hook_step"] == ref["hook_step"]
+        mem_a, mem_b = rec["memory"], ref["memory"]
+        assert mem_a.keys() == mem_b.keys() and all(torch.equal(mem_a[k], mem_b[k]) for k in mem_a)
