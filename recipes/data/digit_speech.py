@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, Optional, Union
@@ -48,7 +49,12 @@ def resolve_engine(engine: Engine) -> str:
     if engine not in ("auto", "espeak", "tones"):
         raise ValueError(f"`engine` must be 'auto', 'espeak' or 'tones', got {engine!r}")
     if engine == "auto":
-        return "espeak" if espeak_available() else "tones"
+        if espeak_available():
+            return "espeak"
+        warnings.warn("speech data: espeak-ng is not installed, so engine='auto' synthesises digits with the 'tones' "
+                      "fallback; results are not comparable with espeak-ng runs (docs/benchmarks.md). Install it "
+                      "with `apt-get install -y espeak-ng`, or pass engine='tones' to silence this warning.")
+        return "tones"
     if engine == "espeak" and not espeak_available():
         raise FileNotFoundError("espeak-ng is not installed (apt-get install -y espeak-ng), use engine='tones'")
     return engine

@@ -148,3 +148,13 @@ def test_digit_datamodule_generates_once(tmp_path: Path):
     assert dm.num_classes == 11 and len(dm.train_set) == 6
     _, labels, text = dm.train_set[0]
     assert [DIGIT_WORDS[i - 1] for i in labels.tolist()] == text.split()
+
+
+def test_auto_engine_warns_when_it_falls_back_to_tones(monkeypatch: pytest.MonkeyPatch) -> None:
+    from recipes.data import digit_speech
+
+    monkeypatch.setattr(digit_speech, "espeak_available", lambda: False)
+    with pytest.warns(UserWarning, match="espeak-ng is not installed"):
+        assert digit_speech.resolve_engine("auto") == "tones"
+    monkeypatch.setattr(digit_speech, "espeak_available", lambda: True)
+    assert digit_speech.resolve_engine("auto") == "espeak"
