@@ -42,11 +42,8 @@ Root and Linux network namespaces are needed for ``--link`` other than ``none`` 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +56,6 @@ import swarm_link  # noqa: E402 - launcher, clock, evaluation and report
 from scalecom_fidelity import Classifier  # noqa: E402 - the shared task
 
 from lightning_gradcomp import GradCompStrategy, LocalSGDStrategy  # noqa: E402
-from lightning_gradcomp.bench.netem import EmulatedLink  # noqa: E402
 from lightning_gradcomp.compressors import SignSGD  # noqa: E402
 from lightning_gradcomp.presets import PRESETS  # noqa: E402
 
@@ -133,25 +129,16 @@ def main() -> None:
     where = f"emulated {args.link} out of each rank (netns + veth + tc tbf)" if emulate else "loopback"
     print(f"{name}; W={swarm_compare.WORLD}, one process per rank, {where}, 1 thread each, batch {args.batch}/rank, "
           f"{args.epochs} epoch(s), lr {args.lr}, seed {args.seed}; target {100 * args.target:g} %", flush=True)
-    results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="localsgd-link-") as tmp:
-        torch.save(tuple(data), Path(tmp) / "data.pt")
-        for key in args.configs:
-            begin = time.perf_counter()
-            with EmulatedLink(swarm_compare.WORLD, args.link) if emulate else nullcontext() as link:
-                ranks = swarm_link.launch(key, link, args, Path(tmp), script=Path(__file__).resolve())
-            launched = time.perf_counter()
-            results[key] = rec = swarm_link.evaluate(key, ranks, data[2], data[3], args)
-            rec["wall_seconds"] = {"launch_and_train": launched - begin, "evaluate": time.perf_counter() - launched}
-            ttt = rec["time_to_target"]
-            print(f"  {key:16s} {rec['steps']} steps in {rec['train_seconds']:.1f} s, final acc "
-                  f"{100 * rec['final_acc']:.2f} %, {'not reached' if ttt is None else f'{ttt:.1f} s'} to "
-                  f"{100 * args.target:g} %, {rec['wire_bytes'] / 1e6:.2f} MB/rank; wall: launch+train "
-                  f"{rec['wall_seconds']['launch_and_train']:.0f} s, evaluation "
-                  f"{rec['wall_seconds']['evaluate']:.0f} s", flush=True)
-            if args.out is not None:
-                args.out.write_text(json.dumps(results, indent=1))
-    swarm_link.report(results, args)
+
+    def describe(key: str, rec: dict[str, Any]) -> str:
+        ttt = rec["time_to_target"]
+        return (f"  {key:16s} {rec['steps']} steps in {rec['train_seconds']:.1f} s, final acc "
+                f"{100 * rec['final_acc']:.2f} %, {'not reached' if ttt is None else f'{ttt:.1f} s'} to "
+                f"{100 * args.target:g} %, {rec['wire_bytes'] / 1e6:.2f} MB/rank; wall: launch+train "
+                f"{rec['wall_seconds']['launch_and_train']:.0f} s, evaluation "
+                f"{rec['wall_seconds']['evaluate']:.0f} s")
+
+    swarm_link.run_configs(args, data, emulate, "localsgd-link-", describe, script=Path(__file__).resolve())
 
 
 if __name__ == "__main__":

@@ -291,6 +291,37 @@ def check_parent_arguments(parser: argparse.ArgumentParser, args: argparse.Names
     return emulate, load_data(args.train_size)
 
 
+def run_configs(args: argparse.Namespace, data: Sequence[Any], emulate: bool, prefix: str,
+                describe: Callable[[str, dict[str, Any]], str], script: Optional[Path] = None) -> dict[str, Any]:
+    """Launch, time and evaluate every ``args.configs`` in turn (each on a fresh emulated link when ``emulate``);
+    prints ``describe(key, record)`` per config, writes ``args.out`` (JSON) after each, prints the report."""
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        torch.save(tuple(data), Path(tmp) / "data.pt")
+        for key in args.configs:
+            begin = time.perf_counter()
+            with EmulatedLink(WORLD, args.link) if emulate else nullcontext() as link:
+                ranks = launch(key, link, args, Path(tmp), script=script)
+            launched = time.perf_counter()
+            results[key] = rec = evaluate(key, ranks, data[2], data[3], args)
+            rec["wall_seconds"] = {"launch_and_train": launched - begin, "evaluate": time.perf_counter() - launched}
+            print(describe(key, rec), flush=True)
+            if args.out is not None:
+                args.out.write_text(json.dumps(results, indent=1))
+    report(results, args)
+    return results
+
+
+def _describe(key: str, rec: dict[str, Any], target: float) -> str:
+    ttt = rec["time_to_target"]
+    return (f"  {key:10s} {rec['steps']} steps in {rec['train_seconds']:.1f} s, final acc "
+            f"{100 * rec['final_acc']:.2f} %, {'not reached' if ttt is None else f'{ttt:.1f} s'} to "
+            f"{100 * target:g} %, {rec['wire_bytes'] / 1e6:.1f} MB/rank; snapshot copies "
+            f"{1e3 * rec['excluded_seconds']:.0f} ms (excluded), start skew "
+            f"{1e3 * rec['start_skew_seconds']:.0f} ms; wall: launch+train "
+            f"{rec['wall_seconds']['launch_and_train']:.0f} s, evaluation {rec['wall_seconds']['evaluate']:.0f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     task_arguments(parser, CONFIGS, LABELS)
@@ -303,28 +334,7 @@ def main() -> None:
     print(f"{name}; W={WORLD}, one process per rank, {where}, 1 thread each, batch {args.batch}/rank, "
           f"{args.epochs} epoch(s), lr {args.lr}, seed {args.seed}; snapshots every {args.every} steps, "
           f"evaluated every {args.series_every}; target {100 * args.target:g} %", flush=True)
-    results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="swarm-link-") as tmp:
-        torch.save(tuple(data), Path(tmp) / "data.pt")
-        for key in args.configs:
-            begin = time.perf_counter()
-            with EmulatedLink(WORLD, args.link) if emulate else nullcontext() as link:
-                ranks = launch(key, link, args, Path(tmp))
-            launched = time.perf_counter()
-            results[key] = rec = evaluate(key, ranks, data[2], data[3], args)
-            rec["wall_seconds"] = {"launch_and_train": launched - begin, "evaluate": time.perf_counter() - launched}
-            ttt = rec["time_to_target"]
-            print(f"  {key:10s} {rec['steps']} steps in {rec['train_seconds']:.1f} s, final acc "
-                  f"{100 * rec['final_acc']:.2f} %, {'not reached' if ttt is None else f'{ttt:.1f} s'} to "
-                  f"{100 * args.target:g} %, {rec['wire_bytes'] / 1e6:.1f} MB/rank; snapshot copies "
-                  f"{1e3 * rec['excluded_seconds']:.0f} ms (excluded), start skew "
-                  f"{1e3 * rec['start_skew_seconds']:.0f} ms; wall: launch+train "
-                  f"{rec['wall_seconds']['launch_and_train']:.0f} s, evaluation {rec['wall_seconds']['evaluate']:.0f} s",
-                  flush=True)
-    report(results, args)
-    if args.out is not None:
-        args.out.write_text(json.dumps(results, indent=1))
-
+    run_configs(args, data, emulate, "swarm-link-", lambda key, rec: _describe(key, rec, args.target))
 
 if __name__ == "__main__":
     main()

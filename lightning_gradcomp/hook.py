@@ -367,10 +367,9 @@ class GradCompHook:
                                     hierarchy.layout.group_size).wait()  # its averages are needed in (3)
         else:
             self._head(buf, owned, hierarchy.cross, flag=False)
-        mine = torch.zeros(buf.numel(), dtype=torch.bool, device=buf.device)
-        for slot in owned:
-            mine[slot.offset:slot.end] = True
-        buf.masked_fill_(~mine, 0)  # (3) every slot is non-zero on its owner only: the node sum hands it to all
+        for slot in plan.slots:  # (3) every slot is non-zero on its owner only: the node sum hands it to all
+            if not hierarchy.owns(slot.name):
+                buf[slot.offset:slot.end].zero_()
         fut = intra.all_reduce(buf, async_op=True)
         assert fut is not None
         return fut

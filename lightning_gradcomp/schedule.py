@@ -135,9 +135,7 @@ def as_schedule(spec: ScheduleSpec, compressor: Compressor) -> Optional[Compress
     """
     if spec is None:
         return None
-    if compressor.param_name is None:
-        raise ValueError(f"`schedule` needs a compressor with a compression parameter (ratio, rank or bits); "
-                         f"{compressor!r} has none")
+    compressor.require_param("schedule")
     if isinstance(spec, CompressionSchedule):
         schedule = spec
     elif isinstance(spec, Mapping):

@@ -106,7 +106,8 @@ class GradCompStrategy(DDPStrategy):
     strategy_name = "gradcomp"
 
     def __init__(self, compressor: Union[Compressor, str, None] = None, start_step: int = 2, min_numel: int = 1024,
-                 compress_1d: bool = False, small_param: Union[int, float, None] = None, beta: float = 1.0, seed: int = 0, nonfinite: str = "dense",
+                 compress_1d: bool = False, small_param: Union[int, float, None] = None, beta: float = 1.0,
+                 seed: int = 0, nonfinite: str = "dense",
                  layerwise: Optional[Callback] = None,
                  schedule: Union[CompressionSchedule, dict[int, float], None] = None,
                  timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT, hierarchy: HierarchySpec = None,
@@ -486,9 +487,7 @@ def _check_small_param(value: Any, compressor: Compressor) -> Any:
     """``small_param`` checked against the compressor's parameter range (``None`` passes)."""
     if value is None:
         return None
-    if compressor.param_name is None:
-        raise ValueError(f"`small_param` needs a compressor with a compression parameter (ratio, rank or bits); "
-                         f"{compressor!r} has none")
+    compressor.require_param("small_param")
     try:
         return compressor.check_param(value)
     except (TypeError, ValueError) as err:

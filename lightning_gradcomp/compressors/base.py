@@ -153,6 +153,13 @@ class Compressor(ABC):
         """Validate a per-layer parameter value (overridden by compressors that have one)."""
         return value
 
+    def require_param(self, argument: str) -> None:
+        """Raise ``ValueError`` naming ``argument`` (a strategy argument that sets the compression parameter)
+        when this compressor has no per-layer parameter."""
+        if self.param_name is None:
+            raise ValueError(f"`{argument}` needs a compressor with a compression parameter (ratio, rank or bits); "
+                             f"{self!r} has none")
+
     def accepts(self, slot: LayerSlot) -> bool:
         """Whether this compressor wants to compress ``slot`` (after the size policy agreed)."""
         return True
