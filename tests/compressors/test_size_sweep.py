@@ -23,11 +23,12 @@ from helpers.models import LayerSizesNet, assert_replicas_identical, fit
 from helpers.wire import hook_call_bytes
 from lightning_gradcomp import GradCompStrategy, compressors
 from lightning_gradcomp.comm import Comm, CommStats
-from lightning_gradcomp.compressors import (CLTK, DIANA, QSGD, QuantizedCompressor, RandomK, SignSGD, TernGrad,
-                                            TopK, registry)
+from lightning_gradcomp.compressors import (CLTK, DIANA, QSGD, PowerSGD, QuantizedCompressor, RandomK, SignSGD,
+                                            TernGrad, TopK, registry)
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.plan import BucketPlan, LayerSlot
+from lightning_gradcomp.schedule import WarmupSchedule
 
 SHAPES = {  # compressed layers of 1, 2, 3, 7, 31, 100, 127, 129, 1000 and 4097 elements, plus the conv below
     "v1": (1,), "v2": (2,), "m3": (3, 1), "v7": (7,), "v31": (31,), "logreg": (1, 100),
@@ -56,6 +57,21 @@ def _variants() -> dict[str, Callable[[], Compressor]]:
 
 VARIANTS = _variants()
 
+FLAT = {"min_numel": 1, "compress_1d": True}  # every layer goes to the compressor at its own parameter
+OPTIONS: dict[str, dict[str, Any]] = {  # variants of the strategy's parameter options (default: FLAT)
+    # the layers under 1024 elements at their own parameter, the others following a schedule
+    "cltk-small-schedule": {"small_param": 0.3, "schedule": {2: 0.5, 4: 0.2}},
+    "topk-small-warmup": {"small_param": 0.5, "schedule": WarmupSchedule(steps=4, start=0.6, stages=2)},
+    "qsgd-small-warmup": {"small_param": 6, "schedule": WarmupSchedule(steps=4, start=8, stages=2)},
+    "powersgd-schedule": {**FLAT, "schedule": {2: 3, 3: 2, 4: 1}},
+}
+VARIANTS.update({
+    "cltk-small-schedule": lambda: CLTK(ratio=0.1),
+    "topk-small-warmup": lambda: TopK(ratio=0.1),
+    "qsgd-small-warmup": lambda: QSGD(bits=4, bucket_size=32),
+    "powersgd-schedule": lambda: PowerSGD(rank=1),
+})
+
 
 
 
@@ -81,7 +97,7 @@ def _train(rank: int, world: int, name: str) -> dict[str, Any]:
     model = LayerSizesNet(SHAPES)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)  # ~1000 floats per bucket: several buckets
     names = {id(p): n for n, p in model.named_parameters()}
-    strategy = GradCompStrategy(compressor=VARIANTS[name](), min_numel=1, compress_1d=True, start_step=START_STEP)
+    strategy = GradCompStrategy(compressor=VARIANTS[name](), start_step=START_STEP, **OPTIONS.get(name, FLAT))
     hook = strategy.make_hook(Comm(None, CommStats()), names, torch.device("cpu"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     hook.attach_optimizer(optimizer)  # the engine commits staged state on optimizer steps
@@ -131,6 +147,9 @@ def _check(name: str, world: int, results: list[dict[str, Any]]) -> list[str]:
     compressed = {s.name for c in results[0]["calls"] if c["step"] >= START_STEP for s in c["plan"].compressed}
     if not comp.dense and not compressed:
         problems.append("no layer was compressed")
+    used = {p for c in results[0]["calls"] if c["step"] >= START_STEP for p in c["params"]}
+    if name in OPTIONS and len(used) < 3:  # the schedule's values, and small_param where set
+        problems.append(f"the parameter options had no effect: parameters used {sorted(used)}")
     return [f"{name} W={world}: {p}" for p in problems]
 
 
