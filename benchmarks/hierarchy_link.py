@@ -4,9 +4,11 @@ N nodes of L processes (default 2 x 2). Each *node* is one network namespace
 (``lightning_gradcomp.bench.netem.EmulatedLink`` with one namespace per node) whose veth is rate-limited with
 ``tc tbf``; the node's L processes share the namespace, so traffic between them goes over loopback (fast) and
 only inter-node traffic crosses the shaped veth. gloo binds to the node's veth (``GLOO_SOCKET_IFNAME``, required)
-and ``MASTER_ADDR`` is node 0's address. Each process is launched with ``ip netns exec`` and trains the bench
+and the rendezvous is at node 0's address. Each process trains the bench
 transformer (``lightning_gradcomp.bench.models``) under DDP with the hook that ``GradCompStrategy.make_hook``
-builds, flat (``hierarchy=None``) or hierarchical (``hierarchy=L``), one torch thread per process.
+builds, flat (``hierarchy=None``) or hierarchical (``hierarchy=L``), one torch thread per process. Each node's
+processes are started by one ``torchrun`` (``python -m torch.distributed.run --nnodes N --nproc-per-node L
+--node-rank n``, static rendezvous at node 0's address) inside the node's namespace, as on a real cluster.
 
 Measured per configuration, over ``--steps`` steps after ``--warmup``:
 
@@ -25,11 +27,14 @@ Measured per configuration, over ``--steps`` steps after ``--warmup``:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional
@@ -40,8 +45,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.bench.models import load_workload
-from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate
-from lightning_gradcomp.bench.runner import launch_ranks
+from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address
+from lightning_gradcomp.bench.runner import free_port
 from lightning_gradcomp.bench.worker import _barrier_tx, _iface_tx, _run_steps, header_bytes_per_packet
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors import CLTK, Compressor, NoCompression
@@ -63,6 +68,24 @@ def _compressor(name: str, ratio: float) -> Compressor:
 
 
 # ---------------------------------------------------------------------------------------------- worker
+def _time_compressor(compressor: Compressor) -> list[float]:
+    """Wrap ``compressor.reduce`` to add the CPU time it takes on its thread to the returned cell.
+
+    CPU time (``time.thread_time``), not wall time: with 4 processes on 2 cores a thread is often preempted, and
+    the blocking collectives inside ``reduce`` sleep (they cost no CPU time)."""
+    total = [0.0]
+    reduce = compressor.reduce
+
+    def timed(tensors: Any, ctx: Any) -> Any:
+        start = time.thread_time()
+        out = reduce(tensors, ctx)
+        total[0] += time.thread_time() - start
+        return out
+
+    compressor.reduce = timed  # type: ignore[method-assign]
+    return total
+
+
 def _measure(key: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str, Any]:
     comp_name, hierarchical = CONFIGS[key]
     rank, world, per_node = dist.get_rank(), dist.get_world_size(), spec["per_node"]
@@ -77,19 +100,25 @@ def _measure(key: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str, 
         hierarchy = Hierarchy.create(HierarchyLayout(world, per_node), rank, numels, stats)
     names = {id(p): n for n, p in workload.named_parameters()}
     hook = strategy.make_hook(Comm(None, stats), names, torch.device("cpu"), hierarchy)
+    compressor_seconds = _time_compressor(hook.compressor)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     hook.attach_optimizer(opt)
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
 
+    per_step: list[float] = []  # compressor seconds of each step (backward waits for every bucket)
+
     def step() -> None:
+        before = compressor_seconds[0]
         ddp().backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
+        per_step.append(compressor_seconds[0] - before)
 
     def snapshot() -> dict[str, float]:
         tx, packets = _iface_tx(iface)
         return {"wire": stats.wire_bytes, "intra": stats.intra_bytes, "hook": stats.hook_seconds,
-                "thread": stats.comm_thread_seconds, "tx": tx, "packets": packets}
+                "compressor": compressor_seconds[0],
+                "thread": stats.comm_thread_seconds, "wait": stats.wait_seconds, "tx": tx, "packets": packets}
 
     n = spec["steps"]
     _run_steps(step, spec["warmup"], 0)
@@ -99,6 +128,7 @@ def _measure(key: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str, 
     dist.barrier()  # every process of the node has sent this step's bytes
     end = snapshot()
     hook.close()
+    weights = torch.cat([p.detach().reshape(-1) for p in workload.parameters()])
     frames = end["tx"] - start["tx"] - barrier_bytes
     packets = end["packets"] - start["packets"] - barrier_packets
     return {
@@ -107,8 +137,12 @@ def _measure(key: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str, 
         "intra_bytes_per_step": (end["intra"] - start["intra"]) / n,
         "hook_seconds_per_step": (end["hook"] - start["hook"]) / n,
         "thread_seconds_per_step": (end["thread"] - start["thread"]) / n,
+        "compute_seconds_per_step": (end["thread"] - end["wait"] - start["thread"] + start["wait"]) / n,
+        "compressor_seconds_per_step": (end["compressor"] - start["compressor"]) / n,
+        "compressor_step_seconds": per_step[-n:],
         "nic_tx_payload_bytes_per_step": (frames - packets * header_bytes_per_packet()) / n if iface else None,
         "params": sum(p.numel() for p in workload.parameters()),
+        "weights_sha256": hashlib.sha256(weights.numpy().tobytes()).hexdigest(),
     }
 
 
@@ -125,11 +159,41 @@ def run_rank(spec_path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- parent
+def torchrun_commands(spec_path: Path, nodes: int, per_node: int, port: int, link: Optional[EmulatedLink]
+                      ) -> list[tuple[list[str], dict[str, str]]]:
+    """One ``torchrun`` per node (inside the node's namespace when ``link`` is given): ``(argv, extra env)``.
+
+    Static rendezvous at node 0's address; torchrun sets ``RANK = node * per_node + local rank``.
+    """
+    out = []
+    for node in range(nodes):
+        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}",
+                f"--node-rank={node}", f"--master-addr={rank_address(0) if link else '127.0.0.1'}",
+                f"--master-port={port}", str(Path(__file__).resolve()), "--worker", str(spec_path)]
+        env = {"OMP_NUM_THREADS": "1"}
+        if link is not None:
+            argv = ["ip", "netns", "exec", link.namespace(node), *argv]
+            env["GLOO_SOCKET_IFNAME"] = link.interface(node)
+        out.append((argv, env))
+    return out
+
+
 def _launch(spec: dict[str, Any], link: Optional[EmulatedLink], timeout: float) -> list[dict[str, Any]]:
-    per_node = spec["per_node"]
-    return launch_ranks(spec, spec["nodes"] * per_node, link, timeout,
-                        lambda path: [sys.executable, str(Path(__file__).resolve()), "--worker", str(path)],
-                        host_of=lambda rank: rank // per_node)
+    """Run one torchrun per node; return every rank's ``rank<r>.json``."""
+    spec_path = Path(spec["out_dir"]) / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    procs = [subprocess.Popen(argv, env={**os.environ, **env})
+             for argv, env in torchrun_commands(spec_path, spec["nodes"], spec["per_node"], free_port(), link)]
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(codes):
+        raise RuntimeError(f"torchrun exited with codes {codes}")
+    world = spec["nodes"] * spec["per_node"]
+    return [json.loads((Path(spec["out_dir"]) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def summarise(ranks: list[dict[str, Any]], per_node: int) -> dict[str, dict[str, Any]]:
@@ -143,10 +207,18 @@ def summarise(ranks: list[dict[str, Any]], per_node: int) -> dict[str, dict[str,
             "step_time_median_s": statistics.median(steps),
             "thread_seconds_per_step_max": max(row["thread_seconds_per_step"] for row in rows),
             "hook_seconds_per_step_max": max(row["hook_seconds_per_step"] for row in rows),
+            "compute_seconds_per_step_max": max(row["compute_seconds_per_step"] for row in rows),
+            "compute_seconds_per_step_mean": statistics.mean(row["compute_seconds_per_step"] for row in rows),
+            "compressor_seconds_per_step_mean": statistics.mean(row.get("compressor_seconds_per_step", 0.0)
+                                                                for row in rows),
+            # per step the busiest rank (CLT-k's leader selects for its whole group), median over steps
+            "compressor_seconds_busiest_rank": statistics.median(
+                max(per_rank) for per_rank in zip(*(row.get("compressor_step_seconds", [0.0]) for row in rows))),
             "wire_bytes_per_rank_step_mean": statistics.mean(row["wire_bytes_per_step"] for row in rows),
             "intra_bytes_per_rank_step_mean": statistics.mean(row["intra_bytes_per_step"] for row in rows),
             "nic_tx_payload_bytes_per_node_step": None if None in nic else statistics.mean(nic),
             "params": rows[0]["params"],
+            "replicas_identical": len({row.get("weights_sha256") for row in rows}) == 1,
         }
     return out
 
@@ -154,14 +226,19 @@ def summarise(ranks: list[dict[str, Any]], per_node: int) -> dict[str, dict[str,
 def report(summary: dict[str, dict[str, Any]], where: str) -> None:
     """A markdown table."""
     print(f"\n{where}\n")
-    print("| config | step s (median, slowest rank) | comm thread s/step (max rank) | modelled inter-node MB/rank/step "
-          "| modelled intra-node MB/rank/step | NIC tx payload MB/node/step |")
-    print("|---|---|---|---|---|---|")
+    print("| config | step s (median, slowest rank) | comm thread ms/step (max rank) | thread work ms/step "
+          "(mean rank) | compressor CPU ms/step (mean rank) | compressor CPU ms/step (busiest rank) "
+          "| modelled inter-node MB/rank/step "
+          "| modelled intra-node MB/rank/step | NIC tx payload MB/node/step | replicas identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for key, row in summary.items():
         nic = row["nic_tx_payload_bytes_per_node_step"]
-        print(f"| {key} | {row['step_time_median_s']:.3f} | {row['thread_seconds_per_step_max']:.3f} | "
+        print(f"| {key} | {row['step_time_median_s']:.3f} | {1e3 * row['thread_seconds_per_step_max']:.1f} | "
+              f"{1e3 * row['compute_seconds_per_step_mean']:.1f} | "
+              f"{1e3 * row['compressor_seconds_per_step_mean']:.1f} | "
+              f"{1e3 * row['compressor_seconds_busiest_rank']:.1f} | "
               f"{row['wire_bytes_per_rank_step_mean'] / 1e6:.3f} | {row['intra_bytes_per_rank_step_mean'] / 1e6:.3f} | "
-              f"{'-' if nic is None else f'{nic / 1e6:.3f}'} |")
+              f"{'-' if nic is None else f'{nic / 1e6:.3f}'} | {'yes' if row['replicas_identical'] else 'NO'} |")
 
 
 def main() -> None:

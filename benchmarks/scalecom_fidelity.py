@@ -17,6 +17,8 @@ and epochs for every configuration:
 * ``dense``: DDP's fp32 all-reduce;
 * ``cltk``: CLTK ratio 1 %, classic error feedback (``LowPassMemoryFilter(beta=1)`` only measures);
 * ``cltk_lowpass``: CLTK ratio 1 % with ``LowPassMemoryFilter(beta=0.1)``;
+* ``cltk_hier``: ``cltk`` under ``GradCompStrategy(hierarchy=--per-node)``: dense reduction inside each group
+  of ``--per-node`` ranks, CLTK 1 % across groups (run with ``--world-size 4``: 2 "nodes" x 2);
 * ``cltk_compact``: the >= 100x configuration: CLTK with approximate selection, fp16 values and delta16
   indices; ratio 0.7 % on fc1 (98 % of the compressed elements) and, per layer, 10 % on conv2 and 20 % on
   the classifier fc2 (tiny layers starve at 1 %; ``--compact-ratio``, ``--compact-conv2-ratio``,
@@ -26,6 +28,7 @@ Prints final test accuracy, bytes rank 0 sent (whole run, and per compressed ste
 dense, the ranks' mean memory cosine at the end, and the hook time per step.
 
     python benchmarks/scalecom_fidelity.py [--part all|bytes|timing|fidelity] [--epochs 6] [--train-size 20000]
+    python benchmarks/scalecom_fidelity.py --part fidelity --world-size 4 --configs cltk cltk_hier   # hierarchy
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from lightning_gradcomp.functional.selection import approx_topk_indices, exact_t
 from lightning_gradcomp.plan import LayerSlot
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
-WORLD = 2
+WORLD = 2  # default ranks (--world-size)
 BATCH = 64  # per rank
 CONV2, FC2 = "net.3.weight", "net.9.weight"  # cltk_compact's per-layer ratios (9216 and 3200 elements)
 
@@ -290,13 +293,14 @@ class Probe(pl.Callback):
 
 
 def run_fit(compressor: Optional[CLTK], callbacks: list[pl.Callback], start_step: int, data: tuple, args: Any,
-            workdir: Path) -> dict[str, Any]:
-    """One 2-rank fit; returns rank 0's probe record plus the wall time."""
+            workdir: Path, hierarchy: Optional[int] = None) -> dict[str, Any]:
+    """One ``args.world_size``-rank fit; returns rank 0's probe record plus the wall time."""
     os.environ["MASTER_PORT"] = str(free_port())
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     out = workdir / f"probe_{time.monotonic_ns()}.json"
-    strategy = GradCompStrategy(compressor=compressor, start_step=start_step, seed=args.seed, start_method="fork")
-    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=args.epochs, logger=False,
+    strategy = GradCompStrategy(compressor=compressor, start_step=start_step, seed=args.seed, start_method="fork",
+                                hierarchy=hierarchy)
+    trainer = pl.Trainer(accelerator="cpu", devices=args.world_size, strategy=strategy, max_epochs=args.epochs, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[Probe(out, start_step), *callbacks], default_root_dir=str(workdir))
     start = time.perf_counter()
@@ -308,10 +312,10 @@ def run_fit(compressor: Optional[CLTK], callbacks: list[pl.Callback], start_step
 
 def part_fidelity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     name, *data = load_data(args.train_size)
-    steps_per_epoch = -(-len(data[1]) // (BATCH * WORLD))
+    steps_per_epoch = -(-len(data[1]) // (BATCH * args.world_size))
     warmup = max(2, args.warmup_epochs * steps_per_epoch)
     params = sum(p.numel() for p in make_cnn(0).parameters())
-    print(f"\nFidelity: {name}, CNN {params:,} parameters, W={WORLD}, batch {BATCH}/rank, {args.epochs} epochs "
+    print(f"\nFidelity: {name}, CNN {params:,} parameters, W={args.world_size}, batch {BATCH}/rank, {args.epochs} epochs "
           f"({steps_per_epoch} steps each), seed {args.seed}, lr {args.lr}")
 
     small = {CONV2: args.compact_conv2_ratio, FC2: args.compact_fc2_ratio}
@@ -326,6 +330,8 @@ def part_fidelity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     configs: dict[str, tuple[Optional[CLTK], Callable[[], list], int, str]] = {
         "dense": (None, list, 2, "DDP fp32 all-reduce"),
         "cltk": (CLTK(0.01), lambda: [measure(1.0)], 2, "CLTK 1 %, beta = 1 (classic EF)"),
+        "cltk_hier": (CLTK(0.01), list, 2, f"CLTK 1 %, beta = 1, hierarchy = {args.per_node} (nodes of "
+                                            f"{args.per_node} ranks: dense inside, CLTK across)"),
         "cltk_lowpass": (CLTK(0.01), lambda: [measure(0.1)], 2, "CLTK 1 %, LowPassMemoryFilter beta = 0.1"),
         "cltk_compact": (CLTK(args.compact_ratio, selection="approx", value_dtype=torch.float16,
                               index_coding="delta16"), lambda: [measure(args.compact_beta), LayerRatios(small)],
@@ -334,7 +340,8 @@ def part_fidelity(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for key in args.configs:
         comp, callbacks, start, label = configs[key]
-        rec = run_fit(comp, callbacks(), start, tuple(data), args, workdir)
+        rec = run_fit(comp, callbacks(), start, tuple(data), args, workdir,
+                      hierarchy=args.per_node if key == "cltk_hier" else None)
         rec["label"] = label
         results[key] = rec
         print(f"  {key:13s} acc {rec['accuracy']:.4f}  wire {rec['wire_bytes'] / 1e6:8.2f} MB  "
@@ -370,7 +377,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--configs", nargs="+", default=["dense", "cltk", "cltk_lowpass", "cltk_compact"],
-                        choices=["dense", "cltk", "cltk_lowpass", "cltk_compact"])
+                        choices=["dense", "cltk", "cltk_hier", "cltk_lowpass", "cltk_compact"])
+    parser.add_argument("--world-size", type=int, default=WORLD, help="ranks of the fidelity fits")
+    parser.add_argument("--per-node", type=int, default=2, help="cltk_hier's node size (divides --world-size)")
     parser.add_argument("--out", type=Path, default=None, help="write all results as JSON here")
     args = parser.parse_args()
     results: dict[str, Any] = {}

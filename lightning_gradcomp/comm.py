@@ -14,6 +14,7 @@ all-reduce (ring)      ``2 (W - 1) / W * B``
 all-gather             ``(W - 1) * B``
 broadcast              ``(W - 1) / W * B`` (mean)
 all-to-all             ``(W - 1) / W * B``
+all-to-all (uneven)    the elements this rank sends to the other ranks
 point-to-point send    ``B``
 =====================  ===============================
 
@@ -29,6 +30,7 @@ it makes the callback compute the same bits whichever thread runs it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
@@ -152,6 +154,9 @@ class CommStats:
         hook_seconds: wall time the hook blocks the autograd thread (queueing a bucket: small).
         comm_thread_seconds: wall time the communication thread spends on buckets (compression, decoding,
             and waits for the collectives it needs in line; the last collective of a bucket runs on).
+        wait_seconds: the part of ``comm_thread_seconds`` spent blocked in collectives (the blocking calls of
+            :class:`Comm` and the hook's explicit waits). ``comm_thread_seconds - wait_seconds`` is the
+            compression work: what runs on the thread's own core.
         layers: per-layer figures, keyed by parameter name.
     """
 
@@ -164,6 +169,7 @@ class CommStats:
     nonfinite_steps: int = 0
     hook_seconds: float = 0.0
     comm_thread_seconds: float = 0.0
+    wait_seconds: float = 0.0
     layers: dict[str, LayerStats] = field(default_factory=dict)
 
     @property
@@ -206,13 +212,14 @@ class CommStats:
             "nonfinite_steps": self.nonfinite_steps,
             "hook_seconds": self.hook_seconds,
             "comm_thread_seconds": self.comm_thread_seconds,
+            "wait_seconds": self.wait_seconds,
             "layers": {k: dict(vars(v)) for k, v in self.layers.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`."""
         for key in ("wire_bytes", "intra_bytes", "dense_bytes", "steps", "compressed_steps", "collectives",
-                    "nonfinite_steps", "hook_seconds", "comm_thread_seconds"):
+                    "nonfinite_steps", "hook_seconds", "comm_thread_seconds", "wait_seconds"):
             setattr(self, key, state.get(key, getattr(self, key)))
         self.layers = {k: LayerStats(**v) for k, v in state.get("layers", {}).items()}
 
@@ -245,13 +252,19 @@ class Comm:
         else:
             self.stats.add_wire(nbytes, shares)
 
+    def waiting(self) -> "_Waiting":
+        """A context that adds its wall time to ``stats.wait_seconds`` (a blocking collective or wait)."""
+        return _Waiting(self.stats)
+
     def all_reduce(self, tensor: Tensor, *, async_op: bool = False, op: Any = dist.ReduceOp.SUM,
                    shares: Optional[LayerShares] = None) -> Optional[Future]:
         """In-place sum (or ``op``) across ranks. With ``async_op`` returns a ``Future[Tensor]``."""
         self._count(all_reduce_bytes(_nbytes(tensor), self.world_size), shares)
-        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
         if not async_op:
+            with self.waiting():
+                dist.all_reduce(tensor, op=op, group=self.group)
             return None
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
     def all_gather(self, tensor: Tensor, *, shares: Optional[LayerShares] = None) -> Tensor:
@@ -259,18 +272,37 @@ class Comm:
         self._count(all_gather_bytes(_nbytes(tensor), self.world_size), shares)
         out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, tensor.contiguous().reshape(-1), group=self.group)
+        with self.waiting():
+            gather(out, tensor.contiguous().reshape(-1), group=self.group)
         return out.view(self.world_size, *tensor.shape)
 
     def broadcast(self, tensor: Tensor, src: int, *, shares: Optional[LayerShares] = None) -> None:
         """In-place broadcast of ``tensor`` from group rank ``src``."""
         self._count(broadcast_bytes(_nbytes(tensor), self.world_size), shares)
-        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+        with self.waiting():
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
 
     def all_to_all(self, output: Tensor, tensor: Tensor, *, shares: Optional[LayerShares] = None) -> None:
         """Exchange equal chunks: chunk ``j`` of ``tensor`` goes to rank ``j``, into ``output``."""
         self._count(all_to_all_bytes(_nbytes(tensor), self.world_size), shares)
-        dist.all_to_all_single(output, tensor, group=self.group)
+        with self.waiting():
+            dist.all_to_all_single(output, tensor, group=self.group)
+
+    def all_to_all_uneven(self, output: Tensor, tensor: Tensor, output_splits: Sequence[int],
+                          input_splits: Sequence[int], *, async_op: bool = False) -> Optional[Future]:
+        """Exchange uneven chunks of 1-D tensors: ``tensor``'s chunk ``j`` (``input_splits[j]`` elements) goes to
+        rank ``j``; rank ``j``'s chunk for this rank lands in ``output``'s chunk ``j`` (``output_splits[j]``).
+        Counts the elements sent to the other ranks. With ``async_op`` returns a ``Future[Tensor]`` (``output``)."""
+        sent = sum(input_splits) - input_splits[self.rank]
+        self._count(float(sent * tensor.element_size()), None)
+        kwargs = {"output_split_sizes": list(output_splits), "input_split_sizes": list(input_splits),
+                  "group": self.group}
+        if not async_op:
+            with self.waiting():
+                dist.all_to_all_single(output, tensor, **kwargs)
+            return None
+        work = dist.all_to_all_single(output, tensor, async_op=True, **kwargs)
+        return work.get_future().then(lambda _: output)
 
     def exchange(self, send: Tensor, recv: Tensor, peer: int, *, async_op: bool = False,
                  shares: Optional[LayerShares] = None) -> list[dist.Work]:
@@ -281,6 +313,20 @@ class Comm:
                dist.P2POp(dist.irecv, recv, global_peer, self.group)]
         works = dist.batch_isend_irecv(ops)
         if not async_op:
-            for work in works:
-                work.wait()
+            with self.waiting():
+                for work in works:
+                    work.wait()
         return works
+
+
+class _Waiting:
+    """Adds the wall time of its ``with`` block to ``stats.wait_seconds``."""
+
+    def __init__(self, stats: CommStats) -> None:
+        self.stats = stats
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stats.wait_seconds += time.perf_counter() - self._start

@@ -8,34 +8,40 @@ ranks with its local rank, one per node: the slow links).
 Every parameter has an **owner**, a local rank chosen once from the names and sizes of all parameters of the
 model (:func:`assign_owners`: largest first, to the least loaded local rank), never from DDP's buckets, so it
 is the same before and after DDP's bucket rebuild and across resumes. Per bucket (:class:`Hierarchy` holds this
-rank's view; the protocol itself is in :meth:`GradCompHook._reduce_hierarchical
-<lightning_gradcomp.hook.GradCompHook._reduce_hierarchical>`):
+rank's view, :class:`NodeShards` the bucket's slots grouped by owner; the protocol itself is in
+:meth:`GradCompHook._reduce_hierarchical <lightning_gradcomp.hook.GradCompHook._reduce_hierarchical>`):
 
-1. The bucket is summed over the node (one dense all-reduce in the node group).
+1. **Node reduce-scatter.** One uneven all-to-all in the node group sends every slot to its owner, together
+   with the sender's "NaN/Inf in my bucket" flag; each owner sums the L copies of its slots (the node sum)
+   and the L flags (the node's flag) into its **shard**: its own slots back to back (:attr:`NodeShards.local`).
 2. Each local rank reduces *the slots it owns* over its cross-node group: the compressor (with error feedback,
    memories kept by the owner) on the node-mean of its compressed slots, and one all-reduce of its dense slots
-   plus the non-finite flag. The compressor sees the cross-node ``Comm``: ``ctx.rank`` is the node index,
-   ``ctx.world_size`` is N (CLT-k's leader rotates over nodes).
-3. Each rank zeroes the slots it does not own and the node group all-reduces the bucket again: every rank gets
-   every averaged slot (``x + 0 = x``: exact).
+   plus the node's non-finite flag (so every rank of the world takes the same decision). The compressor sees
+   the cross-node ``Comm``: ``ctx.rank`` is the node index, ``ctx.world_size`` is N (CLT-k's leader rotates
+   over nodes).
+3. **Node all-gather.** A second uneven all-to-all hands each owner's shard (its averaged slots, and the flag
+   element) to the other L - 1 ranks of the node, which copy the slots into their bucket.
 
-Bytes per rank for a bucket of ``B`` bytes (ring formulas, :mod:`lightning_gradcomp.comm`): intra-node
-``2 * 2 (L-1)/L * B`` (``CommStats.intra_bytes``), inter-node only this rank's owned share, over N ranks
+Bytes per rank for a bucket of ``n`` fp32 elements, ``n_j`` of them owned by local rank ``j`` (the
+:mod:`lightning_gradcomp.comm` accounting: the elements sent to other ranks): intra-node
+``4 (n - n_j + L - 1) + 4 (L - 1)(n_j + 1)`` (``CommStats.intra_bytes``; about ``2 (L-1)/L * 4n`` when the
+shares are balanced, the bytes of one ring all-reduce), inter-node only this rank's owned share, over N ranks
 (``CommStats.wire_bytes``).
 """
 
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Union
 
 import torch.distributed as dist
 
 from lightning_gradcomp.comm import Comm, CommStats
+from lightning_gradcomp.plan import BucketPlan, LayerSlot
 
-__all__ = ["Hierarchy", "HierarchyLayout", "assign_owners", "check_hierarchy", "group_size_for"]
+__all__ = ["Hierarchy", "HierarchyLayout", "NodeShards", "assign_owners", "check_hierarchy", "group_size_for"]
 
 HierarchySpec = Union[str, int, None]
 """What ``GradCompStrategy(hierarchy=...)`` accepts: ``None``, ``"node"`` or a group size."""
@@ -126,6 +132,45 @@ def assign_owners(numels: Mapping[str, int], group_size: int) -> dict[str, int]:
     return owners
 
 
+@dataclass(frozen=True)
+class NodeShards:
+    """One bucket's slots grouped by owner: the layout of the node's uneven reduce-scatter and all-gather.
+
+    Attributes:
+        by_owner: per local rank ``j`` (``0..L-1``), the slots ``j`` owns, in buffer order.
+        counts: per local rank, the number of elements of its slots (they sum to the bucket's ``numel``).
+        local: this rank's slots as a plan of their own (same bucket index, offsets into the rank's shard, a
+            buffer of ``counts[local_rank]`` elements).
+    """
+
+    by_owner: tuple[tuple[LayerSlot, ...], ...]
+    counts: tuple[int, ...]
+    local: BucketPlan
+
+    @classmethod
+    def of(cls, plan: BucketPlan, owner: Callable[[str], int], group_size: int, local_rank: int) -> "NodeShards":
+        """Group ``plan``'s slots by ``owner(name)`` (a pure function of the plan, the owners and the rank).
+
+        >>> from lightning_gradcomp.plan import LayerSlot, BucketPlan
+        >>> plan = BucketPlan(0, 7, (LayerSlot("a", 0, (4,), True), LayerSlot("b", 4, (3,), True)))
+        >>> shards = NodeShards.of(plan, {"a": 1, "b": 0}.__getitem__, 2, local_rank=1)
+        >>> shards.counts, shards.local.slots[0].offset
+        ((3, 4), 0)
+        """
+        by_owner = tuple(tuple(s for s in plan.slots if owner(s.name) == j) for j in range(group_size))
+        counts = tuple(sum(s.numel for s in slots) for slots in by_owner)
+        local, offset = [], 0
+        for slot in by_owner[local_rank]:
+            local.append(replace(slot, offset=offset))
+            offset += slot.numel
+        return cls(by_owner, counts, BucketPlan(plan.index, offset, tuple(local)))
+
+    @property
+    def order(self) -> tuple[LayerSlot, ...]:
+        """Every slot, owner by owner: the order of the all-gather's output."""
+        return tuple(s for slots in self.by_owner for s in slots)
+
+
 class Hierarchy:
     """One rank's view of the hierarchy: its node and cross-node ``Comm`` and the owner of every parameter.
 
@@ -144,6 +189,7 @@ class Hierarchy:
         self.intra = intra
         self.cross = cross
         self.owners = owners
+        self._shards: dict[int, tuple[BucketPlan, NodeShards]] = {}
 
     @classmethod
     def create(cls, layout: HierarchyLayout, rank: int, numels: Mapping[str, int], stats: CommStats,
@@ -178,6 +224,14 @@ class Hierarchy:
     def owns(self, name: str) -> bool:
         """Whether this rank reduces ``name`` across nodes."""
         return self.owner(name) == self.local_rank
+
+    def shards(self, plan: BucketPlan) -> NodeShards:
+        """``plan``'s slots grouped by owner (cached per bucket; rebuilt when the plan changes)."""
+        cached = self._shards.get(plan.index)
+        if cached is None or cached[0] is not plan:
+            cached = self._shards[plan.index] = (plan, NodeShards.of(plan, self.owner, self.layout.group_size,
+                                                                        self.local_rank))
+        return cached[1]
 
     def describe(self) -> list[int]:
         """``[num_nodes, group_size]``: recorded in checkpoints (per-rank state is only valid for this layout)."""

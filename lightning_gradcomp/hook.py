@@ -30,13 +30,14 @@ rank, a GAN's other optimizer). The step counter counts optimizer steps. Without
 (raw use of the hook) every backward pass commits and counts as a step.
 
 With a :class:`~lightning_gradcomp.hierarchy.Hierarchy` (``GradCompStrategy(hierarchy=...)``) each bucket is first
-summed densely inside the node; each rank then runs steps 2-4 over its cross-node group for the slots it owns
-(the node-mean gradient of its owned compressed slots goes to the compressor, its owned dense slots and the flag
-to the head all-reduce, both divided by W as above, so their sum over nodes is the global mean); finally every
-rank zeroes the slots it does not own and the node all-reduces the bucket again, so every rank receives every
-slot. Before ``start_step`` (or for a dense compressor) the owned slots are all-reduced across nodes without the
-flag, like DDP. With a single node nothing is compressed: one dense all-reduce in the node, as DDP. See
-:mod:`lightning_gradcomp.hierarchy`.
+reduce-scattered inside the node (one uneven all-to-all: every slot goes to the local rank that owns it, with
+the sender's NaN/Inf flag, and the owner sums the node's copies); each rank then runs steps 2-4 over its
+cross-node group for the slots it owns (the node-mean gradient of its owned compressed slots goes to the
+compressor, its owned dense slots and the node's flag to the head all-reduce, both divided by W as above, so
+their sum over nodes is the global mean); finally a second all-to-all hands every owner's averaged slots to the
+rest of its node. Before ``start_step`` (or for a dense compressor) the owned slots are all-reduced across nodes
+without the flag, like DDP. With a single node nothing is compressed: one dense all-reduce in the node, as DDP.
+See :mod:`lightning_gradcomp.hierarchy`.
 
 Under fp16 AMP (``loss_scale`` set) the compressed slots are divided by the loss scale before compression
 and the averaged result is multiplied by it on write-back; both are exact (the scale is a power of two),
@@ -288,13 +289,15 @@ class GradCompHook:
         return fut
 
     def _reduce_compressed(self, plan: BucketPlan, buf: Tensor, step: int, scale: Optional[Tensor], comm: Comm,
-                           dense: tuple[LayerSlot, ...], comp: tuple[LayerSlot, ...], node_size: int = 1) -> Future:
+                           dense: tuple[LayerSlot, ...], comp: tuple[LayerSlot, ...], node_size: int = 1,
+                           node_flag: Optional[Tensor] = None) -> Future:
         """Reduce ``dense`` and ``comp`` (slots of ``buf``) over ``comm``; the Future resolves to ``buf``.
 
         ``buf`` holds the sum of ``node_size`` ranks' gradients (1: this rank's own; with a hierarchy, the node's),
-        so the compressor's inputs are divided by ``node_size`` (node means) and every dense sum by W.
+        so the compressor's inputs are divided by ``node_size`` (node means) and every dense sum by W. ``node_flag``
+        (with a hierarchy) is the node's NaN/Inf flag, sent instead of this rank's own.
         """
-        if self._head(buf, dense, comm, flag=True):
+        if self._head(buf, dense, comm, flag=True, flag_value=node_flag):
             return self._reduce_nonfinite(buf, comp, comm)
         if not comp:  # a hierarchy rank owning no compressed slot of this bucket (same on its cross-node group)
             return completed_future(buf)
@@ -325,13 +328,15 @@ class GradCompHook:
 
         return then_same_numerics(reduction.averaged, write_back)
 
-    def _head(self, buf: Tensor, dense: tuple[LayerSlot, ...], comm: Comm, flag: bool) -> bool:
-        """All-reduce ``dense`` (divided by W), plus a "NaN/Inf in ``buf``" flag when ``flag``, in **one**
-        collective over ``comm``; write them back. Returns whether any rank flagged (skipped when there is
-        nothing to send)."""
+    def _head(self, buf: Tensor, dense: tuple[LayerSlot, ...], comm: Comm, flag: bool,
+              flag_value: Optional[Tensor] = None) -> bool:
+        """All-reduce ``dense`` (divided by W), plus a "NaN/Inf in ``buf``" flag (or ``flag_value``) when ``flag``,
+        in **one** collective over ``comm``; write them back. Returns whether any rank flagged (skipped when
+        there is nothing to send)."""
         pieces = [buf[s.offset:s.end] for s in dense]
         if flag:  # NaN/Inf anywhere -> sum
-            pieces.append((~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1))
+            pieces.append(flag_value if flag_value is not None else
+                          (~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1))
         if not pieces:
             return False
         head = torch.cat(pieces).div_(self.comm.world_size)
@@ -356,23 +361,46 @@ class GradCompHook:
 
     def _reduce_hierarchical(self, hierarchy: Hierarchy, plan: BucketPlan, buf: Tensor, step: int, compressing: bool,
                              scale: Optional[Tensor]) -> Future:
-        """Node sum, then this rank's owned slots across nodes, then the node shares its averaged slots."""
-        intra = hierarchy.intra
-        intra.all_reduce(buf)  # (1) dense, fast links: buf = sum over the node
-        owned = tuple(s for s in plan.slots if hierarchy.owns(s.name))
-        if compressing:  # (2) owned slots across nodes: the flat protocol on the cross-node group
-            comp = tuple(s for s in owned if s.compressed)
-            dense = tuple(s for s in owned if not s.compressed)
-            self._reduce_compressed(plan, buf, step, scale, hierarchy.cross, dense, comp,
-                                    hierarchy.layout.group_size).wait()  # its averages are needed in (3)
+        """Node reduce-scatter into this rank's shard, its slots across nodes, node all-gather of the shards."""
+        intra, shards, size = hierarchy.intra, hierarchy.shards(plan), hierarchy.layout.group_size
+        local = shards.local  # this rank's slots, back to back in its shard
+        width = local.numel + 1  # the shard and the node's NaN/Inf flag
+        # (1) every slot to its owner, with this rank's flag; row j of `rows` is what local rank j sent us
+        flag = (~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1)
+        send = torch.cat([piece for slots in shards.by_owner for piece in (*(buf[s.offset:s.end] for s in slots), flag)])
+        rows = send.view(1, width) if size == 1 else buf.new_empty(size, width)
+        if size > 1:
+            intra.all_to_all_uneven(rows.view(-1), send, [width] * size, [count + 1 for count in shards.counts])
+        shard = rows[0]
+        for j in range(1, size):  # the node sum, in local-rank order (only the owner computes it)
+            shard.add_(rows[j])
+        if compressing:  # (2) the shard across nodes: the flat protocol on the cross-node group
+            fut = self._reduce_compressed(local, shard, step, scale, hierarchy.cross, local.dense, local.compressed,
+                                          size, node_flag=shard[-1:])
+            with intra.waiting():  # its averages are sent in (3)
+                fut.wait()
         else:
-            self._head(buf, owned, hierarchy.cross, flag=False)
-        for slot in plan.slots:  # (3) every slot is non-zero on its owner only: the node sum hands it to all
-            if not hierarchy.owns(slot.name):
-                buf[slot.offset:slot.end].zero_()
-        fut = intra.all_reduce(buf, async_op=True)
-        assert fut is not None
-        return fut
+            self._head(shard, local.slots, hierarchy.cross, flag=False)
+        # (3) every owner's shard to the rest of the node
+        if size == 1:
+            gathered = shard
+        else:
+            rows[1:].copy_(shard.expand(size - 1, width))
+            gathered = buf.new_empty(plan.numel + size)
+            fut = intra.all_to_all_uneven(gathered, rows.view(-1), [count + 1 for count in shards.counts],
+                                          [width] * size, async_op=True)
+        layout = [s for slots in shards.by_owner for s in (*slots, None)]  # None: an owner's flag element
+        sizes = [1 if s is None else s.numel for s in layout]
+
+        def unpack(received: Tensor) -> Tensor:
+            for slot, piece in zip(layout, torch.split(received, sizes)):
+                if slot is not None:
+                    buf[slot.offset:slot.end].copy_(piece)
+            return buf
+
+        if size == 1:
+            return completed_future(unpack(gathered))
+        return then_same_numerics(fut, lambda done: unpack(done.value()))
 
     # ------------------------------------------------------------------ state
     def _layout(self) -> Optional[list[int]]:

@@ -67,3 +67,29 @@ def test_comm_counts_match_formulas(world: int) -> None:
             assert res["recv"].tolist() == [float(rank ^ 1)] * 3
         assert res["wire"] == pytest.approx(expected + (12 if has_peer else 0))
         assert res["n"] == 5 + int(has_peer)
+
+
+def _uneven(rank: int, world: int) -> dict:
+    """Rank r sends r + j + 1 elements (value 10 r + j) to rank j; both the blocking and the async form."""
+    comm = Comm()
+    send = torch.cat([torch.full((rank + j + 1,), float(10 * rank + j)) for j in range(world)])
+    out_splits = [r + rank + 1 for r in range(world)]
+    out = torch.empty(sum(out_splits))
+    comm.all_to_all_uneven(out, send, out_splits, [rank + j + 1 for j in range(world)])
+    blocking_wait = comm.stats.wait_seconds
+    fut = comm.all_to_all_uneven(torch.empty(sum(out_splits)), send, out_splits,
+                                 [rank + j + 1 for j in range(world)], async_op=True)
+    again = fut.wait()
+    return {"out": out, "again": again, "wire": comm.stats.wire_bytes, "wait": blocking_wait,
+            "wait_after_async": comm.stats.wait_seconds}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_uneven_all_to_all_delivers_and_counts_what_leaves_the_rank(world: int) -> None:
+    for rank, res in enumerate(run_workers(_uneven, world)):
+        expected = torch.cat([torch.full((r + rank + 1,), float(10 * r + rank)) for r in range(world)])
+        assert torch.equal(res["out"], expected) and torch.equal(res["again"], expected)
+        sent = sum(rank + j + 1 for j in range(world) if j != rank)
+        assert res["wire"] == 2 * 4 * sent
+        assert res["wait"] > 0  # the blocking call is counted as waiting; issuing the async one is not
+        assert res["wait_after_async"] == res["wait"]

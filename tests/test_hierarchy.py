@@ -216,13 +216,19 @@ def _sweep(rank: int, world: int, size: int, names: list[str]) -> dict[str, Any]
     return out
 
 
+def node_exchange_bytes(numel: int, owned: int, size: int) -> float:
+    """Intra-node bytes of one fp32 bucket: reduce-scatter to the owners (plus one flag per receiver), then the
+    owner sends its ``owned`` averaged elements and the flag to the other ``size - 1``."""
+    return 4.0 * (numel - owned + size - 1) + 4.0 * (size - 1) * (owned + 1)
+
+
 def _expected(comp: Compressor, call: dict[str, Any], owned: set[str], world: int, size: int) -> tuple[float, float]:
     """(inter-node, intra-node) bytes of one bucket: node sum + share in the node, owned slots across nodes."""
     plan, nodes = call["plan"], world // size
     if nodes == 1:  # one node: nothing crosses nodes, one dense all-reduce in the node
         return 0.0, all_reduce_bytes(4 * plan.numel, size)
-    intra = 2 * all_reduce_bytes(4 * plan.numel, size)
     mine = [s for s in plan.slots if s.name in owned]
+    intra = node_exchange_bytes(plan.numel, sum(s.numel for s in mine), size)
     if not call["compressing"]:
         return (all_reduce_bytes(4 * sum(s.numel for s in mine), nodes) if mine else 0.0), intra
     dense = [s for s in mine if not s.compressed]
@@ -364,7 +370,8 @@ def test_lightning_replicas_and_bytes_at_w4(tmp_path: Path) -> None:
         inter = 2 * all_reduce_bytes(4 * sum(numels[n] for n in mine), 2) + \
             (steps - 2) * (all_reduce_bytes(4 * (dense + 1), 2) + cltk)
         assert stats["wire_bytes"] == pytest.approx(inter)
-        assert stats["intra_bytes"] == pytest.approx(steps * 2 * all_reduce_bytes(4 * total, 2))
+        owned = sum(numels[n] for n in mine)
+        assert stats["intra_bytes"] == pytest.approx(steps * node_exchange_bytes(total, owned, 2))
         assert stats["dense_bytes"] == pytest.approx(steps * all_reduce_bytes(4 * total, 4))
         assert set(rec["memory"]) == set(comp)
     assert {rank % 2 for rank in range(4)} == set(owners.values())  # both local ranks compress something

@@ -115,7 +115,8 @@ class LayerwiseDriver:
 @dataclass
 class Installed:
     """A wrapped model plus counters: ``wire_bytes()``, ``hook_seconds()`` (time the hook blocks the autograd
-    thread) and ``thread_seconds()`` (our communication thread's time; 0 for PyTorch's hooks) are cumulative.
+    thread), ``thread_seconds()`` (our communication thread's time; 0 for PyTorch's hooks) and ``wait_seconds()``
+    (the part of it blocked in collectives) are cumulative.
 
     ``hook`` is our hook engine (presets only), ``layerwise`` the driver of the preset's layerwise callback.
     """
@@ -127,6 +128,7 @@ class Installed:
     hook: Optional[GradCompHook] = None
     layerwise: Optional[LayerwiseDriver] = None
     thread_seconds: Callable[[], float] = lambda: 0.0
+    wait_seconds: Callable[[], float] = lambda: 0.0
 
     def begin(self, optimizer: torch.optim.Optimizer) -> None:
         """Once the optimizer exists, before the first step: attach it to the hook, start the layerwise callback."""
@@ -225,4 +227,5 @@ def install_strategy(strategy: GradCompStrategy, model: nn.Module, bucket_cap_mb
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
     layerwise = None if strategy.layerwise is None else LayerwiseDriver(strategy.layerwise, strategy)
     return Installed(ddp, lambda: hook.stats.wire_bytes, lambda: hook.stats.hook_seconds,
-                     thread_seconds=lambda: hook.stats.comm_thread_seconds, hook=hook, layerwise=layerwise)
+                     thread_seconds=lambda: hook.stats.comm_thread_seconds,
+                     wait_seconds=lambda: hook.stats.wait_seconds, hook=hook, layerwise=layerwise)

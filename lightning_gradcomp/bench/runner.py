@@ -61,6 +61,7 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
                                                 else None),
             "hook_ms_per_step": 1e3 * statistics.mean(p["hook_seconds_per_step"] for p in per_rank),
             "thread_ms_per_step": 1e3 * statistics.mean(p.get("thread_seconds_per_step", 0.0) for p in per_rank),
+            "wait_ms_per_step": 1e3 * statistics.mean(p.get("wait_seconds_per_step", 0.0) for p in per_rank),
             "peak_rss_mb": max((p["peak_rss_mb"] or 0.0) for p in per_rank),
         }
     dense = rows.get("ddp")
@@ -76,13 +77,19 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
                                                    / rows["torch_powersgd"]["throughput_samples_per_s"])
     references = _references(ranks)
     for row in rows.values():
-        # our work runs on the communication thread, PyTorch's in the hook: compare whichever did the work
-        work_ms = max(row["hook_ms_per_step"], row["thread_ms_per_step"])
+        work_ms = row["work_ms_per_step"] = work_ms_of(row)
         row["work_vs_clone"] = work_ms / references["clone_ms"] if references else None
         row["work_vs_clone_rand"] = (work_ms / (references["clone_ms"] + references["rand_like_ms"])
                                      if references else None)
     return {"world_size": world, "compute_only_step_s": compute, "params": ranks[0]["configs"][next(iter(rows))]["params"],
             "references": references, "configs": rows}
+
+
+def work_ms_of(row: dict[str, Any]) -> float:
+    """Compression work per step (ms): our communication thread's time minus its blocking waits for collectives,
+    or, for PyTorch's hooks (no thread), the hook's time on the autograd thread (they never wait in the hook)."""
+    thread = row.get("thread_ms_per_step", 0.0)
+    return thread - row.get("wait_ms_per_step", 0.0) if thread > 0 else row["hook_ms_per_step"]
 
 
 def _references(ranks: list[dict[str, Any]]) -> Optional[dict[str, float]]:
@@ -209,15 +216,19 @@ def print_report(result: dict[str, Any]) -> None:
     refs = summary.get("references")
     if refs:
         overhead = Table(title="compression work per step against one pass over the gradient (same run, per rank)")
-        for col in ("config", "work ms", "/ clone", "/ (clone + rand_like)"):
+        for col in ("config", "work ms", "/ clone", "/ (clone + rand_like)", "/ torch fp16 hook"):
             overhead.add_column(col, justify="left" if col == "config" else "right")
+        fp16 = summary["configs"].get("torch_fp16")
         for name, row in summary["configs"].items():
-            work = max(row["hook_ms_per_step"], row["thread_ms_per_step"])
-            overhead.add_row(name, f"{work:.1f}", f"{row['work_vs_clone']:.1f}x", f"{row['work_vs_clone_rand']:.2f}x")
+            work = row.get("work_ms_per_step", work_ms_of(row))
+            vs_fp16 = f"{work / work_ms_of(fp16):.1f}x" if fp16 and work_ms_of(fp16) > 0 else "-"
+            overhead.add_row(name, f"{work:.1f}", f"{row['work_vs_clone']:.1f}x", f"{row['work_vs_clone_rand']:.2f}x",
+                             vs_fp16)
         console.print(overhead)
         console.print(f"references: clone {refs['clone_ms']:.2f} ms, rand_like {refs['rand_like_ms']:.2f} ms, "
-                      f"fp16 cast {refs['half_ms']:.2f} ms; work = our communication thread's time (compression "
-                      "plus in-line waits) or the hook's time for PyTorch's hooks")
+                      f"fp16 cast {refs['half_ms']:.2f} ms; work = our communication thread's time minus its "
+                      "blocking waits for collectives (compression, decoding, packing), or the hook's time for "
+                      "PyTorch's hooks")
     console.print(f"[bold]recommendation:[/bold] {result['recommendation']}")
 
 

@@ -136,7 +136,7 @@ def _measure(name: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str,
     def snapshot() -> dict[str, float]:
         tx_bytes, tx_packets = _iface_tx(iface)
         return {"wire": installed.wire_bytes(), "hook": installed.hook_seconds(),
-                "thread": installed.thread_seconds(), "tx": tx_bytes,
+                "thread": installed.thread_seconds(), "wait": installed.wait_seconds(), "tx": tx_bytes,
                 "packets": tx_packets}
 
     _run_steps(step, spec["warmup"], 0)
@@ -155,6 +155,7 @@ def _measure(name: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str,
         "wire_bytes_per_step": (end["wire"] - counters["wire"]) / n,
         "hook_seconds_per_step": (end["hook"] - counters["hook"]) / n,
         "thread_seconds_per_step": (end["thread"] - counters["thread"]) / n,
+        "wait_seconds_per_step": (end["wait"] - counters["wait"]) / n,
         "iface_tx_bytes_per_step": frames / n if iface else None,
         "iface_tx_packets_per_step": packets / n if iface else None,
         "iface_tx_payload_bytes_per_step": (frames - packets * header_bytes_per_packet()) / n if iface else None,

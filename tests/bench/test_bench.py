@@ -10,13 +10,13 @@ import pytest
 
 from lightning_gradcomp.bench.models import load_workload
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, parse_rate, setup_commands, teardown_commands
-from lightning_gradcomp.bench.runner import recommend, run_bench, summarise
+from lightning_gradcomp.bench.runner import recommend, run_bench, summarise, work_ms_of
 from lightning_gradcomp.bench.worker import header_bytes_per_packet
 
 FIELDS = {"step_time_median_s", "step_time_p25_s", "step_time_p75_s", "throughput_samples_per_s", "scaling_efficiency",
           "wire_bytes_per_step", "iface_tx_bytes_per_step", "iface_tx_payload_bytes_per_step",
           "iface_payload_vs_ours", "hook_ms_per_step", "thread_ms_per_step", "peak_rss_mb", "speedup_vs_ddp",
-          "bytes_ratio_vs_ddp", "work_vs_clone", "work_vs_clone_rand"}
+          "bytes_ratio_vs_ddp", "work_vs_clone", "work_vs_clone_rand", "wait_ms_per_step", "work_ms_per_step"}
 
 
 def _rank(times: dict[str, list[float]], compute: list[float]) -> dict:
@@ -25,6 +25,12 @@ def _rank(times: dict[str, list[float]], compute: list[float]) -> dict:
                                "hook_seconds_per_step": 0.001, "iface_tx_bytes_per_step": None,
                                "iface_tx_payload_bytes_per_step": None,
                                "peak_rss_mb": 100.0, "batch_size": 8, "params": 10} for name, t in times.items()}}
+
+
+def test_work_is_the_threads_time_without_its_waits_or_the_torch_hooks_time() -> None:
+    assert work_ms_of({"hook_ms_per_step": 0.5, "thread_ms_per_step": 9.0, "wait_ms_per_step": 6.0}) == 3.0
+    assert work_ms_of({"hook_ms_per_step": 1.5, "thread_ms_per_step": 0.0, "wait_ms_per_step": 0.0}) == 1.5
+    assert work_ms_of({"hook_ms_per_step": 1.5}) == 1.5  # results written before the thread existed
 
 
 def test_summary_uses_the_slowest_rank_per_step_and_recommends() -> None:
@@ -90,7 +96,9 @@ def test_short_loopback_run_has_every_field(tmp_path) -> None:
         rows["ddp"]["wire_bytes_per_step"]
     refs = result["summary"]["references"]
     assert set(refs) == {"clone_ms", "rand_like_ms", "half_ms"} and all(v > 0 for v in refs.values())
-    assert rows["gradcomp_topk"]["work_vs_clone"] > 0 and rows["gradcomp_topk"]["thread_ms_per_step"] > 0
+    topk = rows["gradcomp_topk"]
+    assert topk["work_vs_clone"] > 0 and topk["thread_ms_per_step"] > topk["wait_ms_per_step"] > 0
+    assert topk["work_ms_per_step"] == pytest.approx(topk["thread_ms_per_step"] - topk["wait_ms_per_step"])
     assert "compression work per step against one pass over the gradient" in proc.stdout
 
 
