@@ -19,7 +19,7 @@ Measured per configuration, over ``--steps`` steps after ``--warmup``:
 * the communication thread's time per step (compression, waits) and the hook's own time, per rank;
 * the step time (slowest rank, median).
 
-    nice -n 10 python benchmarks/hierarchy_link.py [--link 100mbit] [--nodes 2] [--per-node 2] [--steps 10]
+    python benchmarks/hierarchy_link.py [--link 100mbit] [--nodes 2] [--per-node 2] [--steps 10] [--rounds 3]
 
 ``--link none`` runs the same processes on loopback in the root namespace (no interface counters).
 """
@@ -153,9 +153,30 @@ def run_rank(spec_path: str) -> None:
     dist.init_process_group("gloo")
     local = dist.get_rank() % spec["per_node"]
     iface = os.environ.get("GLOO_SOCKET_IFNAME") if local == 0 else None  # one reader per node's NIC
-    results = {"rank": dist.get_rank(), "configs": {key: _measure(key, spec, iface) for key in spec["configs"]}}
+    rounds: dict[str, list[dict[str, Any]]] = {key: [] for key in spec["configs"]}
+    for _ in range(spec.get("rounds", 1)):  # configurations alternate, so a change of machine load hits all alike
+        for key in spec["configs"]:
+            rounds[key].append(_measure(key, spec, iface))
+    results = {"rank": dist.get_rank(), "configs": {key: merge_rounds(rows) for key, rows in rounds.items()}}
     dist.barrier()
     Path(spec["out_dir"], f"rank{results['rank']}.json").write_text(json.dumps(results))
+
+
+def merge_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's rounds as one measurement: step lists concatenated, per-step figures averaged, the
+    weight digests joined (replicas must agree after every round)."""
+    out: dict[str, Any] = {}
+    for key, value in rows[0].items():
+        values = [row[key] for row in rows]
+        if isinstance(value, list):
+            out[key] = [v for row in values for v in row]
+        elif key == "weights_sha256":
+            out[key] = ",".join(values)
+        elif key == "params" or value is None:
+            out[key] = value
+        else:
+            out[key] = statistics.mean(values)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- parent
@@ -252,7 +273,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per configuration and round")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the configurations, alternating, this often")
     parser.add_argument("--warmup", type=int, default=3, help="at least 3: compression starts at step 2")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, help="write the summary and raw per-rank figures as JSON")
@@ -273,6 +295,7 @@ def main() -> None:
                                     if emulate else "loopback"))
     with tempfile.TemporaryDirectory(prefix="hierarchy-link-") as tmp:
         spec = {"nodes": args.nodes, "per_node": args.per_node, "configs": args.configs, "model": args.model,
+                "rounds": args.rounds,
                 "batch_size": args.batch_size, "ratio": args.ratio, "bucket_cap_mb": args.bucket_cap_mb,
                 "steps": args.steps, "warmup": args.warmup, "out_dir": tmp}
         with EmulatedLink(args.nodes, args.link) if emulate else nullcontext() as link:

@@ -2,7 +2,9 @@
 
 Error-feedback memories are as large as the model and differ on every rank. Instead of gathering them into
 rank 0's checkpoint file, every rank writes its own state to a *shard*, and the checkpoint carries only a small
-*manifest* that lists the shards with their sizes and SHA-256 checksums::
+*manifest* that lists the shards with their sizes and SHA-256 checksums (the collective protocol around these
+files is :mod:`lightning_gradcomp.sharded_checkpoints`; ``LocalSGDStrategy`` and ``SwarmStrategy`` shard their
+per-rank models and optimizer states the same way, under ``checkpoint["localsgd"]`` and ``checkpoint["swarm"]``)::
 
     last.ckpt                      # Lightning's file (rank 0): model, optimizer, ..., checkpoint["gradcomp"] = manifest
     last.ckpt.gradcomp/
@@ -160,8 +162,8 @@ def is_sharded(entry: Any) -> bool:
     return isinstance(entry, dict) and entry.get("version") == FORMAT_VERSION
 
 
-def check_manifest(manifest: Any) -> None:
-    """Validate a manifest's structure.
+def check_manifest(manifest: Any, key: str = "gradcomp") -> None:
+    """Validate a manifest's structure (``key``: the checkpoint entry it came from, for the message).
 
     Raises:
         ValueError: a key is missing or has the wrong type, the shards are not one per rank in rank order, or a
@@ -169,7 +171,7 @@ def check_manifest(manifest: Any) -> None:
     """
     problem = _manifest_problem(manifest)
     if problem:
-        raise ValueError(f"checkpoint entry 'gradcomp' is malformed or from an unknown version ({problem}; "
+        raise ValueError(f"checkpoint entry {key!r} is malformed or from an unknown version ({problem}; "
                          f"expected version {FORMAT_VERSION} with one shard per rank)")
 
 
@@ -197,12 +199,14 @@ def _manifest_problem(manifest: Any) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------- read
-def load_shard(checkpoint_path: Any, manifest: dict[str, Any], rank: int,
-               weights_only: bool = True) -> dict[str, Any]:
+def load_shard(checkpoint_path: Any, manifest: dict[str, Any], rank: int, weights_only: bool = True, *,
+               what: str = "compression-state",
+               contents: str = "error-feedback memory and compressor state") -> dict[str, Any]:
     """Read rank ``rank``'s shard, check its size and SHA-256 against the manifest, and load it (on CPU).
 
     The shard folder is the manifest's ``dir`` next to ``checkpoint_path``, else ``<checkpoint_path>.gradcomp``
-    (a checkpoint renamed together with its folder).
+    (a checkpoint renamed together with its folder). ``what`` and ``contents`` word the error messages
+    (``"<what> shard '...' is missing ...: every rank's <contents> live in the folder ..."``).
 
     Raises:
         FileNotFoundError: the shard is missing; the message names the file and says what to do.
@@ -219,26 +223,28 @@ def load_shard(checkpoint_path: Any, manifest: dict[str, Any], rank: int,
             data = file.read()
     except FileNotFoundError:
         raise FileNotFoundError(
-            f"compression-state shard '{path}' of checkpoint '{checkpoint_path}' is missing (rank {rank} of "
-            f"{manifest['world_size']}): every rank's error-feedback memory and compressor state live in the folder "
+            f"{what} shard '{path}' of checkpoint '{checkpoint_path}' is missing (rank {rank} of "
+            f"{manifest['world_size']}): every rank's {contents} live in the folder "
             f"'{manifest['dir']}' next to the checkpoint file. Copy that folder together with the checkpoint (and "
             f"make it visible to every rank), or resume from an earlier checkpoint") from None
     digest = hashlib.sha256(data).hexdigest()
     if len(data) != entry["bytes"] or digest != entry["sha256"]:
         raise RuntimeError(
-            f"compression-state shard '{path}' of checkpoint '{checkpoint_path}' is corrupted: it has {len(data)} "
+            f"{what} shard '{path}' of checkpoint '{checkpoint_path}' is corrupted: it has {len(data)} "
             f"bytes with SHA-256 {digest[:16]}..., the checkpoint's manifest expects {entry['bytes']} bytes with "
             f"{entry['sha256'][:16]}... (the file was changed, truncated or copied only partly, or belongs to "
             f"another save); resume from an earlier checkpoint")
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
     except Exception as err:  # noqa: BLE001 - the checksum matched, so this is a foreign or unsafe payload
-        raise RuntimeError(f"cannot load compression-state shard '{path}': {type(err).__name__}: "
+        raise RuntimeError(f"cannot load {what} shard '{path}': {type(err).__name__}: "
                            f"{str(err).strip().splitlines()[0] if str(err).strip() else '(no message)'}") from err
 
 
-def read_shards(checkpoint_path: Any, weights_only: bool = True) -> list[dict[str, Any]]:
+def read_shards(checkpoint_path: Any, weights_only: bool = True, key: str = "gradcomp") -> list[dict[str, Any]]:
     """Every rank's state of a sharded checkpoint, verified (for tools and tests: a rank loads only its own).
+
+    ``key`` is the checkpoint entry holding the manifest (``"localsgd"``, ``"swarm"`` for those strategies).
 
     Raises:
         ValueError: the checkpoint has no shard manifest.
@@ -246,9 +252,9 @@ def read_shards(checkpoint_path: Any, weights_only: bool = True) -> list[dict[st
     """
     fs = get_filesystem(checkpoint_path)
     with fs.open(os.fspath(checkpoint_path), "rb") as file:
-        manifest = torch.load(file, map_location="cpu", weights_only=weights_only).get("gradcomp")
+        manifest = torch.load(file, map_location="cpu", weights_only=weights_only).get(key)
     if not is_sharded(manifest):
-        raise ValueError(f"checkpoint '{checkpoint_path}' holds no sharded 'gradcomp' entry")
+        raise ValueError(f"checkpoint '{checkpoint_path}' holds no sharded {key!r} entry")
     return [load_shard(checkpoint_path, manifest, rank, weights_only) for rank in range(manifest["world_size"])]
 
 

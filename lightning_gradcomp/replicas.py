@@ -6,9 +6,10 @@ Two things follow from replicas that drift apart:
   synchronized global model). The strategy defines :meth:`DivergentReplicas._enter_eval` (which fills
   ``self._eval_backup`` with the tensors it replaced) and :meth:`DivergentReplicas._exit_eval`; the mixin calls
   them around every validation, test and predict loop.
-* **Checkpoints** hold every rank's own model and optimizer state (the strategy gathers them into
-  ``self._restored`` for this rank on load); a rank restores its own when it has them, else the checkpoint's
-  ``state_dict`` and rank 0's optimizer state (after a world-size change).
+* **Checkpoints** hold every rank's own model and optimizer state (each rank writes its own shard file, see
+  :mod:`lightning_gradcomp.sharded_checkpoints`, and the strategy loads it into ``self._restored`` on load); a
+  rank restores its own when it has them, else the checkpoint's ``state_dict`` and rank 0's optimizer state
+  (after a world-size change).
 """
 
 from __future__ import annotations

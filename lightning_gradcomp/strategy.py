@@ -8,7 +8,7 @@ import os
 import re
 import zipfile
 from datetime import timedelta
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from lightning_gradcomp.memory import ErrorFeedback, validate_beta
 from lightning_gradcomp.plan import SlotPolicy
 from lightning_gradcomp.presets import PRESETS, register_preset
 from lightning_gradcomp.schedule import CompressionSchedule, as_schedule
+from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 
 __all__ = ["CHECKPOINT_KEY", "DEFAULT_TIMEOUT", "GradCompStrategy", "check_timeout", "load_verified",
            "verify_checkpoint_file"]
@@ -54,11 +55,10 @@ _PER_RANK_KEYS = ("memory", "compressor", "stats")
 """Keys of ``GradCompHook.state_dict()`` that differ per rank (the rest is replicated and kept in the manifest)."""
 _SHARD: dict[str, Any] = {}
 """Stand-in for the state held in this rank's shard (``_select_state`` -> ``load_checkpoint`` reads it)."""
-_T = TypeVar("_T")
 _INCOMPATIBLE = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 
 
-class GradCompStrategy(DDPStrategy):
+class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
     """DDP whose gradient all-reduce is replaced by a compressor, on CPU (gloo) and GPU (NCCL) alike.
 
     Example::
@@ -104,6 +104,7 @@ class GradCompStrategy(DDPStrategy):
     """
 
     strategy_name = "gradcomp"
+    _name_in_messages = "GradCompStrategy"
 
     def __init__(self, compressor: Union[Compressor, str, None] = None, start_step: int = 2, min_numel: int = 1024,
                  compress_1d: bool = False, small_param: Union[int, float, None] = None, beta: float = 1.0,
@@ -273,25 +274,9 @@ class GradCompStrategy(DDPStrategy):
         state; see :mod:`lightning_gradcomp.checkpoint_shards`. Every rank gets the same error if one cannot write.
         """
         state = self._hook.state_dict() if self._hook is not None else {}
-        filepath, token = self.broadcast((filepath, checkpoint_shards.new_token()))  # the file rank 0 writes
-        entry = self._on_every_rank(lambda: checkpoint_shards.write_shard(state, filepath, self.global_rank, token))
-        shards: list[Any] = [entry]
-        if self._distributed():
-            shards = [None] * self.world_size
-            dist.all_gather_object(shards, entry)
         replicated = {key: value for key, value in state.items() if key not in _PER_RANK_KEYS}
-        checkpoint[CHECKPOINT_KEY] = checkpoint_shards.build_manifest(shards, type(self.compressor).__name__,
-                                                                      replicated, filepath)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-        if self._distributed():
-            self.barrier("GradCompStrategy.save_checkpoint")  # the new file is in place: older shards can go
-        checkpoint_shards.remove_stale_shards(filepath, self.global_rank, keep=entry["file"])
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Remove the checkpoint file (rank 0) and this rank's shards of it (every rank, as Lightning calls it)."""
-        super().remove_checkpoint(filepath)
-        checkpoint_shards.remove_shards(filepath, self.global_rank)
+        self._save_with_shards(checkpoint, filepath, storage_options, CHECKPOINT_KEY, state,
+                               type(self.compressor).__name__, replicated)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -315,38 +300,11 @@ class GradCompStrategy(DDPStrategy):
         except ValueError as err:
             raise ValueError(f"cannot resume from '{checkpoint_path}': {err}") from None
         if self._pending is not None and self._pending[0] is _SHARD:
-            self._pending = self._on_every_rank(lambda: checkpoint_shards.load_shard(
-                checkpoint_path, checkpoint[CHECKPOINT_KEY], self.global_rank,
-                weights_only=True if weights_only is None else weights_only)), True
+            self._pending = self._load_own_shard(checkpoint_path, checkpoint[CHECKPOINT_KEY], weights_only), True
         if self._pending is not None and self._hook is not None:
             self._hook.load_state_dict(*self._pending)
             self._pending = None
         return checkpoint
-
-    def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized() and self.world_size > 1
-
-    def _on_every_rank(self, action: Callable[[], _T]) -> _T:
-        """Run ``action`` on this rank; if it fails on any rank, raise on every rank (instead of a hang).
-
-        The failing rank re-raises its own exception; the others raise a ``RuntimeError`` that quotes it.
-        """
-        try:
-            result, failure = action(), None
-        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
-            result, failure = None, err
-        if not self._distributed():
-            if failure is not None:
-                raise failure
-            return result  # type: ignore[return-value]
-        failures: list[Optional[str]] = [None] * self.world_size
-        dist.all_gather_object(failures, None if failure is None else f"{type(failure).__name__}: {failure}")
-        if failure is not None:
-            raise failure
-        for rank, message in enumerate(failures):
-            if message is not None:
-                raise RuntimeError(f"GradCompStrategy: rank {rank} failed: {message}")
-        return result  # type: ignore[return-value]
 
     def _select_state(self, saved: Optional[dict[str, Any]]) -> Optional[tuple[dict[str, Any], bool]]:
         """This rank's ``(state, per_rank)`` from a ``"gradcomp"`` entry, or ``None`` (nothing to restore).

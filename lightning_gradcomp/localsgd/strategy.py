@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gradcomp import checkpoint_shards
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors.base import Compressor, check_number
 from lightning_gradcomp.compressors.cltk import CLTK
@@ -38,6 +39,7 @@ from lightning_gradcomp.localsgd.engine import OUTERS, OuterSync
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta
 from lightning_gradcomp.plan import SlotPolicy
 from lightning_gradcomp.replicas import DivergentReplicas
+from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 from lightning_gradcomp.strategy import DEFAULT_TIMEOUT, _as_compressor, check_timeout, load_verified, register_names
 
 __all__ = ["CHECKPOINT_KEY", "LocalSGDStrategy"]
@@ -45,13 +47,18 @@ __all__ = ["CHECKPOINT_KEY", "LocalSGDStrategy"]
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "localsgd"
-"""Top-level checkpoint key holding the global model, outer state and every rank's local state."""
+"""Top-level checkpoint key holding the settings, the shared (outer) state and the manifest of the per-rank shards."""
 
 _CHECKPOINT_VERSION = 1
+"""Version of the old single-file entry (every rank's local state inline); still loaded, no longer written."""
+_SETTINGS = ("outer", "local_steps", "fragments", "overlap", "shared")
+"""Keys of a sharded entry besides the manifest's: settings checked on resume, and the shared state."""
+_SHARD_WORDS = {"what": "local-state",
+                "contents": "local model, inner optimizer states, error-feedback memory and compressor state"}
 _REJECTED = (DIANA,)
 
 
-class LocalSGDStrategy(DivergentReplicas, DDPStrategy):
+class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
     """Local SGD / DiLoCo: every rank takes ``local_steps`` inner optimizer steps alone, then all synchronize.
 
     The inner optimizer is the LightningModule's own (``configure_optimizers``, LR schedulers, gradient
@@ -112,6 +119,7 @@ class LocalSGDStrategy(DivergentReplicas, DDPStrategy):
     """
 
     strategy_name = "localsgd"
+    _name_in_messages = "LocalSGDStrategy"
 
     def __init__(self, local_steps: int = 20, outer: Literal["average", "nesterov"] = "nesterov",
                  outer_lr: float = 0.7, outer_momentum: float = 0.9,
@@ -179,7 +187,7 @@ class LocalSGDStrategy(DivergentReplicas, DDPStrategy):
 
     @property
     def aux_comm_stats(self) -> CommStats:
-        """Traffic outside syncs: the start broadcast (checkpoint gathers are not counted)."""
+        """Traffic outside syncs: the start broadcast (checkpoint collectives are not counted)."""
         return self._aux_stats
 
     @property
@@ -319,35 +327,42 @@ class LocalSGDStrategy(DivergentReplicas, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Gather every rank's local state under ``"localsgd"`` (must run on all ranks)."""
+        """Write this rank's local state to its shard next to ``filepath`` (must run on all ranks).
+
+        Rank 0's checkpoint gets, under ``"localsgd"``, the settings, the shared state and the manifest of the
+        shards (:mod:`lightning_gradcomp.sharded_checkpoints`); every rank gets the same error if one cannot write.
+        """
         engine = self._engine
         local = {"model": self._local_model_state(),
                  "optimizers": [copy.deepcopy(self.optimizer_state(o)) for o in self.optimizers],
                  **(engine.rank_state() if engine is not None else {})}
-        per_rank: list[Any] = [local]
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            per_rank = [None] * self.world_size if self.global_rank == 0 else []
-            dist.gather_object(local, per_rank if self.global_rank == 0 else None, dst=0)
-        checkpoint[CHECKPOINT_KEY] = {
-            "version": _CHECKPOINT_VERSION, "world_size": self.world_size,
-            "compressor": type(self.compressor).__name__, "outer": self.outer,
-            "local_steps": self.local_steps, "fragments": self.fragments, "overlap": self.overlap,
-            "shared": engine.shared_state() if engine is not None else None, "per_rank": per_rank,
-        }
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        self._save_with_shards(checkpoint, filepath, storage_options, CHECKPOINT_KEY, local,
+                               type(self.compressor).__name__, {}, outer=self.outer, local_steps=self.local_steps,
+                               fragments=self.fragments, overlap=self.overlap,
+                               shared=engine.shared_state() if engine is not None else None)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load the (CRC-checked) checkpoint and pick this rank's entry (world-size policy: docs/localsgd.md)."""
+        """Load the (CRC-checked) checkpoint and this rank's shard (world-size policy: docs/localsgd.md).
+
+        An old single-file checkpoint (version 1, every rank's local state inline) still loads.
+
+        Raises:
+            FileNotFoundError, RuntimeError: this or another rank's shard is missing or does not match the
+                manifest (every rank raises; the message names the file).
+            ValueError: the entry is malformed, or the settings differ from this strategy's.
+        """
         checkpoint = load_verified(lambda: super(LocalSGDStrategy, self).load_checkpoint(
             checkpoint_path, weights_only=weights_only), checkpoint_path)
         saved = checkpoint.get(CHECKPOINT_KEY)
         self._restored = self._restored_shared = None
         if saved is None:
             return checkpoint
-        if not isinstance(saved, dict) or saved.get("version") != _CHECKPOINT_VERSION or "per_rank" not in saved:
-            raise ValueError(f"cannot resume from '{checkpoint_path}': checkpoint entry {CHECKPOINT_KEY!r} is "
-                             f"malformed or from an unknown version (expected version {_CHECKPOINT_VERSION})")
+        sharded = checkpoint_shards.is_sharded(saved)
+        try:
+            _check_entry(saved, sharded)
+        except ValueError as err:
+            raise ValueError(f"cannot resume from '{checkpoint_path}': {err}") from None
         mine = (type(self.compressor).__name__, self.outer, self.local_steps, self.fragments, self.overlap)
         theirs = (saved["compressor"], saved["outer"], saved["local_steps"], saved["fragments"],
                   saved.get("overlap", 0))
@@ -357,7 +372,9 @@ class LocalSGDStrategy(DivergentReplicas, DDPStrategy):
                              f"same settings")
         self._restored_shared = saved["shared"]
         if saved["world_size"] == self.world_size:
-            self._restored = saved["per_rank"][self.global_rank]
+            self._restored = (self._load_own_shard(checkpoint_path, saved, weights_only, self.root_device,
+                                                   **_SHARD_WORDS) if sharded
+                              else saved["per_rank"][self.global_rank])
         else:
             rank_zero_warn(f"LocalSGDStrategy: checkpoint was written by {saved['world_size']} ranks, resuming on "
                            f"{self.world_size}: every rank starts from the global model with rank 0's inner "
@@ -378,6 +395,19 @@ class LocalSGDStrategy(DivergentReplicas, DDPStrategy):
         register_names(strategy_registry, cls, "diloco_cltk",
                        "DiLoCo with CLT-k 1% pseudo-gradients and error feedback",
                        outer="nesterov", compressor=CLTK(ratio=0.01))
+
+
+def _check_entry(saved: Any, sharded: bool) -> None:
+    """Raise a ``ValueError`` if a ``"localsgd"`` entry is malformed (sharded: version 2; else version 1)."""
+    if sharded:
+        checkpoint_shards.check_manifest(saved, key=CHECKPOINT_KEY)
+        missing = [key for key in _SETTINGS if key not in saved]
+        if missing:
+            raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} is malformed (it has no {', '.join(missing)})")
+    elif not isinstance(saved, dict) or saved.get("version") != _CHECKPOINT_VERSION or "per_rank" not in saved:
+        raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} is malformed or from an unknown version (expected "
+                         f"version {checkpoint_shards.FORMAT_VERSION} with one shard per rank, or version "
+                         f"{_CHECKPOINT_VERSION} with one state per rank)")
 
 
 def _check_bool(name: str, value: Any) -> bool:

@@ -34,9 +34,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gradcomp import checkpoint_shards
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.compressors.base import check_number
 from lightning_gradcomp.replicas import DivergentReplicas
+from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 from lightning_gradcomp.strategy import check_timeout, load_verified
 from lightning_gradcomp.swarm.asynchronous import AsyncGossip, PairingRecord, StoreMatchmaker, exchange_group
 from lightning_gradcomp.swarm.exchange import ROUNDINGS, LatticeCodec, PairwiseGossip, PendingExchange, SwarmStats
@@ -47,14 +49,16 @@ __all__ = ["CHECKPOINT_KEY", "SwarmStrategy"]
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "swarm"
-"""Top-level checkpoint key holding every rank's model, optimizer and gossip state."""
+"""Top-level checkpoint key holding ``bits``, rank 0's round counters and the manifest of the per-rank shards."""
 
 _CHECKPOINT_VERSION = 1
+"""Version of the old single-file entry (every rank's state inline); still loaded, no longer written."""
+_SHARD_WORDS = {"what": "rank-state", "contents": "model, optimizer states and gossip state"}
 _EVAL_MODELS = ("mean", "rank0", "local")
 MODES = ("async", "lockstep")
 
 
-class SwarmStrategy(DivergentReplicas, DDPStrategy):
+class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
     """SwarmSGD: each rank trains its own model and averages it with one random partner every H steps.
 
     Every rank steps on its own gradient (no gradient all-reduce). In ``mode="async"`` (default) a rank
@@ -116,6 +120,7 @@ class SwarmStrategy(DivergentReplicas, DDPStrategy):
     """
 
     strategy_name = "swarmsgd"
+    _name_in_messages = "SwarmStrategy"
 
     def __init__(self, local_steps: int = 1, geometric_local_steps: bool = False, topology: Topology = "complete",
                  torus_shape: Optional[tuple[int, int]] = None, bits: Optional[int] = 8, block_size: int = 1024,
@@ -560,34 +565,43 @@ class SwarmStrategy(DivergentReplicas, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Gather every rank's model, optimizer and gossip state under ``"swarm"`` (runs on all ranks)."""
+        """Write this rank's model, optimizer and gossip state to its shard next to ``filepath`` (all ranks).
+
+        Rank 0's checkpoint gets, under ``"swarm"``, ``bits``, its round counters and the manifest of the shards
+        (:mod:`lightning_gradcomp.sharded_checkpoints`); every rank gets the same error if one cannot write.
+        """
         local = self._rank_state()
-        per_rank: list[Any] = [local]
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            per_rank = [None] * self.world_size if self.global_rank == 0 else []
-            dist.gather_object(local, per_rank if self.global_rank == 0 else None, dst=0)
-        checkpoint[CHECKPOINT_KEY] = {"version": _CHECKPOINT_VERSION, "world_size": self.world_size,
-                                      "bits": self.bits, "per_rank": per_rank}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        codec = type(self.codec).__name__ if self.codec is not None else "NoCompression"
+        self._save_with_shards(checkpoint, filepath, storage_options, CHECKPOINT_KEY, local, codec, {},
+                               bits=self.bits, counters=local["counters"])  # rank 0's counters: rank 0 writes
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load the (CRC-checked) checkpoint and pick this rank's entry (world-size policy: docs/swarm.md)."""
+        """Load the (CRC-checked) checkpoint and this rank's shard (world-size policy: docs/swarm.md).
+
+        An old single-file checkpoint (version 1, every rank's state inline) still loads.
+
+        Raises:
+            FileNotFoundError, RuntimeError: this or another rank's shard is missing or does not match the
+                manifest (every rank raises; the message names the file).
+            ValueError: the entry is malformed, or ``bits`` differs from this strategy's.
+        """
         checkpoint = load_verified(lambda: super(SwarmStrategy, self).load_checkpoint(
             checkpoint_path, weights_only=weights_only), checkpoint_path)
         saved = checkpoint.get(CHECKPOINT_KEY)
         self._restored = self._restored_counters = None
         if saved is None:
             return checkpoint
-        if not isinstance(saved, dict) or saved.get("version") != _CHECKPOINT_VERSION or "per_rank" not in saved:
-            raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} is malformed or from an unknown version "
-                             f"(expected version {_CHECKPOINT_VERSION})")
+        sharded = checkpoint_shards.is_sharded(saved)
+        _check_entry(saved, sharded)
         if saved["bits"] != self.bits:
             raise ValueError(f"checkpoint was written with bits={saved['bits']}, this strategy uses "
                              f"bits={self.bits}; resume with the same setting")
-        self._restored_counters = saved["per_rank"][0]["counters"]
+        self._restored_counters = saved["counters"] if sharded else saved["per_rank"][0]["counters"]
         if saved["world_size"] == self.world_size:
-            self._restored = saved["per_rank"][self.global_rank]
+            self._restored = (self._load_own_shard(checkpoint_path, saved, weights_only, self.root_device,
+                                                   **_SHARD_WORDS) if sharded
+                              else saved["per_rank"][self.global_rank])
         else:
             rank_zero_warn(f"SwarmStrategy: checkpoint was written by {saved['world_size']} ranks, resuming on "
                            f"{self.world_size}: every rank starts from the mean model with rank 0's optimizer "
@@ -643,6 +657,19 @@ def _write_named(module: torch.nn.Module, values: dict[str, Tensor]) -> None:
         for name, value in values.items():
             if name in live:
                 live[name].copy_(value)
+
+
+def _check_entry(saved: Any, sharded: bool) -> None:
+    """Raise a ``ValueError`` if a ``"swarm"`` entry is malformed (sharded: version 2; else version 1)."""
+    if sharded:
+        checkpoint_shards.check_manifest(saved, key=CHECKPOINT_KEY)
+        missing = [key for key in ("bits", "counters") if key not in saved]
+        if missing:
+            raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} is malformed (it has no {', '.join(missing)})")
+    elif not isinstance(saved, dict) or saved.get("version") != _CHECKPOINT_VERSION or "per_rank" not in saved:
+        raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} is malformed or from an unknown version (expected "
+                         f"version {checkpoint_shards.FORMAT_VERSION} with one shard per rank, or version "
+                         f"{_CHECKPOINT_VERSION} with one state per rank)")
 
 
 def _check_bool(name: str, value: Any) -> bool:

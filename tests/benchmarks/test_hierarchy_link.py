@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from hierarchy_link import summarise, torchrun_commands  # noqa: E402
+from hierarchy_link import merge_rounds, summarise, torchrun_commands  # noqa: E402
 
 
 def _rank(times: list[float], wire: float, nic: float | None, thread: float = 0.1) -> dict:
@@ -45,3 +45,13 @@ def test_one_torchrun_per_node_with_static_rendezvous() -> None:
         assert {"--nnodes=2", "--nproc-per-node=3", f"--node-rank={node}", "--master-addr=127.0.0.1",
                 "--master-port=1234"} <= set(argv)
         assert argv[-2:] == ["--worker", "/tmp/spec.json"] and "GLOO_SOCKET_IFNAME" not in env
+
+
+def test_rounds_merge_into_one_measurement() -> None:
+    a = {"step_times": [1.0, 2.0], "wire_bytes_per_step": 10.0, "nic_tx_payload_bytes_per_step": None,
+         "params": 7, "weights_sha256": "x"}
+    b = {"step_times": [3.0], "wire_bytes_per_step": 20.0, "nic_tx_payload_bytes_per_step": None,
+         "params": 7, "weights_sha256": "y"}
+    merged = merge_rounds([a, b])
+    assert merged == {"step_times": [1.0, 2.0, 3.0], "wire_bytes_per_step": 15.0,
+                      "nic_tx_payload_bytes_per_step": None, "params": 7, "weights_sha256": "x,y"}

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import io
+import os
+import re
+import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +22,7 @@ import lightning_gradcomp  # noqa: F401 - registers "localsgd", "diloco", "diloc
 from helpers.models import TinyNet, fit
 from lightning_gradcomp import LocalSGDStrategy
 from lightning_gradcomp.callbacks import CompressionLogger
+from lightning_gradcomp.checkpoint_shards import read_shards, shard_dir
 from lightning_gradcomp.comm import all_reduce_bytes, broadcast_bytes
 from lightning_gradcomp.compressors import CLTK, DIANA, NoCompression, PowerSGD, QSGD, SignSGD
 from lightning_gradcomp.functional.sparsify import kept_count
@@ -193,7 +199,9 @@ def test_resume_mid_fragment_cycle_is_exact(tmp_path: Path):
     path = next((tmp_path / "ck_a").glob("epoch=0*.ckpt"))
     saved = torch.load(path, weights_only=True)["localsgd"]
     assert saved["shared"]["cursor"] == 2 and saved["world_size"] == 2
-    assert not torch.equal(*(torch.cat([v.reshape(-1) for v in e["model"].values()]) for e in saved["per_rank"]))
+    assert "per_rank" not in saved and len(saved["shards"]) == 2  # the local states are in the shards
+    per_rank = read_shards(path, key="localsgd")
+    assert not torch.equal(*(torch.cat([v.reshape(-1) for v in e["model"].values()]) for e in per_rank))
     resumed, pb = _run(tmp_path, "b", strategy(), max_epochs=3, ckpt_path=str(path),
                        callbacks=[ckpt(tmp_path / "ck_b")], enable_checkpointing=True)
     for rank in range(2):
@@ -260,6 +268,86 @@ def test_resume_on_another_world_size_resets_per_rank_state(tmp_path: Path):
     # counters kept: steps 5-7 (3 per rank at W=3) sync at step 6, plus the final sync of step 7
     assert probes[0]["syncs"] == saved["localsgd"]["shared"]["step"] + 2
     assert torch.equal(probes[0]["final"], probes[2]["final"])
+
+
+# ---------------------------------------------------------------------------------------------- shards
+_MANIFEST_KEYS = {"version", "compressor", "world_size", "dir", "replicated", "shards"}
+
+
+def test_rank_zero_file_holds_the_manifest_and_each_rank_its_own_shard(tmp_path: Path):
+    """At W = 3 rank 0's file gets the settings, the shared state and the manifest; every rank's local state is in
+    its own shard; a checkpoint that ModelCheckpoint replaces takes its shards along."""
+    ckpt_dir = tmp_path / "ck"
+    records, _ = _run(tmp_path, "run", LocalSGDStrategy(local_steps=4, compressor=CLTK(ratio=0.1), start_method="fork"),
+                      devices=3, max_epochs=2, enable_checkpointing=True,  # 3 steps per epoch: the last is mid-cycle
+                      callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_top_k=1, save_last=True)])
+    last = ckpt_dir / "last.ckpt"
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=1-step=6.ckpt", "epoch=1-step=6.ckpt.gradcomp",
+                                                           "last.ckpt", "last.ckpt.gradcomp"]  # epoch 0's are gone
+    entry = torch.load(last, weights_only=True)["localsgd"]
+    assert set(entry) == _MANIFEST_KEYS | {"outer", "local_steps", "fragments", "overlap", "shared"}
+    assert entry["version"] == 2 and entry["world_size"] == 3 and entry["replicated"] == {}
+    assert sorted(os.listdir(shard_dir(last))) == sorted(shard["file"] for shard in entry["shards"])
+    buffer = io.BytesIO()
+    torch.save({k: v for k, v in entry.items() if k != "shared"}, buffer)  # all but the replicated state
+    assert buffer.tell() < 16 * 1024 < min(shard["bytes"] for shard in entry["shards"])
+    for rank, state in enumerate(read_shards(last, key="localsgd")):
+        assert set(state) == {"model", "optimizers", "memory", "compressor", "stats"}
+        assert torch.equal(torch.cat([v.reshape(-1) for v in state["model"].values()]), records[rank]["params"][-1])
+    assert not torch.equal(records[0]["params"][-1], records[1]["params"][-1])  # the shards differ
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-rank checkpoint after one epoch (4 steps, local_steps=3: mid-cycle)."""
+    root = tmp_path_factory.mktemp("localsgd_shards")
+    fit(LocalSGDStrategy(local_steps=3, compressor=CLTK(ratio=0.1), start_method="fork"), root / "first",
+        enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=root / "ck", save_last=True)])
+    return root / "ck" / "last.ckpt"
+
+
+@pytest.mark.parametrize("damage", ["missing", "one_byte"])
+def test_a_damaged_shard_stops_the_resume_naming_it(two_rank_checkpoint: Path, tmp_path: Path, damage: str):
+    ckpt = tmp_path / "copy" / "last.ckpt"
+    shutil.copytree(two_rank_checkpoint.parent, ckpt.parent)
+    name = torch.load(ckpt, weights_only=True)["localsgd"]["shards"][1]["file"]
+    shard = Path(shard_dir(ckpt), name)
+    if damage == "missing":
+        shard.unlink()
+        message = rf"local-state shard '{re.escape(str(shard))}' .* is missing \(rank 1 of 2\)"
+    else:
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+        message = rf"local-state shard '{re.escape(str(shard))}' .* is corrupted"
+    with pytest.raises(Exception, match=message):
+        fit(LocalSGDStrategy(local_steps=3, compressor=CLTK(ratio=0.1), start_method="fork",
+                             timeout=timedelta(seconds=60)), tmp_path / "resumed", max_epochs=2, ckpt_path=str(ckpt))
+    assert not (tmp_path / "resumed" / "rank0.pt").exists()  # nothing trained
+
+
+def test_old_single_file_checkpoint_still_resumes_exactly(tmp_path: Path):
+    """A version-1 checkpoint (every rank's local state inline in rank 0's file, no shards) resumes exactly."""
+    def strategy() -> LocalSGDStrategy:
+        return LocalSGDStrategy(local_steps=3, compressor=CLTK(ratio=0.1), start_method="fork")
+
+    straight, pa = _run(tmp_path, "a", strategy(), max_epochs=2, enable_checkpointing=True,
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck_a", save_top_k=-1, every_n_epochs=1)])
+    path = next((tmp_path / "ck_a").glob("epoch=0*.ckpt"))
+    saved = torch.load(path, weights_only=True)
+    entry = saved["localsgd"]
+    saved["localsgd"] = {**{k: entry[k] for k in ("world_size", "compressor", "outer", "local_steps", "fragments",
+                                                   "overlap", "shared")},
+                         "version": 1, "per_rank": read_shards(path, key="localsgd")}
+    old = tmp_path / "old.ckpt"
+    torch.save(saved, old)
+    resumed, pb = _run(tmp_path, "b", strategy(), max_epochs=2, ckpt_path=str(old))
+    for rank in range(2):
+        for a, b in zip(straight[rank]["params"][4:], resumed[rank]["params"], strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(pa[rank]["final"], pb[rank]["final"])
+        for name, m in pa[rank]["memory"].items():
+            assert torch.equal(m, pb[rank]["memory"][name])
 
 
 # ---------------------------------------------------------------------------------------------- Lightning features

@@ -44,10 +44,10 @@ def test_every_checkpoint_loads_with_weights_only(killed_run: Any, case: str) ->
     assert [f.name for f in files] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
     for path in files:
         saved = torch.load(path, weights_only=True)
-        entry = saved["swarm" if case == "swarm" else CHECKPOINT_KEY]
-        assert entry["world_size"] == 2 and len(entry["per_rank" if case == "swarm" else "shards"]) == 2
-        if case != "swarm":
-            entry = {"manifest": entry, "shards": read_shards(path)}  # read with weights_only=True
+        key = "swarm" if case == "swarm" else CHECKPOINT_KEY
+        entry = saved[key]
+        assert entry["world_size"] == 2 and len(entry["shards"]) == 2
+        entry = {"manifest": entry, "shards": read_shards(path, key=key)}  # read with weights_only=True
         assert all(isinstance(leaf, (torch.Tensor, int, float, str, bool, type(None))) for leaf in _leaves(entry))
         verify_checkpoint_file(path)  # intact
 

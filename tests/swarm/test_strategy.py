@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import io
+import os
+import re
+import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_gradcomp  # noqa: F401 - registers "swarmsgd"
 from helpers.models import TinyNet, fit
 from lightning_gradcomp import SwarmStrategy
+from lightning_gradcomp.checkpoint_shards import read_shards, shard_dir
 
 
 class SwarmProbe(pl.Callback):
@@ -187,8 +193,8 @@ def test_resume_is_exact(tmp_path: Path) -> None:
                 callbacks=[ckpt(tmp_path / "ck_b")], enable_checkpointing=True)
     path = next((tmp_path / "ck_b").glob("epoch=0*.ckpt"))
     saved = torch.load(path, weights_only=True)
-    per_rank = saved["swarm"]["per_rank"]
-    assert len(per_rank) == 4 and saved["swarm"]["world_size"] == 4
+    per_rank = read_shards(path, key="swarm")  # each rank's state is in its own shard, not in rank 0's file
+    assert "per_rank" not in saved["swarm"] and len(per_rank) == 4 and saved["swarm"]["world_size"] == 4
     assert any(entry["pending"] is not None for entry in per_rank)  # an exchange was in flight at the save
     name = next(iter(saved["state_dict"]))
     mean = torch.stack([entry["model"][name] for entry in per_rank]).double().mean(0).float()
@@ -213,12 +219,88 @@ def test_resume_on_another_world_size_starts_every_rank_from_the_mean_model(tmp_
     path = next((tmp_path / "ck").glob("*.ckpt"))
     saved = torch.load(path, weights_only=True)
     mean = torch.cat([v.reshape(-1) for v in saved["state_dict"].values()])
-    assert not torch.equal(mean, torch.cat([v.reshape(-1) for v in saved["swarm"]["per_rank"][0]["model"].values()]))
+    rank0 = read_shards(path, key="swarm")[0]["model"]
+    assert not torch.equal(mean, torch.cat([v.reshape(-1) for v in rank0.values()]))
     _, probes = _run(tmp_path, "w4", 4, SwarmStrategy(mode="lockstep", start_method="fork"), model=model(),
                      max_epochs=2, ckpt_path=str(path))
     for p in probes:
         assert torch.equal(p["start"], mean)
-        assert p["rounds"] == saved["swarm"]["per_rank"][0]["counters"]["round_index"] + 2  # counter kept
+        assert p["rounds"] == saved["swarm"]["counters"]["round_index"] + 2  # counter kept (rank 0's)
+
+
+# ---------------------------------------------------------------------------------------------- shards
+def _lockstep(**kwargs: Any) -> SwarmStrategy:
+    return SwarmStrategy(mode="lockstep", local_steps=2, start_method="fork", **kwargs)
+
+
+def test_rank_zero_file_holds_the_manifest_and_each_rank_its_own_shard(tmp_path: Path) -> None:
+    """Rank 0's file gets ``bits``, its counters and the manifest; every rank's model, optimizer and gossip state
+    are in its own shard; a checkpoint that ModelCheckpoint replaces takes its shards along."""
+    ckpt_dir = tmp_path / "ck"
+    records, _ = _run(tmp_path, "run", 2, _lockstep(), max_epochs=2, enable_checkpointing=True,
+                      callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_top_k=1, save_last=True)])
+    last = ckpt_dir / "last.ckpt"
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=1-step=8.ckpt", "epoch=1-step=8.ckpt.gradcomp",
+                                                           "last.ckpt", "last.ckpt.gradcomp"]  # epoch 0's are gone
+    entry = torch.load(last, weights_only=True)["swarm"]
+    assert set(entry) == {"version", "compressor", "world_size", "dir", "replicated", "shards", "bits", "counters"}
+    assert entry["version"] == 2 and entry["world_size"] == 2 and entry["compressor"] == "LatticeCodec"
+    assert sorted(os.listdir(shard_dir(last))) == sorted(shard["file"] for shard in entry["shards"])
+    buffer = io.BytesIO()
+    torch.save(entry, buffer)
+    assert buffer.tell() < 16 * 1024 < min(shard["bytes"] for shard in entry["shards"])  # no model in the file
+    states = read_shards(last, key="swarm")
+    for rank, state in enumerate(states):
+        assert set(state) == {"async", "model", "optimizers", "counters", "gossip", "pending", "comm_stats"}
+        assert torch.equal(torch.cat([v.reshape(-1) for v in state["model"].values()]), records[rank]["params"][-1])
+    assert entry["counters"] == states[0]["counters"]
+    assert not torch.equal(records[0]["params"][-1], records[1]["params"][-1])  # the shards differ
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-rank lock-step checkpoint after one epoch."""
+    root = tmp_path_factory.mktemp("swarm_shards")
+    fit(_lockstep(), root / "first", enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=root / "ck", save_last=True)])
+    return root / "ck" / "last.ckpt"
+
+
+@pytest.mark.parametrize("damage", ["missing", "one_byte"])
+def test_a_damaged_shard_stops_the_resume_naming_it(two_rank_checkpoint: Path, tmp_path: Path, damage: str) -> None:
+    ckpt = tmp_path / "copy" / "last.ckpt"
+    shutil.copytree(two_rank_checkpoint.parent, ckpt.parent)
+    name = torch.load(ckpt, weights_only=True)["swarm"]["shards"][1]["file"]
+    shard = Path(shard_dir(ckpt), name)
+    if damage == "missing":
+        shard.unlink()
+        message = rf"rank-state shard '{re.escape(str(shard))}' .* is missing \(rank 1 of 2\)"
+    else:
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+        message = rf"rank-state shard '{re.escape(str(shard))}' .* is corrupted"
+    with pytest.raises(Exception, match=message):
+        fit(_lockstep(timeout=timedelta(seconds=60)), tmp_path / "resumed", max_epochs=2, ckpt_path=str(ckpt))
+    assert not (tmp_path / "resumed" / "rank0.pt").exists()  # nothing trained
+
+
+def test_old_single_file_checkpoint_still_resumes_exactly(tmp_path: Path) -> None:
+    """A version-1 checkpoint (every rank's state inline in rank 0's file, no shards) resumes exactly."""
+    straight, probes_a = _run(tmp_path, "straight", 2, _lockstep(), max_epochs=2, enable_checkpointing=True,
+                              callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_epochs=1)])
+    path = next((tmp_path / "ck").glob("epoch=0*.ckpt"))
+    saved = torch.load(path, weights_only=True)
+    saved["swarm"] = {"version": 1, "world_size": 2, "bits": saved["swarm"]["bits"],
+                      "per_rank": read_shards(path, key="swarm")}
+    old = tmp_path / "old.ckpt"
+    torch.save(saved, old)
+    resumed, probes_b = _run(tmp_path, "resumed", 2, _lockstep(), max_epochs=2, ckpt_path=str(old))
+    for rank in range(2):
+        for a, b in zip(straight[rank]["params"][4:], resumed[rank]["params"], strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(probes_a[rank]["final"], probes_b[rank]["final"])
+        assert probes_a[rank]["rounds"] == probes_b[rank]["rounds"]
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
