@@ -79,13 +79,20 @@ class EmulatedLink:
     Args:
         world_size: number of ranks (one namespace each).
         rate: ``tc`` rate per rank's outgoing link, e.g. ``"100mbit"``.
-        prefix: unique name prefix (default from the process id); interface names stay <= 15 characters.
+        prefix: unique name prefix (default: from the process id and a per-process counter, so a link ladder's
+            next link never reuses the names of one the kernel is still tearing down: ``ip netns del`` removes
+            the veths asynchronously); interface names stay <= 15 characters.
     """
+
+    _made = 0  # links made by this process
 
     def __init__(self, world_size: int, rate: str, prefix: Optional[str] = None) -> None:
         self.world_size = world_size
         self.rate = rate
-        self.prefix = prefix or f"lgc{os.getpid() % 100000}"
+        if prefix is None:
+            prefix = f"lgc{os.getpid() % 100000}{chr(ord('a') + EmulatedLink._made % 26)}"
+            EmulatedLink._made += 1
+        self.prefix = prefix
         self._old_handlers: dict[int, object] = {}
 
     def namespace(self, rank: int) -> str:

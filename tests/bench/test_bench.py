@@ -135,3 +135,10 @@ def test_interface_payload_is_frames_minus_one_header_per_packet() -> None:
     rank["configs"]["ddp"].update(iface_tx_bytes_per_step=1300.0, iface_tx_payload_bytes_per_step=990.0)
     row = summarise([rank, rank])["configs"]["ddp"]
     assert row["iface_tx_payload_bytes_per_step"] == 990.0 and row["iface_payload_vs_ours"] == pytest.approx(0.99)
+
+
+def test_each_link_of_a_process_gets_its_own_names() -> None:
+    """A ladder's next link must not reuse the names of one the kernel may still be tearing down."""
+    first, second = EmulatedLink(2, "100mbit"), EmulatedLink(2, "1gbit")
+    assert first.prefix != second.prefix
+    assert len(second.interface(99)) <= 15 and len(f"{second.prefix}b99") <= 15  # Linux's interface name limit
