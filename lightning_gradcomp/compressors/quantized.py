@@ -50,6 +50,7 @@ from lightning_gradcomp.functional.quantize import (
 __all__ = [
     "AGGREGATIONS",
     "ChunkLayout",
+    "DecodedMessages",
     "QuantizedCompressor",
     "Segment",
     "SlotCodec",
@@ -301,6 +302,29 @@ def _rank_ordered_mean(decoded: Tensor) -> Tensor:
     return acc.div_(decoded.shape[0])
 
 
+class DecodedMessages(Sequence[Tensor]):
+    """This rank's stage-1 messages, each decoded (fp32) on first access.
+
+    QSGD and TernGrad need their own decoded message only for observers (``Reduction.local``), so the full
+    dequantization pass runs only when something reads it; DIANA and SignSGD read it at once.
+    """
+
+    def __init__(self, messages: list[Quantized]) -> None:
+        self._messages = messages
+        self._values: Optional[list[Tensor]] = None
+
+    def _decoded(self) -> list[Tensor]:
+        if self._values is None:
+            self._values = [m.decode() for m in self._messages]
+        return self._values
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._decoded()[index]
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+
 class QuantizedCompressor(Compressor):
     """Base class of compressors that send packed quantization codes plus fp32 scales.
 
@@ -326,9 +350,11 @@ class QuantizedCompressor(Compressor):
         """What is quantized at stage 1 (default: the tensors themselves)."""
         return tensors
 
-    def _after_encode(self, tensors: list[Tensor], decoded: list[Tensor], ctx: ReduceContext) -> Reduction:
-        """Fill ``residuals``/``local`` of the result from this rank's decoded message (``averaged`` is replaced)."""
-        return Reduction(averaged=None, local=decoded)  # type: ignore[arg-type] - set by reduce()
+    def _after_encode(self, tensors: list[Tensor], decoded: Sequence[Tensor], ctx: ReduceContext) -> Reduction:
+        """Fill ``residuals``/``local`` of the result from this rank's decoded messages (``averaged`` is replaced).
+
+        ``decoded`` decodes each message on first access (:class:`DecodedMessages`)."""
+        return Reduction(averaged=None, local=decoded)  # type: ignore[arg-type] - set by reduce(); decoded lazily
 
     def _owner_message(self, ctx: ReduceContext, seg: Segment, mean: Tensor) -> Tensor:
         """What the owner re-quantizes for ``seg`` given the exact average of the W messages."""
@@ -366,7 +392,7 @@ class QuantizedCompressor(Compressor):
         inputs = self._encode_inputs(tensors, ctx)
         messages = [c.quantize(x, _generator(ctx, c, x.device, slot.name))
                     for x, c, slot in zip(inputs, codecs, ctx.slots)]
-        result = self._after_encode(tensors, [m.decode() for m in messages], ctx)
+        result = self._after_encode(tensors, DecodedMessages(messages), ctx)
         shares = ctx.shares([n * c.bits + 32 * num_groups(n, c.group_size) for n, c in zip(numels, codecs)])
         if self.aggregation == "allgather" or ctx.world_size == 1:
             averaged = self._reduce_allgather(messages, numels, codecs, ctx, shares)
