@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, replace
+from functools import cached_property
 from datetime import timedelta
 from typing import Callable, Mapping, Optional, Union
 
@@ -165,10 +166,12 @@ class NodeShards:
             offset += slot.numel
         return cls(by_owner, counts, BucketPlan(plan.index, offset, tuple(local)))
 
-    @property
-    def order(self) -> tuple[LayerSlot, ...]:
-        """Every slot, owner by owner: the order of the all-gather's output."""
-        return tuple(s for slots in self.by_owner for s in slots)
+    @cached_property
+    def gathered(self) -> tuple[tuple[Optional[LayerSlot], ...], tuple[int, ...]]:
+        """The all-gather's output, owner by owner: each owner's slots then its flag element (``None``), and the
+        sizes of these pieces."""
+        layout = tuple(s for slots in self.by_owner for s in (*slots, None))
+        return layout, tuple(1 if s is None else s.numel for s in layout)
 
 
 class Hierarchy:

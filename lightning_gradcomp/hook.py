@@ -389,11 +389,10 @@ class GradCompHook:
             gathered = buf.new_empty(plan.numel + size)
             fut = intra.all_to_all_uneven(gathered, rows.view(-1), [count + 1 for count in shards.counts],
                                           [width] * size, async_op=True)
-        layout = [s for slots in shards.by_owner for s in (*slots, None)]  # None: an owner's flag element
-        sizes = [1 if s is None else s.numel for s in layout]
+        layout, sizes = shards.gathered  # each owner's slots, then its flag element (None)
 
         def unpack(received: Tensor) -> Tensor:
-            for slot, piece in zip(layout, torch.split(received, sizes)):
+            for slot, piece in zip(layout, torch.split(received, list(sizes))):
                 if slot is not None:
                     buf[slot.offset:slot.end].copy_(piece)
             return buf
