@@ -36,6 +36,7 @@ from torch import Tensor
 
 from lightning_gradcomp.comm import completed_future
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
+from lightning_gradcomp.functional import _native
 from lightning_gradcomp.functional.packing import pack_bits, packed_nbytes, unpack_bits
 from lightning_gradcomp.functional.quantize import (
     PNorm,
@@ -170,7 +171,8 @@ class WireLayout:
                                 pieces[s.slot].levels, pieces[s.slot].group_size) for s in chunk.segments]
         parts = []
         for bits, first, last, _, _ in chunk.runs:
-            parts.append(pack_bits(torch.cat([pieces[k].codes for k in range(first, last)]), bits))
+            codes = torch.cat([pieces[k].codes for k in range(first, last)])
+            parts.append(pack_bits(codes, bits, check=False))  # quantizer codes: in range by construction
         if chunk.segments:
             parts.append(torch.cat([q.scales.to(torch.float32) for q in pieces]).view(torch.uint8))
         pad = self.payload_nbytes - chunk.nbytes
@@ -375,6 +377,15 @@ class QuantizedCompressor(Compressor):
     @property
     def uses_error_feedback(self) -> bool:
         return False
+
+    def prepare(self) -> None:
+        """Build or load the compiled CPU kernel (stochastic rounding, decoding, 2/4-bit packing) now.
+
+        The strategy calls this on every rank in its setup, so the build (once per machine) does not stall
+        the first backward. Where the kernel cannot be built, it warns once and the torch steps run (the
+        same codes and values).
+        """
+        _native.load()
 
     def layout(self, ctx: ReduceContext, numels: Sequence[int], codecs: Sequence[SlotCodec],
                parts: int) -> WireLayout:

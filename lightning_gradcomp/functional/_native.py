@@ -1,17 +1,19 @@
-"""Optional compiled CPU kernel of the top-k selections (see :mod:`.selection`).
+"""Optional compiled CPU kernel of the top-k selections (see :mod:`.selection`) and of the quantizers'
+stochastic rounding, decoding and 2/4-bit packing (see :mod:`.quantize` and :mod:`.packing`).
 
 The kernel's C++ source is package data, ``functional/native/selection.cpp`` (:func:`source`): a plain
 pybind11 module, no torch headers or libraries. :func:`load` compiles it with the system's C++ compiler
 (``$CXX``, else ``c++``, ``g++`` or ``clang++`` on the ``PATH``; 7-20 s on a loaded 2-core machine) and
 imports it. Call it before training: ``CLTK(selection="approx").prepare()`` does (through
-``selection.prepare_native``) on every rank in the strategy's setup, so that no build runs during backward
-while the other ranks wait in a collective. A selection that runs before any :func:`load` still builds the
-kernel on its first call. Nothing is compiled at import time.
+``selection.prepare_native``), and so does every quantizing compressor's ``prepare()``, on every rank in
+the strategy's setup, so that no build runs during backward while the other ranks wait in a collective. A
+selection or quantization that runs before any :func:`load` still builds the kernel on its first call.
+Nothing is compiled at import time.
 
 :func:`load` returns ``None`` when the environment variable ``LIGHTNING_GRADCOMP_NO_NATIVE`` is ``1`` (read
 on the first call) or the kernel cannot be built or imported (no compiler, no ``Python.h``, a compile error):
-then it warns once per process, naming the reason, and does not retry; the selections use NumPy (the same
-results, slower).
+then it warns once per process, naming the reason, and does not retry; the selections use NumPy and the
+quantizers their torch steps (the same results, slower).
 
 The build is cached under torch's extensions directory (``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``), keyed by a hash of the source, torch's version (its pybind11 headers) and
@@ -31,6 +33,10 @@ Kernel functions (each reads ``x`` as flat; results are identical to the NumPy s
   last), the threshold pass and the trim to the ``k`` largest candidates.
 * :func:`exact`: the exact top-``k`` of a small tensor (the k-th largest ``|x|`` among the entries above a
   sampled threshold, then a pass at it).
+* ``stochastic_round``, ``dequantize``, ``pack`` and ``unpack`` (called by :mod:`.quantize` and
+  :mod:`.packing`, which check their arguments): stochastic rounding of fp32 groups given torch's uniform
+  draws, decoding of ``uint8`` codes, and 2/4-bit (un)packing, each bit-identical to the torch steps it
+  replaces (the build turns FMA contraction off, so every fp32 step rounds as torch's does).
 """
 
 from __future__ import annotations
@@ -75,8 +81,9 @@ SOURCE_FILE = ("lightning_gradcomp.functional", "native/selection.cpp")
 _SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 """File name ending of an extension module of this Python (e.g. ``.cpython-311-x86_64-linux-gnu.so``)."""
 
-_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
-"""Compiler flags (pybind11's recommended ones; the kernel picks its instruction set at run time)."""
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off")
+"""Compiler flags (pybind11's recommended ones; the kernel picks its instruction set at run time). No
+contraction of ``a * b + c`` into an FMA: the quantization kernel must round each fp32 step as torch does."""
 
 _LOCK_TIMEOUT = 600.0
 """Seconds a process waits for another one's build before it builds too (unlocked)."""
@@ -115,9 +122,10 @@ def load() -> ModuleType | None:
             except Exception as err:  # noqa: BLE001 - any build or load failure means: use the NumPy path
                 _FAILED = True
                 lines = str(err).strip().splitlines()
-                warnings.warn(f"lightning_gradcomp: the compiled selection kernel is unavailable "
+                warnings.warn(f"lightning_gradcomp: the compiled CPU kernel is unavailable "
                               f"({type(err).__name__}: {lines[0] if lines else 'no message'}); the selections "
-                              f"use NumPy instead (same results, slower). Set {DISABLE_ENV}=1 to skip building it.",
+                              f"use NumPy and the quantizers torch instead (same results, slower). Set "
+                              f"{DISABLE_ENV}=1 to skip building it.",
                               RuntimeWarning, stacklevel=2)
     return _MODULE
 

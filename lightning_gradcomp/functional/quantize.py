@@ -17,15 +17,25 @@ group may be shorter) and sends one fp32 *scale* per group plus one small intege
   code ``1`` for ``x_j >= 0`` else ``0`` (1 bit), value ``s (2 c - 1)``.
 
 Randomness comes only from the ``torch.Generator`` passed in.
+
+**Compiled CPU path.** When the optional kernel of :mod:`._native` is available, stochastic rounding of an
+fp32 CPU tensor is one kernel call after torch's uniform draws (the same draws, so the same stream), and
+:func:`dequantize` of ``uint8`` codes into fp32 is one call too. Each element goes through the same fp32
+operations in the same order as the torch steps (no FMA), so codes, scales and values are bit-identical,
+NaN and infinity included; the ``p = 1`` and ``p = 2`` norms are still summed by torch (its order).
+``LIGHTNING_GRADCOMP_NO_NATIVE=1`` or a failed build selects the torch steps.
 """
 
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
+
+from lightning_gradcomp.functional import _native
 
 __all__ = [
     "Quantized",
@@ -158,6 +168,9 @@ def stochastic_quantize(x: Tensor, levels: int, group_size: int, p: PNorm, gener
     if levels < 1:
         raise ValueError(f"`levels` must be >= 1, got {levels!r}")
     x = x.reshape(-1)
+    kernel = _native_for(x) if levels <= 127 else None
+    if kernel is not None:
+        return _stochastic_native(kernel, x.contiguous(), levels, group_size, parse_p(p), generator)
     n = x.numel()
     grouped = _grouped(x, group_size)
     mag = grouped.abs()
@@ -175,6 +188,35 @@ def stochastic_quantize(x: Tensor, levels: int, group_size: int, p: PNorm, gener
     y.clamp_(max=float(levels))
     codes = torch.copysign(y, grouped).add_(float(levels))  # copysign(0, -x) + L == L
     return Quantized(_ungrouped(codes, n).to(torch.uint8), scales, int(levels), int(group_size))
+
+
+def _native_for(x: Tensor) -> Optional[ModuleType]:
+    """The compiled kernel for an fp32 CPU tensor (``None`` otherwise, or when it is unavailable)."""
+    if x.device.type != "cpu" or x.dtype is not torch.float32:
+        return None
+    return _native.load()
+
+
+def _stochastic_native(kernel: ModuleType, x: Tensor, levels: int, group_size: int, p: float,
+                       generator: torch.Generator, level: Optional[int] = None) -> Quantized:
+    """:func:`stochastic_quantize` of a contiguous fp32 CPU tensor: torch's draws, then one kernel call.
+
+    The kernel takes the max-norm itself; other norms are torch's sums (its summation order), whose
+    ``|x|**2`` is ``x**2`` bit for bit (a NaN norm, whatever its bits, makes the group unusable).
+    ``level`` lowers the instruction set (for tests), as in :func:`._native.at_least`.
+    """
+    n = x.numel()
+    if p == math.inf:
+        scales = torch.empty(num_groups(n, group_size), dtype=torch.float32)
+    else:
+        grouped = _grouped(x, group_size)
+        scales = grouped.square().sum(dim=-1).sqrt_() if p == 2.0 else grouped.abs().sum(dim=-1)
+    draws = torch.rand((num_groups(n, group_size), group_size), generator=generator, dtype=torch.float32,
+                       device=x.device)  # the torch path's draws: same shape, same stream
+    codes = torch.empty(n, dtype=torch.uint8)
+    kernel.stochastic_round(x.data_ptr(), n, draws.data_ptr(), group_size, levels, p != math.inf,
+                            scales.data_ptr(), codes.data_ptr(), _level(kernel, level))
+    return Quantized(codes, scales, int(levels), int(group_size))
 
 
 def qsgd_quantize(x: Tensor, bits: int, bucket_size: int, generator: torch.Generator, p: PNorm = "inf") -> Quantized:
@@ -207,12 +249,41 @@ def dequantize(codes: Tensor, scales: Tensor, levels: int, group_size: int,
                dtype: torch.dtype = torch.float32) -> Tensor:
     """Decode codes ``(..., n)`` with per-group scales ``(..., G)`` into values ``(..., n)`` of ``dtype``."""
     n = codes.shape[-1]
+    if levels >= 1 and dtype is torch.float32 and _native_codes(codes, scales, group_size):
+        kernel = _native.load()
+        if kernel is not None:
+            return _dequantize_native(kernel, codes, scales, levels, group_size)
     values = _grouped(codes, group_size).to(dtype)
     if levels == 0:
         step = scales.to(dtype).unsqueeze(-1)
         return _ungrouped(values.mul_(2.0).sub_(1.0).mul_(step), n)
     step = (scales.to(dtype) / float(levels)).unsqueeze(-1)
     return _ungrouped(values.sub_(float(levels)).mul_(step), n)
+
+
+def _level(kernel: ModuleType, level: Optional[int]) -> int:
+    """The kernel's instruction-set level: its best unless a lower one is asked (tests)."""
+    return kernel.level if level is None else min(level, kernel.level)
+
+
+def _native_codes(codes: Tensor, scales: Tensor, group_size: int) -> bool:
+    """Whether the kernel can decode ``codes``: 1-D or 2-D ``uint8`` rows (unit stride) with matching fp32 scales."""
+    return (codes.device.type == "cpu" and scales.device.type == "cpu" and codes.dtype is torch.uint8
+            and scales.dtype is torch.float32 and 1 <= codes.dim() <= 2 and codes.shape[:-1] == scales.shape[:-1]
+            and scales.shape[-1] == num_groups(codes.shape[-1], group_size)
+            and (codes.shape[-1] <= 1 or codes.stride(-1) == 1) and (scales.shape[-1] <= 1 or scales.stride(-1) == 1))
+
+
+def _dequantize_native(kernel: ModuleType, codes: Tensor, scales: Tensor, levels: int, group_size: int,
+                       level: Optional[int] = None) -> Tensor:
+    """:func:`dequantize` of ``uint8`` codes into fp32 in one kernel call: ``(code - L) * (scale / L)``."""
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    rows = codes.shape[0] if codes.dim() == 2 else 1
+    code_stride = codes.stride(0) if codes.dim() == 2 else 0
+    scale_stride = scales.stride(0) if scales.dim() == 2 else 0
+    kernel.dequantize(codes.data_ptr(), rows, codes.shape[-1], code_stride, scales.data_ptr(), scale_stride,
+                      group_size, levels, out.data_ptr(), _level(kernel, level))
+    return out
 
 
 def quantization_variance(x: Tensor, levels: int, group_size: int, p: PNorm) -> Tensor:

@@ -1,4 +1,4 @@
-// The compiled CPU kernel of lightning_gradcomp's top-k selections: the functions of
+// The compiled CPU kernel of lightning_gradcomp's top-k selections and stochastic rounding: the functions of
 // lightning_gradcomp/functional/_native.py, which builds this file (package data) once per machine into
 // torch's extensions directory, before training (Compressor.prepare). A plain pybind11 module: no torch
 // headers or libraries; the build defines LGC_MODULE_NAME, the module's name.
@@ -15,6 +15,8 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define LGC_X86 1
+#else
+#define LGC_X86 0
 #endif
 
 namespace py = pybind11;
@@ -432,11 +434,236 @@ py::object exact(uintptr_t x, int64_t n, bool is_double, int64_t k, int level) {
     return result;
 }
 
+// ------------------------------------------------------------------------------------------ stochastic rounding
+// The fp32 CPU steps of quantize.stochastic_quantize in one pass per group, bit-identical to its torch steps:
+// each step is the same single fp32 operation in the same order (the build passes -ffp-contract=off: no
+// FMA), and the uniform draws u come from torch. Per group of m entries (the last may be short; u has the
+// padded layout, so entry i of x uses u[i]):
+//   scale    = max |x| (given: the p-norm torch computed); NaN anywhere makes it NaN
+//   inverse  = (1 / (scale > 0 ? scale : 1)) * L    (torch's L / t is reciprocal(t) * L)
+//   usable   = scale > 0 && isfinite(inverse), else scale = inverse = 0 (the group is sent as zeros)
+//   y        = min(L, floor(|x| * inverse + u)),  code = L + copysign(y, x) as uint8 (NaN gives 0, as torch).
+inline uint32_t abs_bits(float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    return bits & 0x7fffffffu;
+}
+
+inline float bits_float(uint32_t bits) {
+    float v;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+// The inverse of a group's scale, zeroing both when the group is not usable.
+inline float group_inverse(float& scale, float levels) {
+    const bool positive = scale > 0.0f;
+    const float reciprocal = 1.0f / (positive ? scale : 1.0f);
+    const float inverse = reciprocal * levels;
+    if (positive && std::isfinite(inverse)) return inverse;
+    scale = 0.0f;
+    return 0.0f;
+}
+
+inline uint8_t round_one(float x, float u, float inverse, float levels) {
+    float y = std::fabs(x) * inverse;
+    y = y + u;
+    y = std::floor(y);
+    if (std::isnan(y)) return 0;  // torch converts NaN to uint8 as 0
+    if (y > levels) y = levels;
+    const float code = levels + std::copysign(y, x);
+    return static_cast<uint8_t>(static_cast<int32_t>(code));
+}
+
+// max |x| of m entries as bits: the bits of |v| order as the values do, and NaN's are above infinity's.
+inline uint32_t max_abs_generic(const float* x, int64_t m) {
+    uint32_t top = 0;
+    for (int64_t j = 0; j < m; ++j) top = std::max(top, abs_bits(x[j]));
+    return top;
+}
+
+inline void round_generic(const float* x, const float* u, int64_t m, float inverse, float levels, uint8_t* out) {
+    for (int64_t j = 0; j < m; ++j) out[j] = round_one(x[j], u[j], inverse, levels);
+}
+
+inline void dequantize_generic(const uint8_t* c, int64_t m, float levels, float step, float* out) {
+    for (int64_t j = 0; j < m; ++j) {
+        const float v = static_cast<float>(c[j]) - levels;
+        out[j] = v * step;
+    }
+}
+
+#if LGC_X86
+__attribute__((target("avx2"))) uint32_t max_abs_avx2(const float* x, int64_t m) {
+    const __m256i mask = _mm256_set1_epi32(0x7fffffff);
+    __m256i top = _mm256_setzero_si256();
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
+        top = _mm256_max_epu32(top, _mm256_and_si256(bits, mask));
+    }
+    alignas(32) uint32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), top);
+    uint32_t best = max_abs_generic(x + j, m - j);
+    for (uint32_t v : lanes) best = std::max(best, v);
+    return best;
+}
+
+__attribute__((target("avx2"))) void round_avx2(const float* x, const float* u, int64_t m, float inverse,
+                                                 float levels, uint8_t* out) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 inv = _mm256_set1_ps(inverse), top = _mm256_set1_ps(levels);
+    const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i join = _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1);
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        __m256 y = _mm256_mul_ps(_mm256_and_ps(v, magnitude), inv);
+        y = _mm256_floor_ps(_mm256_add_ps(y, _mm256_loadu_ps(u + j)));
+        y = _mm256_min_ps(top, y);                       // min(L, y); a NaN y stays NaN (minps returns it)
+        y = _mm256_or_ps(y, _mm256_andnot_ps(magnitude, v));  // copysign(y, x): y is +0, positive or NaN
+        __m256i c = _mm256_cvttps_epi32(_mm256_add_ps(top, y));  // NaN gives 0x80000000: low byte 0, as torch
+        c = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(c, low_bytes), join);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), _mm256_castsi256_si128(c));
+    }
+    round_generic(x + j, u + j, m - j, inverse, levels, out + j);
+}
+
+__attribute__((target("avx2"))) void dequantize_avx2(const uint8_t* c, int64_t m, float levels, float step,
+                                                      float* out) {
+    const __m256 top = _mm256_set1_ps(levels), s = _mm256_set1_ps(step);
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + j)));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(v), top), s));
+    }
+    dequantize_generic(c + j, m - j, levels, step, out + j);
+}
+#endif
+
+// Codes of x[0:n] and the usable scales of its groups (given: scales holds the p-norms on entry).
+void stochastic_round_impl(const float* x, int64_t n, const float* u, int64_t group_size, float levels,
+                           bool given, float* scales, uint8_t* codes, int level) {
+    const bool wide = LGC_X86 && std::min(level, kLevel) >= 2;
+    for (int64_t start = 0, g = 0; start < n; start += group_size, ++g) {
+        const int64_t m = std::min(group_size, n - start);
+        float scale = scales[g];
+        if (!given) {
+            uint32_t top;
+#if LGC_X86
+            top = wide ? max_abs_avx2(x + start, m) : max_abs_generic(x + start, m);
+#else
+            top = max_abs_generic(x + start, m);
+#endif
+            scale = bits_float(top);
+        }
+        const float inverse = group_inverse(scale, levels);
+        scales[g] = scale;
+#if LGC_X86
+        if (wide) {
+            round_avx2(x + start, u + start, m, inverse, levels, codes + start);
+            continue;
+        }
+#endif
+        round_generic(x + start, u + start, m, inverse, levels, codes + start);
+    }
+}
+
+void stochastic_round(uintptr_t x, int64_t n, uintptr_t u, int64_t group_size, int levels, bool given,
+                      uintptr_t scales, uintptr_t codes, int level) {
+    std::optional<py::gil_scoped_release> release;
+    if (n >= kReleaseGil) release.emplace();
+    stochastic_round_impl(reinterpret_cast<const float*>(x), n, reinterpret_cast<const float*>(u), group_size,
+                          static_cast<float>(levels), given, reinterpret_cast<float*>(scales),
+                          reinterpret_cast<uint8_t*>(codes), level);
+}
+
+// quantize.dequantize for L >= 1 into fp32: rows of n codes (row strides in entries) with their groups'
+// scales; out is (rows, n), contiguous. value = (float(code) - L) * (scale / L), torch's steps.
+void dequantize(uintptr_t codes, int64_t rows, int64_t n, int64_t code_stride, uintptr_t scales,
+                int64_t scale_stride, int64_t group_size, int levels, uintptr_t out, int level) {
+    std::optional<py::gil_scoped_release> release;
+    if (rows * n >= kReleaseGil) release.emplace();
+    const float top = static_cast<float>(levels);
+    const bool wide = LGC_X86 && std::min(level, kLevel) >= 2;
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* c = reinterpret_cast<const uint8_t*>(codes) + r * code_stride;
+        const float* s = reinterpret_cast<const float*>(scales) + r * scale_stride;
+        float* o = reinterpret_cast<float*>(out) + r * n;
+        for (int64_t start = 0, g = 0; start < n; start += group_size, ++g) {
+            const int64_t m = std::min(group_size, n - start);
+            const float step = s[g] / top;
+#if LGC_X86
+            if (wide) {
+                dequantize_avx2(c + start, m, top, step, o + start);
+                continue;
+            }
+#endif
+            dequantize_generic(c + start, m, top, step, o + start);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------ bit packing
+// packing.pack_bits / unpack_bits for widths that divide 8 (2 or 4; 8 / bits codes per byte, little-endian
+// in the byte, the last byte zero-padded), on rows: byte = c0 | c1 << b | ..., each shift truncated to 8
+// bits as torch's uint8 shifts are (so codes out of range give the same bytes as the torch steps).
+template <int B> void pack_row(const uint8_t* c, int64_t n, uint8_t* out) {
+    constexpr int per = 8 / B;
+    const int64_t whole = n / per;
+    for (int64_t i = 0; i < whole; ++i) {
+        unsigned byte = 0;
+        for (int k = 0; k < per; ++k) byte |= static_cast<unsigned>(c[i * per + k]) << (B * k);
+        out[i] = static_cast<uint8_t>(byte);
+    }
+    if (whole * per < n) {
+        unsigned byte = 0;
+        for (int64_t k = 0; whole * per + k < n; ++k) byte |= static_cast<unsigned>(c[whole * per + k]) << (B * k);
+        out[whole] = static_cast<uint8_t>(byte);
+    }
+}
+
+template <int B> void unpack_row(const uint8_t* packed, int64_t n, uint8_t* out) {
+    constexpr int per = 8 / B;
+    constexpr unsigned mask = (1u << B) - 1;
+    const int64_t whole = n / per;
+    for (int64_t i = 0; i < whole; ++i) {
+        const unsigned byte = packed[i];
+        for (int k = 0; k < per; ++k) out[i * per + k] = static_cast<uint8_t>((byte >> (B * k)) & mask);
+    }
+    for (int64_t k = 0; whole * per + k < n; ++k)
+        out[whole * per + k] = static_cast<uint8_t>((packed[whole] >> (B * k)) & mask);
+}
+
+// rows of n codes (row stride in bytes) into rows of ceil(n * bits / 8) bytes, contiguous.
+void pack(uintptr_t codes, int64_t rows, int64_t n, int64_t stride, int bits, uintptr_t out) {
+    const int64_t nbytes = (n * bits + 7) / 8;
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* c = reinterpret_cast<const uint8_t*>(codes) + r * stride;
+        uint8_t* o = reinterpret_cast<uint8_t*>(out) + r * nbytes;
+        if (bits == 4) pack_row<4>(c, n, o); else pack_row<2>(c, n, o);
+    }
+}
+
+// rows of packed bytes (row stride in bytes) into rows of n codes, contiguous.
+void unpack(uintptr_t packed, int64_t rows, int64_t stride, int bits, int64_t n, uintptr_t out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* p = reinterpret_cast<const uint8_t*>(packed) + r * stride;
+        uint8_t* o = reinterpret_cast<uint8_t*>(out) + r * n;
+        if (bits == 4) unpack_row<4>(p, n, o); else unpack_row<2>(p, n, o);
+    }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(LGC_MODULE_NAME, m) {
     m.def("at_least", &at_least, pybind11::call_guard<pybind11::gil_scoped_release>());
     m.def("approx", &approx);
     m.def("exact", &exact);
+    m.def("stochastic_round", &stochastic_round);
+    m.def("dequantize", &dequantize);
+    m.def("pack", &pack, pybind11::call_guard<pybind11::gil_scoped_release>());
+    m.def("unpack", &unpack, pybind11::call_guard<pybind11::gil_scoped_release>());
     m.attr("level") = kLevel;
 }

@@ -1,0 +1,204 @@
+"""The compiled quantization kernels: bit-identical to the torch steps they replace, and fallbacks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from lightning_gradcomp.compressors import QSGD
+from lightning_gradcomp.functional import _native, quantize
+from lightning_gradcomp.functional.packing import pack_bits, packed_nbytes, unpack_bits
+from lightning_gradcomp.functional.quantize import Quantized, dequantize, stochastic_quantize
+
+kernel = _native.load()  # compiled at most once per machine (then cached in torch's extensions directory)
+needs_kernel = pytest.mark.skipif(kernel is None, reason="the compiled kernel could not be built here")
+LEVELS = sorted({0, kernel.level if kernel is not None else 0})
+"""Instruction-set levels to run: portable C++ and the CPU's best (AVX2 code at levels 2 and 3)."""
+
+SIZES = [1, 2, 511, 512, 513, 4097, 100_003]
+GROUPS = [1, 7, 128, 512]
+QUANT_LEVELS = [1, 3, 7, 127]
+
+
+@contextmanager
+def _torch_path() -> Iterator[None]:
+    """Run the torch steps (the reference) instead of the kernel."""
+    load = _native.load
+    _native.load = lambda: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _native.load = load  # type: ignore[assignment]
+
+
+def _inputs(kind: str, n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen)
+    if kind == "special":  # zero groups, negative zeros, subnormal groups and values, huge values
+        x[n // 5: n // 3] = 0.0
+        x[n // 3: n // 2] = torch.randn(n // 2 - n // 3, generator=gen) * 1e-41  # subnormal scales
+        x[::11] = -0.0
+        x[3::29] *= 1e-39
+        x[5::37] *= 3e37
+        x[-1:] = 1e-45
+    elif kind == "nonfinite":
+        x[::97] = float("nan")
+        x[11::89] = float("inf")
+        x[13::83] = -float("inf")
+        x[17::79] = -float("nan")
+        x[19::7] = -0.0
+    elif kind == "overflow":  # p = 2 norms overflow to inf
+        x *= 3e38
+    return x
+
+
+def _assert_same(a: Quantized, b: Quantized) -> None:
+    assert a.codes.dtype == b.codes.dtype == torch.uint8 and a.scales.dtype == b.scales.dtype == torch.float32
+    assert a.codes.shape == b.codes.shape and a.scales.shape == b.scales.shape
+    assert torch.equal(a.codes, b.codes)
+    assert torch.equal(a.scales.view(torch.int32), b.scales.view(torch.int32))  # bits: -0.0, NaN and inf too
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+# ------------------------------------------------------------------------------------------------ rounding
+@needs_kernel
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("p", [math.inf, 2.0])
+@pytest.mark.parametrize("group_size", GROUPS)
+@pytest.mark.parametrize("n", SIZES)
+def test_stochastic_round_is_bit_identical(n: int, group_size: int, p: float, level: int) -> None:
+    for levels in QUANT_LEVELS:
+        for kind in ("gauss", "special", "nonfinite", "overflow"):
+            x = _inputs(kind, n, n + group_size + levels)
+            seed = 1000 * levels + n
+            with _torch_path():
+                ref = stochastic_quantize(x, levels, group_size, p, torch.Generator().manual_seed(seed))
+            gen = torch.Generator().manual_seed(seed)
+            got = quantize._stochastic_native(kernel, x, levels, group_size, p, gen, level=level)
+            _assert_same(got, ref)
+            assert got.levels == ref.levels and got.group_size == ref.group_size
+            with _torch_path():  # the codes decode to the same values (the kernel's decoding is tested below)
+                assert _bits_equal(got.decode(), ref.decode())
+
+
+@needs_kernel
+@pytest.mark.parametrize("p", [1, 2, "inf"])
+def test_public_quantizer_uses_the_kernel_and_the_same_stream(p: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = kernel.stochastic_round
+
+    class Spy:
+        level = kernel.level
+
+        def stochastic_round(self, *args: object) -> None:
+            calls.append(args)
+            real(*args)
+
+    x = _inputs("special", 10_007, 3)
+    with _torch_path():
+        ref_gen = torch.Generator().manual_seed(5)
+        ref = stochastic_quantize(x, 7, 128, p, ref_gen)
+    gen = torch.Generator().manual_seed(5)
+    monkeypatch.setattr(_native, "load", lambda: Spy())
+    _assert_same(stochastic_quantize(x, 7, 128, p, gen), ref)
+    assert len(calls) == 1
+    assert torch.equal(gen.get_state(), ref_gen.get_state())  # the same draws: later draws are unchanged
+
+
+@needs_kernel
+def test_stochastic_round_handles_views_and_empty_tensors() -> None:
+    base = _inputs("gauss", 2 * 4097, 1)
+    for x in (base[::2], base.reshape(2, 4097).t(), base[:0]):
+        with _torch_path():
+            ref = stochastic_quantize(x, 3, 128, "inf", torch.Generator().manual_seed(2))
+        _assert_same(stochastic_quantize(x, 3, 128, "inf", torch.Generator().manual_seed(2)), ref)
+
+
+@needs_kernel
+def test_other_inputs_keep_the_torch_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    def load() -> None:
+        raise AssertionError("the kernel only serves fp32 CPU tensors")
+
+    monkeypatch.setattr(_native, "load", load)
+    gen = torch.Generator().manual_seed(0)
+    q = stochastic_quantize(torch.randn(1000, dtype=torch.float64), 3, 64, "inf", gen)
+    assert q.codes.dtype == torch.uint8
+    dequantize(q.codes, q.scales.double(), 3, 64)  # fp64 scales: the torch steps
+    dequantize(q.codes, q.scales, 0, 64)  # scaled sign: the torch steps
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+@needs_kernel
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("group_size", GROUPS)
+@pytest.mark.parametrize("n", SIZES)
+def test_dequantize_is_bit_identical(n: int, group_size: int, level: int) -> None:
+    gen = torch.Generator().manual_seed(n + group_size)
+    groups = quantize.num_groups(n, group_size)
+    for levels in QUANT_LEVELS:
+        codes = torch.randint(0, 2 * levels + 1, (3, n), generator=gen, dtype=torch.uint8)
+        scales = torch.randn(3, groups, generator=gen).abs()
+        scales.view(-1)[::5] = 0.0
+        scales.view(-1)[1::7] = 1e-41
+        scales.view(-1)[2::11] = float("inf")
+        scales.view(-1)[3::13] = float("nan")
+        scales.view(-1)[4::17] = 3e38
+        wide = torch.zeros(3, n + 5, dtype=torch.uint8)  # rows with a stride, as a received payload's
+        wide[:, 2:2 + n] = codes
+        for c, s in ((codes[0], scales[0]), (codes, scales), (wide[:, 2:2 + n], scales)):
+            with _torch_path():
+                ref = dequantize(c, s, levels, group_size)
+            got = quantize._dequantize_native(kernel, c, s, levels, group_size, level=level)
+            assert got.dtype == torch.float32 and _bits_equal(got, ref)
+            assert _bits_equal(dequantize(c, s, levels, group_size), ref)
+
+
+# ------------------------------------------------------------------------------------------------ packing
+@needs_kernel
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 511, 4097, 100_003])
+def test_pack_and_unpack_match_the_torch_steps(bits: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    codes = torch.randint(0, 1 << bits, (3, n), generator=gen, dtype=torch.uint8)
+    wild = torch.randint(0, 256, (3, n), generator=gen, dtype=torch.uint8)  # trusted callers skip the check
+    for c, check in ((codes[1], True), (codes, True), (codes[:, 1:], True), (wild, False)):
+        with _torch_path():
+            ref = pack_bits(c, bits, check=check)
+        got = pack_bits(c, bits, check=check)
+        assert torch.equal(got, ref) and got.shape[-1] == packed_nbytes(c.shape[-1], bits)
+        payload = torch.cat([got, got], dim=-1)  # rows with a stride
+        for packed in (got, payload, payload[..., 1:]):
+            with _torch_path():
+                ref_codes = unpack_bits(packed, bits, c.shape[-1])
+            assert torch.equal(unpack_bits(packed, bits, c.shape[-1]), ref_codes)
+
+
+def test_pack_bits_checks_codes_unless_trusted() -> None:
+    codes = torch.tensor([1, 2, 16], dtype=torch.uint8)
+    with pytest.raises(ValueError, match="codes must lie"):
+        pack_bits(codes, 4)
+    assert pack_bits(codes, 4, check=False).shape == (2,)
+
+
+# ------------------------------------------------------------------------------------------------ fallbacks
+def test_quantizing_compressors_prepare_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    loads = []
+    monkeypatch.setattr(_native, "load", lambda: loads.append(1))
+    QSGD(bits=4).prepare()
+    assert loads == [1]
+
+
+def test_without_the_kernel_the_torch_steps_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_native, "load", lambda: None)
+    x = _inputs("special", 4097, 0)
+    q = stochastic_quantize(x, 7, 128, "inf", torch.Generator().manual_seed(0))
+    packed = pack_bits(q.codes, 4)
+    assert torch.equal(unpack_bits(packed, 4, x.numel()), q.codes)
+    assert torch.isfinite(q.decode()).all()
