@@ -226,9 +226,9 @@ def print_report(result: dict[str, Any]) -> None:
                              vs_fp16)
         console.print(overhead)
         console.print(f"references: clone {refs['clone_ms']:.2f} ms, rand_like {refs['rand_like_ms']:.2f} ms, "
-                      f"fp16 cast {refs['half_ms']:.2f} ms; work = our communication thread's time minus its "
-                      "blocking waits for collectives (compression, decoding, packing), or the hook's time for "
-                      "PyTorch's hooks")
+                      f"fp16 cast {refs['half_ms']:.2f} ms, each into a buffer allocated once; work = our "
+                      "communication thread's time minus its blocking waits for collectives (compression, decoding, "
+                      "packing), or the hook's time for PyTorch's hooks")
     console.print(f"[bold]recommendation:[/bold] {result['recommendation']}")
 
 
