@@ -367,7 +367,8 @@ class GradCompHook:
         width = local.numel + 1  # the shard and the node's NaN/Inf flag
         # (1) every slot to its owner, with this rank's flag; row j of `rows` is what local rank j sent us
         flag = (~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1)
-        send = torch.cat([piece for slots in shards.by_owner for piece in (*(buf[s.offset:s.end] for s in slots), flag)])
+        send = torch.cat([piece for slots in shards.by_owner
+                          for piece in (*(buf[s.offset:s.end] for s in slots), flag)])
         rows = send.view(1, width) if size == 1 else buf.new_empty(size, width)
         if size > 1:
             intra.all_to_all_uneven(rows.view(-1), send, [width] * size, [count + 1 for count in shards.counts])
