@@ -326,8 +326,13 @@ class OuterSync:
         theta.add_(delta.add(buf, alpha=mu), alpha=-self.outer_lr)
 
     def pending(self) -> bool:
-        """Whether some fragment has local steps not yet synchronized."""
-        return any(not torch.equal(self.theta[n], p.detach().to(torch.float32)) for n, p in self.params.items())
+        """Whether some fragment has local steps not yet synchronized.
+
+        A parameter is synchronized when it holds ``theta`` in its own dtype, as the write-back left it: a bf16 or
+        fp16 parameter cannot hold the fp32 ``theta`` exactly, so comparing in fp32 would report progress right
+        after every sync (and ``fit``'s end would take one more outer step, with the momentum, on nothing).
+        """
+        return any(not torch.equal(self.theta[n].to(p.dtype), p.detach()) for n, p in self.params.items())
 
     # ------------------------------------------------------------------ evaluation on the global model
     def global_tensors(self) -> dict[str, Tensor]:
