@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.bench.models import load_workload
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address
-from lightning_gradcomp.bench.runner import free_port
+from lightning_gradcomp.bench.runner import free_port, wait_all
 from lightning_gradcomp.bench.worker import _barrier_tx, _iface_tx, _run_steps, header_bytes_per_packet
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors import CLTK, Compressor, NoCompression
@@ -205,14 +205,7 @@ def _launch(spec: dict[str, Any], link: Optional[EmulatedLink], timeout: float) 
     spec_path.write_text(json.dumps(spec))
     procs = [subprocess.Popen(argv, env={**os.environ, **env})
              for argv, env in torchrun_commands(spec_path, spec["nodes"], spec["per_node"], free_port(), link)]
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(codes):
-        raise RuntimeError(f"torchrun exited with codes {codes}")
+    wait_all(procs, timeout, "torchrun")
     world = spec["nodes"] * spec["per_node"]
     return [json.loads((Path(spec["out_dir"]) / f"rank{r}.json").read_text()) for r in range(world)]
 

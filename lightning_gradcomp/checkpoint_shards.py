@@ -46,7 +46,7 @@ import torch
 from fsspec import AbstractFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
-__all__ = ["FORMAT_VERSION", "SUFFIX", "build_manifest", "check_manifest", "is_sharded", "load_shard",
+__all__ = ["FORMAT_VERSION", "SUFFIX", "build_manifest", "check_entry", "check_manifest", "is_sharded", "load_shard",
            "new_token", "read_shards", "remove_shards", "remove_stale_shards", "shard_dir", "shard_name",
            "shard_path", "write_shard"]
 
@@ -173,6 +173,24 @@ def check_manifest(manifest: Any, key: str = "gradcomp") -> None:
     if problem:
         raise ValueError(f"checkpoint entry {key!r} is malformed or from an unknown version ({problem}; "
                          f"expected version {FORMAT_VERSION} with one shard per rank)")
+
+
+def check_entry(saved: Any, sharded: bool, key: str, required: tuple[str, ...], legacy_version: int) -> None:
+    """Validate a strategy's checkpoint entry: a manifest (``sharded``) holding the strategy's ``required`` keys,
+    or the single-file format before shards (``"version": legacy_version`` with a ``"per_rank"`` list).
+
+    Raises:
+        ValueError: the entry is malformed; the message names ``key`` and what is missing or expected.
+    """
+    if sharded:
+        check_manifest(saved, key=key)
+        missing = [name for name in required if name not in saved]
+        if missing:
+            raise ValueError(f"checkpoint entry {key!r} is malformed (it has no {', '.join(missing)})")
+    elif not isinstance(saved, dict) or saved.get("version") != legacy_version or "per_rank" not in saved:
+        raise ValueError(f"checkpoint entry {key!r} is malformed or from an unknown version (expected version "
+                         f"{FORMAT_VERSION} with one shard per rank, or version {legacy_version} with one state "
+                         f"per rank)")
 
 
 def _manifest_problem(manifest: Any) -> Optional[str]:

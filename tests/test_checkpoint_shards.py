@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers.models import ReadyOrderNet, TinyNet, fit
+from helpers.shards import damage_shard
 from lightning_gradcomp import GradCompStrategy, checkpoint_shards
 from lightning_gradcomp.checkpoint_shards import (build_manifest, check_manifest, load_shard, read_shards,
                                                   remove_shards, remove_stale_shards, shard_dir, shard_name,
@@ -248,16 +249,7 @@ def _copy_checkpoint(ckpt: Path, dest: Path) -> Path:
 @pytest.mark.parametrize("damage", ["missing", "one_byte"])
 def test_a_damaged_shard_stops_the_resume_naming_it(two_rank_checkpoint: Path, tmp_path: Path, damage: str) -> None:
     ckpt = _copy_checkpoint(two_rank_checkpoint, tmp_path / "copy")
-    name = torch.load(ckpt, weights_only=True)[CHECKPOINT_KEY]["shards"][1]["file"]
-    shard = Path(shard_dir(ckpt), name)
-    if damage == "missing":
-        shard.unlink()
-        message = rf"compression-state shard '{re.escape(str(shard))}' .* is missing \(rank 1 of 2\)"
-    else:
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0x01
-        shard.write_bytes(bytes(data))
-        message = rf"compression-state shard '{re.escape(str(shard))}' .* is corrupted"
+    message = damage_shard(ckpt, CHECKPOINT_KEY, "compression-state", damage)
     with pytest.raises(Exception, match=message):
         fit(_strategy(timeout=timedelta(seconds=60)), tmp_path / "resumed", model=_model(2), max_epochs=2,
             ckpt_path=str(ckpt))

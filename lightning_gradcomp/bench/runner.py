@@ -120,6 +120,22 @@ def recommend(summary: dict[str, Any]) -> str:
             f"{rows[rival]['scaling_efficiency']:.0%}")
 
 
+def wait_all(procs: Sequence[subprocess.Popen], timeout: float, what: str) -> None:
+    """Wait for every process (all are killed once ``timeout`` seconds have passed).
+
+    Raises:
+        RuntimeError: a process exited with a non-zero code; the message names ``what`` and the codes.
+    """
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(codes):
+        raise RuntimeError(f"{what} exited with codes {codes}")
+
+
 def launch_ranks(spec: dict[str, Any], world: int, link: Optional[EmulatedLink], timeout: float,
                  command: Callable[[Path], list[str]], host_of: Callable[[int], int] = lambda rank: rank,
                  threads: int = 1) -> list[dict[str, Any]]:
@@ -141,14 +157,7 @@ def launch_ranks(spec: dict[str, Any], world: int, link: Optional[EmulatedLink],
             env.update(MASTER_ADDR=rank_address(0), GLOO_SOCKET_IFNAME=link.interface(host_of(rank)))
             cmd = ["ip", "netns", "exec", link.namespace(host_of(rank)), *cmd]
         procs.append(subprocess.Popen(cmd, env=env))
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(codes):
-        raise RuntimeError(f"benchmark ranks exited with codes {codes}")
+    wait_all(procs, timeout, "benchmark ranks")
     return [json.loads((Path(spec["out_dir"]) / f"rank{r}.json").read_text()) for r in range(world)]
 
 

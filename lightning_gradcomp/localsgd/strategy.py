@@ -360,7 +360,7 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             return checkpoint
         sharded = checkpoint_shards.is_sharded(saved)
         try:
-            _check_entry(saved, sharded)
+            checkpoint_shards.check_entry(saved, sharded, CHECKPOINT_KEY, _SETTINGS, _CHECKPOINT_VERSION)
         except ValueError as err:
             raise ValueError(f"cannot resume from '{checkpoint_path}': {err}") from None
         mine = (type(self.compressor).__name__, self.outer, self.local_steps, self.fragments, self.overlap)
@@ -395,19 +395,6 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         register_names(strategy_registry, cls, "diloco_cltk",
                        "DiLoCo with CLT-k 1% pseudo-gradients and error feedback",
                        outer="nesterov", compressor=CLTK(ratio=0.01))
-
-
-def _check_entry(saved: Any, sharded: bool) -> None:
-    """Raise a ``ValueError`` if a ``"localsgd"`` entry is malformed (sharded: version 2; else version 1)."""
-    if sharded:
-        checkpoint_shards.check_manifest(saved, key=CHECKPOINT_KEY)
-        missing = [key for key in _SETTINGS if key not in saved]
-        if missing:
-            raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} is malformed (it has no {', '.join(missing)})")
-    elif not isinstance(saved, dict) or saved.get("version") != _CHECKPOINT_VERSION or "per_rank" not in saved:
-        raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} is malformed or from an unknown version (expected "
-                         f"version {checkpoint_shards.FORMAT_VERSION} with one shard per rank, or version "
-                         f"{_CHECKPOINT_VERSION} with one state per rank)")
 
 
 def _check_bool(name: str, value: Any) -> bool:

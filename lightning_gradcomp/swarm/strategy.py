@@ -593,7 +593,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         if saved is None:
             return checkpoint
         sharded = checkpoint_shards.is_sharded(saved)
-        _check_entry(saved, sharded)
+        checkpoint_shards.check_entry(saved, sharded, CHECKPOINT_KEY, ("bits", "counters"), _CHECKPOINT_VERSION)
         if saved["bits"] != self.bits:
             raise ValueError(f"checkpoint was written with bits={saved['bits']}, this strategy uses "
                              f"bits={self.bits}; resume with the same setting")
@@ -657,19 +657,6 @@ def _write_named(module: torch.nn.Module, values: dict[str, Tensor]) -> None:
         for name, value in values.items():
             if name in live:
                 live[name].copy_(value)
-
-
-def _check_entry(saved: Any, sharded: bool) -> None:
-    """Raise a ``ValueError`` if a ``"swarm"`` entry is malformed (sharded: version 2; else version 1)."""
-    if sharded:
-        checkpoint_shards.check_manifest(saved, key=CHECKPOINT_KEY)
-        missing = [key for key in ("bits", "counters") if key not in saved]
-        if missing:
-            raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} is malformed (it has no {', '.join(missing)})")
-    elif not isinstance(saved, dict) or saved.get("version") != _CHECKPOINT_VERSION or "per_rank" not in saved:
-        raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} is malformed or from an unknown version (expected "
-                         f"version {checkpoint_shards.FORMAT_VERSION} with one shard per rank, or version "
-                         f"{_CHECKPOINT_VERSION} with one state per rank)")
 
 
 def _check_bool(name: str, value: Any) -> bool:

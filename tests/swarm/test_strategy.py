@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_gradcomp  # noqa: F401 - registers "swarmsgd"
 from helpers.models import TinyNet, fit
+from helpers.shards import damage_shard
 from lightning_gradcomp import SwarmStrategy
 from lightning_gradcomp.checkpoint_shards import read_shards, shard_dir
 
@@ -270,16 +270,7 @@ def two_rank_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_damaged_shard_stops_the_resume_naming_it(two_rank_checkpoint: Path, tmp_path: Path, damage: str) -> None:
     ckpt = tmp_path / "copy" / "last.ckpt"
     shutil.copytree(two_rank_checkpoint.parent, ckpt.parent)
-    name = torch.load(ckpt, weights_only=True)["swarm"]["shards"][1]["file"]
-    shard = Path(shard_dir(ckpt), name)
-    if damage == "missing":
-        shard.unlink()
-        message = rf"rank-state shard '{re.escape(str(shard))}' .* is missing \(rank 1 of 2\)"
-    else:
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0x01
-        shard.write_bytes(bytes(data))
-        message = rf"rank-state shard '{re.escape(str(shard))}' .* is corrupted"
+    message = damage_shard(ckpt, "swarm", "rank-state", damage)
     with pytest.raises(Exception, match=message):
         fit(_lockstep(timeout=timedelta(seconds=60)), tmp_path / "resumed", max_epochs=2, ckpt_path=str(ckpt))
     assert not (tmp_path / "resumed" / "rank0.pt").exists()  # nothing trained
