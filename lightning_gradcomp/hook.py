@@ -308,8 +308,9 @@ class GradCompHook:
         divisor = scale if node_size == 1 else torch.full((1,), float(node_size), device=buf.device).mul_(
             1.0 if scale is None else scale)
         grads = [buf[s.offset:s.end] for s in comp]
-        tensors = [self.memory.compensate(s.name, g, divisor) if use_ef else _unscaled(g, divisor)
-                   for s, g in zip(comp, grads)]
+        borrow = not use_ef and self.compressor.borrows_inputs and divisor is None and buf.dtype == torch.float32
+        tensors = [self.memory.compensate(s.name, g, divisor) if use_ef else g if borrow else _unscaled(g, divisor)
+                   for s, g in zip(comp, grads)]  # borrowed: views of the bucket, only read during reduce()
         watchers = [obs for obs in self.observers if obs.wants(step)]
         inputs = [t.clone() for t in tensors] if watchers else []
         raw = None

@@ -132,6 +132,12 @@ class Compressor(ABC):
     dense: ClassVar[bool] = False
     """True when the compressor is a plain dense all-reduce (the engine takes its fast path)."""
 
+    borrows_inputs: ClassVar[bool] = False
+    """True when :meth:`reduce` uses its inputs only during the call (it may read or overwrite them, but keeps no
+    reference to them or to views of them once it returns): without error feedback the engine then passes views
+    of the bucket (fp32, no loss scale) instead of fresh copies, saving a pass over the gradient; the bucket's
+    compressed slots are overwritten with the result afterwards anyway. Leave ``False`` when unsure."""
+
     hierarchical: ClassVar[bool] = True
     """Whether it can run under ``GradCompStrategy(hierarchy=...)``: on the node-mean gradients of the slots a rank
     owns, over the cross-node group (``ctx.comm``, ``ctx.rank`` = node, ``ctx.world_size`` = number of nodes).

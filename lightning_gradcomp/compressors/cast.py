@@ -25,6 +25,8 @@ class Cast(Compressor):
         dtype: ``torch.float16`` or ``torch.bfloat16`` (``"float16"``/``"bfloat16"`` strings accepted).
     """
 
+    borrows_inputs = True  # one torch.cat reads them
+
     def __init__(self, dtype: "torch.dtype | str" = torch.float16) -> None:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype.removeprefix("torch."), dtype)

@@ -339,6 +339,8 @@ class QuantizedCompressor(Compressor):
         aggregation: ``"alltoall"`` (bandwidth-optimal two-stage, default) or ``"allgather"`` (exact).
     """
 
+    borrows_inputs = True  # quantization reads them (DIANA subtracts its shift in place); nothing keeps them
+
     def __init__(self, aggregation: str = "alltoall") -> None:
         self.aggregation: str = check_aggregation(aggregation)
         self._layouts: dict[tuple, WireLayout] = {}
