@@ -167,6 +167,11 @@ class NodeShards:
         return cls(by_owner, counts, BucketPlan(plan.index, offset, tuple(local)))
 
     @cached_property
+    def widths(self) -> list[int]:
+        """Per local rank, what its shard travels as: its elements and one flag element."""
+        return [count + 1 for count in self.counts]
+
+    @cached_property
     def gathered(self) -> tuple[tuple[Optional[LayerSlot], ...], tuple[int, ...]]:
         """The all-gather's output, owner by owner: each owner's slots then its flag element (``None``), and the
         sizes of these pieces."""

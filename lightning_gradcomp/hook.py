@@ -366,13 +366,15 @@ class GradCompHook:
         intra, shards, size = hierarchy.intra, hierarchy.shards(plan), hierarchy.layout.group_size
         local = shards.local  # this rank's slots, back to back in its shard
         width = local.numel + 1  # the shard and the node's NaN/Inf flag
-        # (1) every slot to its owner, with this rank's flag; row j of `rows` is what local rank j sent us
-        flag = (~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1)
+        # (1) every slot to its owner, with this rank's flag (read only when compressing); row j of `rows` is what
+        # local rank j sent us
+        flag = ((~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1) if compressing
+                else buf.new_zeros(1))
         send = torch.cat([piece for slots in shards.by_owner
                           for piece in (*(buf[s.offset:s.end] for s in slots), flag)])
         rows = send.view(1, width) if size == 1 else buf.new_empty(size, width)
         if size > 1:
-            intra.all_to_all_uneven(rows.view(-1), send, [width] * size, [count + 1 for count in shards.counts])
+            intra.all_to_all_uneven(rows.view(-1), send, [width] * size, shards.widths)
         shard = rows[0]
         for j in range(1, size):  # the node sum, in local-rank order (only the owner computes it)
             shard.add_(rows[j])
@@ -389,8 +391,7 @@ class GradCompHook:
         else:
             rows[1:].copy_(shard.expand(size - 1, width))
             gathered = buf.new_empty(plan.numel + size)
-            fut = intra.all_to_all_uneven(gathered, rows.view(-1), [count + 1 for count in shards.counts],
-                                          [width] * size, async_op=True)
+            fut = intra.all_to_all_uneven(gathered, rows.view(-1), shards.widths, [width] * size, async_op=True)
         layout, sizes = shards.gathered  # each owner's slots, then its flag element (None)
 
         def unpack(received: Tensor) -> Tensor:

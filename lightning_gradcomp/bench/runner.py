@@ -229,8 +229,8 @@ def print_report(result: dict[str, Any]) -> None:
             overhead.add_column(col, justify="left" if col == "config" else "right")
         fp16 = summary["configs"].get("torch_fp16")
         for name, row in summary["configs"].items():
-            work = row.get("work_ms_per_step", work_ms_of(row))
-            vs_fp16 = f"{work / work_ms_of(fp16):.1f}x" if fp16 and work_ms_of(fp16) > 0 else "-"
+            work = row["work_ms_per_step"]
+            vs_fp16 = f"{work / fp16['work_ms_per_step']:.1f}x" if fp16 and fp16["work_ms_per_step"] > 0 else "-"
             overhead.add_row(name, f"{work:.1f}", f"{row['work_vs_clone']:.1f}x", f"{row['work_vs_clone_rand']:.2f}x",
                              vs_fp16)
         console.print(overhead)
