@@ -276,8 +276,8 @@ def main() -> None:
         run_rank(args.worker)
         sys.stdout.flush()
         os._exit(0)  # skip gloo teardown (see bench.worker)
-    if args.warmup < 3 or args.steps < 1 or args.nodes < 2 or args.per_node < 1:
-        parser.error("need --warmup >= 3, --steps >= 1, --nodes >= 2, --per-node >= 1")
+    if args.warmup < 3 or args.steps < 1 or args.rounds < 1 or args.nodes < 2 or args.per_node < 1:
+        parser.error("need --warmup >= 3, --steps >= 1, --rounds >= 1, --nodes >= 2, --per-node >= 1")
     emulate = args.link != "none"
     if emulate:
         ok, why = can_emulate()

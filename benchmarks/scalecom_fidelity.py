@@ -382,6 +382,9 @@ def main() -> None:
     parser.add_argument("--per-node", type=int, default=2, help="cltk_hier's node size (divides --world-size)")
     parser.add_argument("--out", type=Path, default=None, help="write all results as JSON here")
     args = parser.parse_args()
+    if args.world_size < 2 or args.per_node < 1 or args.world_size % args.per_node:
+        parser.error(f"need --world-size >= 2 and --per-node >= 1 dividing it, got {args.world_size} and "
+                     f"{args.per_node}")
     results: dict[str, Any] = {}
     if args.part in ("all", "bytes"):
         results["bytes"] = part_bytes()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
@@ -12,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from helpers.distributed import run_workers
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.comm import Comm
-from lightning_gradcomp.compressors import QSGD, Cast
+from lightning_gradcomp.compressors import DIANA, QSGD, Cast
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction
 from lightning_gradcomp.hook import gradcomp_comm_hook
 
@@ -34,7 +35,7 @@ def _recording(base: type, borrows: bool) -> type:
 
 def _train(rank: int, world: int) -> dict[str, Any]:
     out = {}
-    for base, kwargs in ((Cast, {}), (QSGD, {"bits": 4})):
+    for base, kwargs in ((Cast, {}), (QSGD, {"bits": 4}), (DIANA, {})):
         for borrows in (False, True):
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(33, 130), nn.Tanh(), nn.Linear(130, 7))
@@ -61,14 +62,14 @@ def _train(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_borrowing_compressors_get_bucket_views_and_the_same_bits() -> None:
-    for world in (2, 3):
-        results = run_workers(_train, world)
-        for name in ("Cast", "QSGD"):
-            copied, borrowed = [r[(name, False)] for r in results], [r[(name, True)] for r in results]
-            assert all(r["compressed"] for r in copied + borrowed)
-            assert not any(r["borrowed"] for r in copied), name  # fresh copies
-            assert all(r["borrowed"] for r in borrowed), name  # views of the bucket
-            for a, b in zip(copied, borrowed):
-                assert torch.equal(a["params"], b["params"]), name
-            assert all(torch.equal(r["params"], borrowed[0]["params"]) for r in borrowed), name
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_borrowing_compressors_get_bucket_views_and_the_same_bits(world: int) -> None:
+    results = run_workers(_train, world)
+    for name in ("Cast", "QSGD", "DIANA"):
+        copied, borrowed = [r[(name, False)] for r in results], [r[(name, True)] for r in results]
+        assert all(r["compressed"] for r in copied + borrowed)
+        assert not any(r["borrowed"] for r in copied), name  # fresh copies
+        assert all(r["borrowed"] for r in borrowed), name  # views of the bucket
+        for a, b in zip(copied, borrowed):
+            assert torch.equal(a["params"], b["params"]), name
+        assert all(torch.equal(r["params"], borrowed[0]["params"]) for r in borrowed), name
