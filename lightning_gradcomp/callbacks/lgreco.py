@@ -8,7 +8,9 @@ Every ``period`` optimizer steps after ``warmup_steps`` the callback
    error-compensated gradient, under error feedback (without error feedback both are the same);
 2. builds for every layer a table of candidate parameters around the compressor's default (PowerSGD ranks,
    TopK/CLTK/RandomK densities, QSGD bits) with their bytes and their error ``||A - C(A)||`` (un-squared, see
-   :mod:`lightning_gradcomp.functional.layerwise`);
+   :mod:`lightning_gradcomp.functional.layerwise`). The compressor describes its own costs, so any
+   :attr:`~lightning_gradcomp.compressors.base.Compressor.tunable` compressor works: candidates come from its
+   ``candidate_grid`` and ``layer_candidates``, sizes and errors from its ``layer_costs``;
 3. **averages the error tables over ranks** with one counted all-reduce of ``layers x candidates`` numbers, so
    every rank holds bit-identical tables (this deviates from the official code, which uses rank 0's
    statistics only, and then broadcasts its decision);
@@ -39,12 +41,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor, check_number
 from lightning_gradcomp.compressors.powersgd import PowerSGD
-from lightning_gradcomp.compressors.randomk import RandomK
-from lightning_gradcomp.functional.layerwise import (feedback_errors, lowrank_errors, lowrank_sizes,
-                                                     quantization_errors, quantized_sizes, randomk_errors,
-                                                     solve_or_uniform, sparse_sizes, topk_errors)
-from lightning_gradcomp.functional.lowrank import lowrank_saves, matrix_shape
-from lightning_gradcomp.functional.sparsify import kept_count
+from lightning_gradcomp.functional.layerwise import feedback_errors, solve_or_uniform
 from lightning_gradcomp.hook import BucketRecord
 from lightning_gradcomp.presets import register_preset
 
@@ -52,62 +49,26 @@ __all__ = ["LGreCo", "layer_candidates", "layer_table"]
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("rank", "ratio", "bits")
-"""The per-layer parameters LGreCo knows how to tune (``Compressor.param_name``)."""
-
-
 # ---------------------------------------------------------------------------------------------- tables
-def layer_candidates(compressor: Compressor, shape: Sequence[int], candidates: Sequence[float]) -> list[Any]:
-    """The candidate values that are valid for a layer of ``shape`` (the default always included, sorted).
+def layer_candidates(compressor: Compressor, shape: Sequence[int], candidates: Sequence[Any]) -> list[Any]:
+    """The candidate values valid for a layer of ``shape`` (the default always included, sorted):
+    :meth:`Compressor.layer_candidates <lightning_gradcomp.compressors.base.Compressor.layer_candidates>`.
 
-    Ranks above ``min(n, m)`` or whose factors are not smaller than the dense matrix, and values the
-    compressor's ``check_param`` rejects, are dropped.
+    Raises:
+        ValueError: the compressor is not tunable (:attr:`Compressor.tunable`).
     """
-    out = set()
-    for value in [*candidates, compressor.default_param]:
-        try:
-            value = compressor.check_param(value)
-        except (TypeError, ValueError):
-            continue
-        if compressor.param_name == "rank":
-            n, m = matrix_shape(shape)
-            if not lowrank_saves(n, m, value, 1.0) and value != compressor.default_param:
-                continue
-        out.add(value)
-    return sorted(out)
+    return compressor.layer_candidates(shape, candidates)
 
 
 def layer_table(compressor: Compressor, stat: Tensor, shape: Sequence[int],
                 candidates: Sequence[Any]) -> tuple[list[float], list[float]]:
-    """``(sizes in bytes, errors)`` of each candidate for one layer whose statistic is ``stat``.
+    """``(sizes in bytes, errors)`` of each candidate for one layer whose statistic is ``stat``:
+    :meth:`Compressor.layer_costs <lightning_gradcomp.compressors.base.Compressor.layer_costs>`.
 
     Raises:
-        ValueError: the compressor's ``param_name`` is not one of ``rank``, ``ratio``, ``bits``.
+        ValueError: the compressor is not tunable (:attr:`Compressor.tunable`).
     """
-    family = compressor.param_name
-    numel = stat.numel()
-    if family == "rank":
-        return lowrank_sizes(shape, candidates), lowrank_errors(stat.reshape(matrix_shape(shape)), candidates)
-    if family == "ratio":
-        ks = [kept_count(numel, r) for r in candidates]
-        value_dtype = getattr(compressor, "value_dtype", torch.float32)
-        value_bytes = torch.empty((), dtype=value_dtype).element_size()
-        if isinstance(compressor, RandomK):
-            return sparse_sizes(ks, value_bytes, index_bytes=0), randomk_errors(stat, ks)
-        return sparse_sizes(ks, value_bytes), topk_errors(stat, ks)
-    if family == "bits":
-        bucket = int(getattr(compressor, "bucket_size", 512))
-        p = getattr(compressor, "p", "inf")
-        return quantized_sizes(numel, candidates, bucket), quantization_errors(stat, candidates, bucket, p)
-    raise ValueError(f"LGreCo tunes a per-layer parameter in {FAMILIES}; {type(compressor).__name__} has "
-                     f"param_name={family!r}")
-
-
-def _default_grid(default: Any, family: str, low: float, high: float, num: int) -> list[Any]:
-    """Integers in ``[floor(low d), ceil(high d)]`` (rank, bits) or ``num`` geometric densities (ratio)."""
-    if family == "ratio":
-        return [default * (low * (high / low) ** (i / (num - 1))) if num > 1 else default for i in range(num)]
-    return list(range(max(1, math.floor(low * default)), math.ceil(high * default) + 1))
+    return compressor.layer_costs(stat, shape, candidates)
 
 
 # ---------------------------------------------------------------------------------------------- collector
@@ -152,12 +113,14 @@ class _Collector:
 
 # ---------------------------------------------------------------------------------------------- callback
 class LGreCo(Callback):
-    """Layer-wise adaptive compression (L-GreCo) for any compressor with a per-layer ``rank``/``ratio``/``bits``.
+    """Layer-wise adaptive compression (L-GreCo) for any tunable compressor (``Compressor.tunable``: a per-layer
+    parameter such as PowerSGD's ``rank``, the sparsifiers' ``ratio`` or QSGD's ``bits``, and ``layer_costs``).
 
-    Candidates per layer default to the integers in ``[floor(min_factor d), ceil(max_factor d)]`` around the
-    default ``d`` for ranks and bits (then clipped to what the compressor and the layer allow), and to
-    ``num_candidates`` geometrically spaced densities in ``[min_factor d, max_factor d]`` for ratios. The
-    official code used factors 0.5-2 (ResNet) and 0.25-4 (Transformer-XL) for PowerSGD ranks.
+    Candidates per layer default to the compressor's ``candidate_grid(min_factor, max_factor, num_candidates)``:
+    the integers in ``[floor(min_factor d), ceil(max_factor d)]`` around the default ``d`` for ranks and bits,
+    ``num_candidates`` geometrically spaced densities in ``[min_factor d, max_factor d]`` for ratios; they are
+    then clipped to what the compressor and the layer allow (``layer_candidates``). The official code used
+    factors 0.5-2 (ResNet) and 0.25-4 (Transformer-XL) for PowerSGD ranks.
 
     Args:
         period: optimizer steps between two adjustments (>= 1).
@@ -247,10 +210,9 @@ class LGreCo(Callback):
         if hook is None or not hasattr(strategy, "set_layer_params"):
             raise ValueError(f"LGreCo needs GradCompStrategy (with its hook installed), got "
                              f"{type(strategy).__name__}")
-        family = hook.compressor.param_name
-        if family not in FAMILIES:
-            raise ValueError(f"LGreCo tunes a per-layer parameter in {FAMILIES}; {type(hook.compressor).__name__} "
-                             f"has param_name={family!r}")
+        if not hook.compressor.tunable:
+            raise ValueError(f"LGreCo needs a tunable compressor (a per-layer parameter and its layer_costs); "
+                             f"{hook.compressor!r} is not tunable")
         self._hook = hook
         self._collector.reset()
         if self._collector not in hook.observers:
@@ -334,17 +296,18 @@ class LGreCo(Callback):
     def _errors(self, compressor: Compressor, stat: Tensor, shape: Sequence[int],
                 grid: Sequence[Any]) -> tuple[list[float], list[float]]:
         """``(sizes, errors)`` of one layer's statistic, errors transformed as ``error`` asks."""
-        sizes, errors = layer_table(compressor, stat, shape, grid)
+        sizes, errors = compressor.layer_costs(stat, shape, grid)
         if self.error == "feedback" and compressor.uses_error_feedback:
             errors = feedback_errors(errors, float(stat.double().norm()))
         return sizes, [x * x for x in errors] if self.error == "squared" else errors
 
     def grid(self, compressor: Compressor, shape: Sequence[int]) -> list[Any]:
-        """The candidate values of one layer of ``shape``: ``candidates``, or the factor grid around the default,
-        filtered by :func:`layer_candidates`."""
-        base = self.candidates if self.candidates is not None else _default_grid(
-            compressor.default_param, compressor.param_name, self.min_factor, self.max_factor, self.num_candidates)
-        return layer_candidates(compressor, shape, base)
+        """The candidate values of one layer of ``shape``: ``candidates``, or the compressor's
+        :meth:`~lightning_gradcomp.compressors.base.Compressor.candidate_grid` around its default, filtered by its
+        :meth:`~lightning_gradcomp.compressors.base.Compressor.layer_candidates`."""
+        base = self.candidates if self.candidates is not None else compressor.candidate_grid(
+            self.min_factor, self.max_factor, self.num_candidates)
+        return compressor.layer_candidates(shape, base)
 
     @staticmethod
     def _average(hook: Any, tables: list[list[float]]) -> list[list[float]]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Optional, Sequence, Union
@@ -122,8 +123,10 @@ class Reduction:
 class Compressor(ABC):
     """Base class: configuration plus optional per-layer persistent state.
 
-    Subclasses set :attr:`param_name` when they have a per-layer parameter that L-GreCo can tune,
-    and validate every constructor argument eagerly.
+    Subclasses set :attr:`param_name` when they have a per-layer parameter, and validate every constructor
+    argument eagerly. Those that also implement :meth:`layer_costs` are :attr:`tunable`: L-GreCo can then
+    choose their parameter per layer (:meth:`candidate_grid` and :meth:`layer_candidates` have defaults for
+    integer parameters).
     """
 
     param_name: ClassVar[Optional[str]] = None
@@ -165,6 +168,67 @@ class Compressor(ABC):
         if self.param_name is None:
             raise ValueError(f"`{argument}` needs a compressor with a compression parameter (ratio, rank or bits); "
                              f"{self!r} has none")
+
+    # ------------------------------------------------------------------ costs (L-GreCo)
+    @property
+    def tunable(self) -> bool:
+        """Whether L-GreCo can tune it: it has a per-layer parameter and implements :meth:`layer_costs`."""
+        return self.param_name is not None and type(self).layer_costs is not Compressor.layer_costs
+
+    def candidate_grid(self, min_factor: float, max_factor: float, num: int) -> list[Any]:
+        """Default candidate values around the default ``d``: the integers in ``[floor(min_factor d),
+        ceil(max_factor d)]`` (at least 1; ``num`` is unused). Override for non-integer parameters.
+
+        Raises:
+            ValueError: the compressor is not :attr:`tunable`.
+        """
+        if not self.tunable:
+            raise self._not_tunable()
+        default = self.default_param
+        return list(range(max(1, math.floor(min_factor * default)), math.ceil(max_factor * default) + 1))
+
+    def layer_candidates(self, shape: Sequence[int], candidates: Iterable[Any]) -> list[Any]:
+        """The ``candidates`` valid for a layer of ``shape``: those :meth:`check_param` accepts, plus the default,
+        deduplicated and sorted. Override to also drop values that do not suit the layer.
+
+        Raises:
+            ValueError: the compressor is not :attr:`tunable`.
+        """
+        if not self.tunable:
+            raise self._not_tunable()
+        out = set()
+        for value in [*candidates, self.default_param]:
+            try:
+                out.add(self.check_param(value))
+            except (TypeError, ValueError):
+                continue
+        return sorted(out)
+
+    def layer_costs(self, stat: Tensor, shape: Sequence[int],
+                    candidates: Sequence[Any]) -> tuple[list[float], list[float]]:
+        """``(sizes, errors)`` of each candidate value for one layer: what L-GreCo trades off.
+
+        Args:
+            stat: the layer's statistic ``A`` (any float tensor of ``prod(shape)`` elements, flat or shaped).
+            shape: the layer's parameter shape.
+            candidates: values of the per-layer parameter (as returned by :meth:`layer_candidates`).
+
+        Returns:
+            ``sizes[c]``: bytes of one rank's compressed message for the layer per step (the collective's
+            W-dependent factor, the same for every candidate, left out; ``inf`` for a value the layer cannot
+            take); ``errors[c]``: the un-squared compression error ``||A - C_c(A)||`` (its expectation, as a
+            root mean square, for randomized compressors), in the units of ``stat``.
+
+        Raises:
+            ValueError: the compressor is not :attr:`tunable` (this base implementation always raises).
+        """
+        raise self._not_tunable()
+
+    def _not_tunable(self) -> ValueError:
+        """The error for a compressor that is not :attr:`tunable`, naming it and saying why."""
+        reason = ("it has no per-layer parameter (param_name is None)" if self.param_name is None else
+                  f"it does not implement layer_costs for its per-layer parameter {self.param_name!r}")
+        return ValueError(f"{type(self).__name__} is not tunable: {reason}")
 
     def accepts(self, slot: LayerSlot) -> bool:
         """Whether this compressor wants to compress ``slot`` (after the size policy agreed)."""

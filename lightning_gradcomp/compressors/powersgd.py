@@ -15,7 +15,7 @@ Wire bytes per rank and bucket: ``2 (W-1)/W * 4 * sum_l (n_l + m_l) r_l`` over t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -25,6 +25,7 @@ from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, check_number
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
+from lightning_gradcomp.functional.layerwise import lowrank_errors, lowrank_sizes
 from lightning_gradcomp.functional.lowrank import (adapt_factor, effective_rank, lowrank_saves, matrix_shape,
                                                    orthogonalize, random_factor)
 from lightning_gradcomp.plan import LayerSlot
@@ -70,6 +71,18 @@ class PowerSGD(Compressor):
 
     def check_param(self, value: Any) -> int:
         return int(check_number("rank", value, 1, float("inf"), low_open=False, integer=True))
+
+    def layer_candidates(self, shape: Sequence[int], candidates: Iterable[Any]) -> list[Any]:
+        """Valid ranks (see :meth:`Compressor.layer_candidates`) whose factors are smaller than the dense ``n x m``
+        matrix of ``shape`` (the default rank is always kept)."""
+        n, m = matrix_shape(shape)
+        return [r for r in super().layer_candidates(shape, candidates) if r == self.rank or lowrank_saves(n, m, r)]
+
+    def layer_costs(self, stat: Tensor, shape: Sequence[int],
+                    candidates: Sequence[Any]) -> tuple[list[float], list[float]]:
+        """Factor bytes ``4 (n + m) r`` and best rank-``r`` errors ``sqrt(sum_{i>r} sigma_i^2)`` of ``stat``
+        viewed as ``n x m`` (see :meth:`Compressor.layer_costs`)."""
+        return lowrank_sizes(shape, candidates), lowrank_errors(stat.reshape(matrix_shape(shape)), candidates)
 
     def accepts(self, slot: LayerSlot) -> bool:
         """Only layers that the default rank shrinks by ``min_compression_rate`` are compressed."""

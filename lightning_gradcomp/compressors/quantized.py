@@ -37,6 +37,7 @@ from torch import Tensor
 from lightning_gradcomp.comm import completed_future
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
 from lightning_gradcomp.functional import _native
+from lightning_gradcomp.functional.layerwise import quantization_errors, quantized_sizes
 from lightning_gradcomp.functional.packing import pack_bits, packed_nbytes, unpack_bits
 from lightning_gradcomp.functional.quantize import (
     PNorm,
@@ -349,6 +350,24 @@ class QuantizedCompressor(Compressor):
     def codec(self, param: Any) -> SlotCodec:
         """The encoding of a slot whose per-layer parameter is ``param``."""
         raise NotImplementedError
+
+    def layer_costs(self, stat: Tensor, shape: Sequence[int],
+                    candidates: Sequence[Any]) -> tuple[list[float], list[float]]:
+        """Bytes ``ceil(n b / 8) + 4 ceil(n / group_size)`` and exact expected stochastic-rounding errors of the
+        :meth:`codec` of each candidate (``b`` its bits; stochastic codecs with ``L = 2**(b-1) - 1`` levels, as
+        QSGD's), for subclasses with a per-layer parameter (see :meth:`Compressor.layer_costs`).
+
+        Raises:
+            ValueError: the compressor has no per-layer parameter.
+        """
+        if not self.tunable:
+            raise self._not_tunable()
+        sizes, errors = [], []
+        for value in candidates:
+            c = self.codec(value)
+            sizes += quantized_sizes(stat.numel(), [c.bits], c.group_size)
+            errors += quantization_errors(stat, [c.bits], c.group_size, c.p)
+        return sizes, errors
 
     def _encode_inputs(self, tensors: list[Tensor], ctx: ReduceContext) -> list[Tensor]:
         """What is quantized at stage 1 (default: the tensors themselves)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import torch
 from torch import Tensor
 
@@ -9,7 +11,9 @@ from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.sparse import SparseCompressor
+from lightning_gradcomp.functional.layerwise import randomk_errors, sparse_sizes
 from lightning_gradcomp.functional.sparsify import kept_count, scatter_dense, stratified_indices
+from lightning_gradcomp.presets import register_preset
 
 __all__ = ["RandomK"]
 
@@ -44,6 +48,13 @@ class RandomK(SparseCompressor):
     def uses_error_feedback(self) -> bool:
         return not self.unbiased
 
+    def layer_costs(self, stat: Tensor, shape: Sequence[int],
+                    candidates: Sequence[Any]) -> tuple[list[float], list[float]]:
+        """Bytes ``k * value bytes`` (no indices travel) and expected unscaled random-``k`` errors
+        ``sqrt(1 - k/n) ||A||`` (see :meth:`Compressor.layer_costs`)."""
+        ks = [kept_count(stat.numel(), r) for r in candidates]
+        return sparse_sizes(ks, self.value_dtype.itemsize, index_bytes=0), randomk_errors(stat, ks)
+
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
         """Shared indices, one all-reduce of the concatenated values."""
         ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
@@ -75,3 +86,7 @@ class RandomK(SparseCompressor):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", unbiased=True" if self.unbiased else "")
+
+
+register_preset("gradcomp_randomk", "DDP + shared random-1% with error feedback",
+                lambda: {"compressor": RandomK(ratio=0.01)})

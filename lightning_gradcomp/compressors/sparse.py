@@ -1,4 +1,5 @@
-"""Shared pieces of the sparsifying compressors (TopK, RandomK, CLTK): ``ratio`` and wire packing."""
+"""Shared pieces of the sparsifying compressors (TopK, RandomK, CLTK): ``ratio``, its L-GreCo costs and wire
+packing."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor, check_number
+from lightning_gradcomp.functional.layerwise import sparse_sizes, topk_errors
+from lightning_gradcomp.functional.sparsify import kept_count
 
 __all__ = ["SparseCompressor", "check_value_dtype", "pack_bytes", "unpack_bytes"]
 
@@ -41,7 +44,11 @@ def unpack_bytes(raw: Tensor, specs: Sequence[tuple[torch.dtype, int]]) -> list[
 
 
 class SparseCompressor(Compressor):
-    """A compressor keeping a fraction ``ratio`` of each layer's elements (per-layer settable)."""
+    """A compressor keeping a fraction ``ratio`` of each layer's elements (per-layer settable).
+
+    Its L-GreCo costs are those of keeping the ``k`` largest entries with a 4-byte index each; subclasses that
+    select or send otherwise (RandomK) override :meth:`layer_costs`.
+    """
 
     param_name = "ratio"
 
@@ -55,6 +62,19 @@ class SparseCompressor(Compressor):
 
     def check_param(self, value: Any) -> float:
         return float(check_number("ratio", value, 0.0, 1.0))
+
+    def candidate_grid(self, min_factor: float, max_factor: float, num: int) -> list[Any]:
+        """``num`` densities spaced geometrically from ``min_factor d`` to ``max_factor d`` (``[d]`` when ``num``
+        is 1), ``d`` the default ratio."""
+        d, low, high = self.ratio, min_factor, max_factor
+        return [d * (low * (high / low) ** (i / (num - 1))) if num > 1 else d for i in range(num)]
+
+    def layer_costs(self, stat: Tensor, shape: Sequence[int],
+                    candidates: Sequence[Any]) -> tuple[list[float], list[float]]:
+        """Bytes ``k (value bytes + 4)`` and top-``k`` errors (the norm outside the ``k`` largest ``|A_i|``), ``k``
+        the kept count of each ratio (see :meth:`Compressor.layer_costs`)."""
+        ks = [kept_count(stat.numel(), r) for r in candidates]
+        return sparse_sizes(ks, self.value_dtype.itemsize), topk_errors(stat, ks)
 
     def extra_repr(self) -> str:
         extra = "" if self.value_dtype == torch.float32 else f", value_dtype={self.value_dtype}"
