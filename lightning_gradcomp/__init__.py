@@ -1,20 +1,15 @@
 """lightning_gradcomp: communication-efficient data-parallel training for PyTorch Lightning.
 
-Importing the package registers the ``gradcomp_*`` strategy names with Lightning's registry.
+Importing the package declares its strategy presets (``gradcomp_topk``, ``scalecom``, ``diloco``...), each
+registered with Lightning's ``StrategyRegistry`` as it is declared; see :mod:`lightning_gradcomp.presets`.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
-
-from lightning_gradcomp import callbacks, compressors  # noqa: F401 - import order: presets are declared there
+from lightning_gradcomp import callbacks, compressors  # noqa: F401 - public subpackages
 from lightning_gradcomp.comm import CommStats
 from lightning_gradcomp.localsgd import LocalSGDStrategy
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.swarm import SwarmStrategy
 
 __version__ = "0.1.0"
-
-GradCompStrategy.register_strategies(StrategyRegistry)
-SwarmStrategy.register_strategies(StrategyRegistry)
-LocalSGDStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["CommStats", "GradCompStrategy", "LocalSGDStrategy", "SwarmStrategy", "__version__"]

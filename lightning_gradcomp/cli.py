@@ -27,17 +27,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "report":
         return report.run(args)
     if args.command == "list":
-        from lightning.pytorch.strategies import StrategyRegistry
-
-        import lightning_gradcomp  # noqa: F401 - registers the strategy names
-        from lightning_gradcomp import GradCompStrategy, SwarmStrategy
+        import lightning_gradcomp  # noqa: F401 - declares the presets
         from lightning_gradcomp.compressors import registry
+        from lightning_gradcomp.presets import PRESETS
 
-        ours = sorted(name for name, entry in StrategyRegistry.items()
-                      if issubclass(entry["strategy"], (GradCompStrategy, SwarmStrategy))
-                      and not name.endswith(("_spawn", "_fork")))
         print("compressors:", ", ".join(registry.list()))
-        print("strategies: ", ", ".join(ours), "(each also with _spawn and _fork)")
+        print("strategies: ", ", ".join(sorted(PRESETS)), "(each also with _spawn and _fork)")
     return 0
 
 

@@ -1,23 +1,126 @@
-"""Strategy presets: named ``GradCompStrategy`` configurations registered with Lightning.
+"""Strategy presets: the one way to add a name that ``Trainer(strategy=...)`` accepts.
 
-A compressor module declares its preset next to its class, e.g.::
+Declare a preset next to its class::
 
     register_preset("scalecom", "DDP + ScaleCom CLT-k 1% with error feedback",
                     lambda: {"compressor": CLTK(ratio=0.01)})
+    register_preset("swarmsgd", "SwarmSGD with its defaults", dict, strategy=SwarmStrategy)
 
-and ``Trainer(strategy="scalecom")`` (plus ``_spawn`` / ``_fork`` variants) then works once
-``lightning_gradcomp`` is imported. Factories return ``GradCompStrategy`` keyword arguments.
+The call registers ``name`` (``popen`` launcher), ``name_spawn`` and ``name_fork`` with Lightning's
+``StrategyRegistry`` at once, whenever it runs: a preset declared in your own code after ``import lightning_gradcomp``
+works with ``Trainer(strategy="name")`` with no other call. ``factory()`` returns the keyword arguments of the
+strategy class (``GradCompStrategy`` unless ``strategy=`` names another) and runs each time a strategy is built from
+the name, so two Trainers never share a (stateful) compressor. ``PRESETS`` maps each name to
+``(description, factory)``; :func:`preset_class` gives the class it builds.
+
+Compressor names are a separate, smaller name space: :func:`lightning_gradcomp.compressors.register` names a
+compressor *class*, so that ``GradCompStrategy(compressor="topk")`` and ``compressors.create("topk", ratio=0.1)``
+can build it. To make a configuration selectable with ``Trainer(strategy=...)``, declare a preset; register a
+compressor name only to build the class from a string.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import warnings
+from typing import Any, Callable, Optional
 
-__all__ = ["PRESETS", "register_preset"]
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
-PRESETS: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {}
+__all__ = ["PRESETS", "preset_class", "register_preset", "register_presets"]
+
+Factory = Callable[[], dict[str, Any]]
+
+PRESETS: dict[str, tuple[str, Factory]] = {}
+"""Every declared preset: name -> ``(description, factory)``."""
+_CLASSES: dict[str, Optional[type[Strategy]]] = {}
+"""The ``strategy=`` of each declared preset (``None``: ``GradCompStrategy``)."""
+_VARIANTS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
 
 
-def register_preset(name: str, description: str, factory: Callable[[], dict[str, Any]]) -> None:
-    """Declare a strategy name; ``factory()`` returns the ``GradCompStrategy`` keyword arguments."""
-    PRESETS[name.lower()] = (description, factory)
+class _Builder:
+    """What ``StrategyRegistry`` stores for a preset name: ``StrategyRegistry.get`` calls it for a new strategy."""
+
+    def __init__(self, factory: Factory, strategy: Optional[type[Strategy]]) -> None:
+        self.factory = factory
+        self.strategy = strategy
+
+    def __call__(self, **init_params: Any) -> Strategy:
+        return _resolve(self.strategy)(**{**self.factory(), **init_params})
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({_resolve(self.strategy).__name__}, {self.factory!r})"
+
+
+def register_preset(name: str, description: str, factory: Factory, *,
+                    strategy: Optional[type[Strategy]] = None) -> None:
+    """Declare the strategy name ``name`` (+ ``_spawn`` / ``_fork``) and register it with Lightning now.
+
+    Args:
+        name: the ``Trainer(strategy=...)`` name (stored lower-case).
+        description: one line, shown by ``lightning-gradcomp list`` and ``StrategyRegistry[name]["description"]``.
+        factory: returns the strategy's keyword arguments; called once per strategy built from the name.
+        strategy: the strategy class; ``None`` means :class:`~lightning_gradcomp.GradCompStrategy`.
+
+    Raises:
+        ValueError: ``name`` or a variant is already a Lightning strategy name that is not a preset (``"ddp"``).
+    """
+    key = _check_declaration(name, description, factory, strategy)
+    if key in PRESETS and (PRESETS[key], _CLASSES[key]) != ((description, factory), strategy):
+        warnings.warn(f"preset {name!r} re-declared; the previous one is replaced", stacklevel=2)
+    PRESETS[key] = (description, factory)
+    _CLASSES[key] = strategy
+    _register(StrategyRegistry, key, description, _Builder(factory, strategy))
+
+
+def preset_class(name: str) -> type[Strategy]:
+    """The strategy class that preset ``name`` builds.
+
+    Raises:
+        KeyError: unknown name; the message lists the presets.
+    """
+    key = name.lower()
+    if key not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")
+    return _resolve(_CLASSES.get(key))
+
+
+def register_presets(strategy_registry: Any, strategy: type[Strategy]) -> None:
+    """Register the presets that build ``strategy`` (+ variants) in ``strategy_registry``, replacing their entries.
+
+    Declaring a preset already registers it with Lightning's ``StrategyRegistry``; this is what the classes'
+    ``register_strategies`` hook does, for another registry or to restore removed names. Idempotent.
+    """
+    for key, (description, factory) in PRESETS.items():
+        if preset_class(key) is strategy:
+            _register(strategy_registry, key, description, _Builder(factory, strategy))
+
+
+def _register(strategy_registry: Any, key: str, description: str, builder: _Builder) -> None:
+    for suffix, method in _VARIANTS:
+        strategy_registry.register(key + suffix, builder, description=description, override=True,
+                                   start_method=method)
+
+
+def _check_declaration(name: str, description: str, factory: Factory, strategy: Optional[type[Strategy]]) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"preset `name` must be a non-empty str, got {name!r}")
+    if not isinstance(description, str):
+        raise TypeError(f"preset `description` must be a str, got {description!r}")
+    if not callable(factory):
+        raise TypeError(f"preset `factory` must be a callable returning keyword arguments, got {factory!r}")
+    if strategy is not None and not (isinstance(strategy, type) and issubclass(strategy, Strategy)):
+        raise TypeError(f"preset `strategy` must be a Lightning Strategy class or None, got {strategy!r}")
+    key = name.lower()
+    for suffix, _ in _VARIANTS:
+        entry = dict.get(StrategyRegistry, key + suffix)
+        if entry is not None and not isinstance(entry["strategy"], _Builder):
+            raise ValueError(f"{key + suffix!r} is already a Lightning strategy name; choose another preset name")
+    return key
+
+
+def _resolve(strategy: Optional[type[Strategy]]) -> type[Strategy]:
+    if strategy is not None:
+        return strategy
+    from lightning_gradcomp.strategy import GradCompStrategy  # lazy: strategy.py imports the modules declaring presets
+
+    return GradCompStrategy

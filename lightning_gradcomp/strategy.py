@@ -22,15 +22,12 @@ from lightning_gradcomp import checkpoint_shards
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors import registry
 from lightning_gradcomp.compressors.base import Compressor, check_number
-from lightning_gradcomp.compressors.cast import Cast
 from lightning_gradcomp.compressors.none import NoCompression
-from lightning_gradcomp.compressors.randomk import RandomK
-from lightning_gradcomp.compressors.topk import TopK
 from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, HierarchySpec, check_hierarchy, group_size_for
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta
 from lightning_gradcomp.plan import SlotPolicy
-from lightning_gradcomp.presets import PRESETS, register_preset
+from lightning_gradcomp.presets import register_presets
 from lightning_gradcomp.schedule import CompressionSchedule, as_schedule
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 
@@ -371,25 +368,11 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register every preset name (+ ``_spawn``/``_fork`` variants), see :mod:`lightning_gradcomp.presets`."""
-        for name, (description, factory) in PRESETS.items():
-            register_names(strategy_registry, cls, name, description, **factory())
+        """Re-register this class's presets (+ ``_spawn``/``_fork``); declaring one already registers it.
 
-
-def register_names(strategy_registry: Any, cls: type, name: str, description: str, **init_params: Any) -> None:
-    """Register ``name`` (popen launcher) and its ``_spawn`` and ``_fork`` variants."""
-    for suffix, method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
-        strategy_registry.register(name + suffix, cls, description=description, start_method=method,
-                                   override=True, **init_params)
-
-
-register_preset("gradcomp_none", "DDP with the dense all-reduce (reference)", lambda: {"compressor": NoCompression()})
-register_preset("gradcomp_fp16", "DDP + float16 all-reduce", lambda: {"compressor": Cast(torch.float16)})
-register_preset("gradcomp_bf16", "DDP + bfloat16 all-reduce", lambda: {"compressor": Cast(torch.bfloat16)})
-register_preset("gradcomp_topk", "DDP + local top-1% with error feedback (all-gather)",
-                lambda: {"compressor": TopK(ratio=0.01)})
-register_preset("gradcomp_randomk", "DDP + shared random-1% with error feedback",
-                lambda: {"compressor": RandomK(ratio=0.01)})
+        Idempotent; see :mod:`lightning_gradcomp.presets`.
+        """
+        register_presets(strategy_registry, cls)
 
 
 class _UnknownCompressorError(KeyError, ValueError):

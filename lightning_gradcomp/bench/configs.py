@@ -2,10 +2,11 @@
 
 Names: ``ddp`` (DDP's built-in all-reduce), ``torch_fp16`` (PyTorch's ``fp16_compress_hook``),
 ``torch_powersgd`` (PyTorch's ``powerSGD_hook``, rank 4, on ONE bucket: with two or more buckets it
-aborts on gloo because it issues collectives from Future callbacks), and every strategy preset of this
-package (``gradcomp_topk``, ``scalecom``, ``qsgd``...), which run our hook engine.
+aborts on gloo because it issues collectives from Future callbacks), and every ``GradCompStrategy`` preset
+(``gradcomp_topk``, ``scalecom``, ``qsgd``...), which run our hook engine; the presets of strategies that do not
+reduce gradients (``swarmsgd``, ``diloco``) are not configurations here.
 
-A preset is built exactly as ``Trainer(strategy=name)`` builds it: ``GradCompStrategy(**factory())``, whose
+A preset is built exactly as ``Trainer(strategy=name)`` builds it: ``preset_class(name)(**factory())``, whose
 :meth:`~lightning_gradcomp.GradCompStrategy.make_hook` assembles the hook (compressor clone, start step, size
 policy, seed, beta, non-finite policy), so what is benchmarked is what users run. The bench has no Trainer,
 so a preset's ``layerwise`` callback (L-GreCo) is driven by :class:`LayerwiseDriver`, which makes the calls
@@ -35,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.presets import PRESETS
+from lightning_gradcomp.presets import PRESETS, preset_class
 from lightning_gradcomp.strategy import GradCompStrategy
 
 __all__ = ["BASELINES", "Installed", "LayerwiseDriver", "available_configs", "install", "install_strategy"]
@@ -152,8 +153,8 @@ class Installed:
 
 
 def available_configs() -> list[str]:
-    """The baselines followed by every registered preset name."""
-    return [*BASELINES, *sorted(PRESETS)]
+    """The baselines followed by every ``GradCompStrategy`` preset name."""
+    return [*BASELINES, *sorted(name for name in PRESETS if issubclass(preset_class(name), GradCompStrategy))]
 
 
 class _TimedHook:
@@ -208,9 +209,11 @@ def install(name: str, model: nn.Module, bucket_cap_mb: float = 25.0) -> Install
         # PyTorch counts the elements it all-reduces (P, Q and uncompressed tensors), all in fp32
         return Installed(ddp, lambda: all_reduce_bytes(4 * state.total_numel_after_compression, world),
                          lambda: timed.seconds, {"state": state})
-    if name not in PRESETS:
+    if name not in available_configs():
         raise ValueError(f"unknown benchmark configuration {name!r}; available: {', '.join(available_configs())}")
-    return install_strategy(GradCompStrategy(**PRESETS[name][1]()), model, bucket_cap_mb)
+    strategy = preset_class(name)(**PRESETS[name][1]())
+    assert isinstance(strategy, GradCompStrategy)
+    return install_strategy(strategy, model, bucket_cap_mb)
 
 
 def install_strategy(strategy: GradCompStrategy, model: nn.Module, bucket_cap_mb: float = 25.0) -> Installed:

@@ -8,6 +8,7 @@ from torch import Tensor
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
+from lightning_gradcomp.presets import register_preset
 
 __all__ = ["Cast"]
 
@@ -43,3 +44,7 @@ class Cast(Compressor):
 
     def extra_repr(self) -> str:
         return f"dtype={self.dtype}"
+
+
+register_preset("gradcomp_fp16", "DDP + float16 all-reduce", lambda: {"compressor": Cast(torch.float16)})
+register_preset("gradcomp_bf16", "DDP + bfloat16 all-reduce", lambda: {"compressor": Cast(torch.bfloat16)})

@@ -8,6 +8,7 @@ from torch import Tensor
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
+from lightning_gradcomp.presets import register_preset
 
 __all__ = ["NoCompression"]
 
@@ -24,3 +25,6 @@ class NoCompression(Compressor):
         flat = torch.cat(tensors).div_(ctx.world_size)
         fut = ctx.comm.all_reduce(flat, async_op=True, shares=ctx.shares(counts))
         return Reduction(averaged=then_same_numerics(fut, lambda f: split_flat(f.value(), counts)))
+
+
+register_preset("gradcomp_none", "DDP with the dense all-reduce (reference)", lambda: {"compressor": NoCompression()})

@@ -1,4 +1,8 @@
-"""Name -> compressor factory registry (``register`` / ``create`` / ``list``)."""
+"""Name -> compressor factory registry (``register`` / ``create`` / ``list``).
+
+These names build a compressor from a string (``GradCompStrategy(compressor="topk")``, ``create("topk", ratio=0.1)``).
+Names for ``Trainer(strategy=...)`` are presets, declared with :func:`lightning_gradcomp.presets.register_preset`.
+"""
 
 from __future__ import annotations
 

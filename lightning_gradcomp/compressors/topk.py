@@ -15,6 +15,7 @@ from lightning_gradcomp.compressors.base import ReduceContext, Reduction
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.sparse import SparseCompressor, pack_bytes, unpack_bytes
 from lightning_gradcomp.functional.sparsify import kept_count, topk_indices
+from lightning_gradcomp.presets import register_preset
 
 __all__ = ["TopK"]
 
@@ -61,3 +62,7 @@ class TopK(SparseCompressor):
         for out in averaged:
             out.div_(ctx.world_size)
         return Reduction(averaged=completed_future(averaged), residuals=residuals)
+
+
+register_preset("gradcomp_topk", "DDP + local top-1% with error feedback (all-gather)",
+                lambda: {"compressor": TopK(ratio=0.01)})

@@ -38,9 +38,10 @@ from lightning_gradcomp.compressors.none import NoCompression
 from lightning_gradcomp.localsgd.engine import OUTERS, OuterSync
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta
 from lightning_gradcomp.plan import SlotPolicy
+from lightning_gradcomp.presets import register_preset, register_presets
 from lightning_gradcomp.replicas import DivergentReplicas
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
-from lightning_gradcomp.strategy import DEFAULT_TIMEOUT, _as_compressor, check_timeout, load_verified, register_names
+from lightning_gradcomp.strategy import DEFAULT_TIMEOUT, _as_compressor, check_timeout, load_verified
 
 __all__ = ["CHECKPOINT_KEY", "LocalSGDStrategy"]
 
@@ -386,18 +387,23 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``localsgd``, ``diloco`` and ``diloco_cltk`` (+ ``_spawn`` / ``_fork``)."""
-        register_names(strategy_registry, cls, "localsgd", "Local SGD: 20 local steps, then model averaging",
-                       outer="average")
-        register_names(strategy_registry, cls, "diloco",
-                       "DiLoCo: 20 local steps, then outer Nesterov (lr 0.7, momentum 0.9) on dense pseudo-gradients",
-                       outer="nesterov", compressor=NoCompression())
-        register_names(strategy_registry, cls, "diloco_cltk",
-                       "DiLoCo with CLT-k 1% pseudo-gradients and error feedback",
-                       outer="nesterov", compressor=CLTK(ratio=0.01))
+        """Re-register ``localsgd``, ``diloco`` and ``diloco_cltk`` (+ ``_spawn`` / ``_fork``); idempotent.
+
+        The presets at the bottom of this module are registered with Lightning when declared.
+        """
+        register_presets(strategy_registry, cls)
 
 
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be a bool, got {value!r}")
     return value
+
+
+register_preset("localsgd", "Local SGD: 20 local steps, then model averaging", lambda: {"outer": "average"},
+                strategy=LocalSGDStrategy)
+register_preset("diloco",
+                "DiLoCo: 20 local steps, then outer Nesterov (lr 0.7, momentum 0.9) on dense pseudo-gradients",
+                lambda: {"outer": "nesterov", "compressor": NoCompression()}, strategy=LocalSGDStrategy)
+register_preset("diloco_cltk", "DiLoCo with CLT-k 1% pseudo-gradients and error feedback",
+                lambda: {"outer": "nesterov", "compressor": CLTK(ratio=0.01)}, strategy=LocalSGDStrategy)

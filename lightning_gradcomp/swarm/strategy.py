@@ -37,6 +37,7 @@ from typing_extensions import override
 from lightning_gradcomp import checkpoint_shards
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.compressors.base import check_number
+from lightning_gradcomp.presets import register_preset, register_presets
 from lightning_gradcomp.replicas import DivergentReplicas
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 from lightning_gradcomp.strategy import check_timeout, load_verified
@@ -619,11 +620,8 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``swarmsgd`` (+ ``_spawn`` / ``_fork``) with the defaults (H=1, 8 bits, non-blocking)."""
-        from lightning_gradcomp.strategy import register_names
-
-        register_names(strategy_registry, cls, "swarmsgd",
-                       "SwarmSGD: local steps + random pairwise gossip of 8-bit lattice-coded models")
+        """Re-register ``swarmsgd`` (+ ``_spawn`` / ``_fork``); idempotent, the preset below is registered already."""
+        register_presets(strategy_registry, cls)
 
     # ------------------------------------------------------------------ helpers
     def _flat_params(self) -> Tensor:
@@ -708,3 +706,8 @@ def _check_shape(shape: Any) -> tuple[int, int]:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"`torus_shape` entries must be integers >= 1, got {shape!r}")
     return int(rows), int(cols)
+
+
+# the defaults: H=1, 8 bits, non-blocking
+register_preset("swarmsgd", "SwarmSGD: local steps + random pairwise gossip of 8-bit lattice-coded models", dict,
+                strategy=SwarmStrategy)

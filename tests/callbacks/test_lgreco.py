@@ -234,8 +234,8 @@ def test_strategy_validates_and_copies_layerwise() -> None:
 def test_registry_name() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    params = StrategyRegistry["lgreco"]["init_params"]
-    assert isinstance(params["compressor"], PowerSGD) and isinstance(params["layerwise"], LGreCo)
+    strategy = StrategyRegistry.get("lgreco")
+    assert isinstance(strategy.compressor, PowerSGD) and isinstance(strategy.layerwise, LGreCo)
 
 
 # ---------------------------------------------------------------------------------------------- Lightning

@@ -194,7 +194,7 @@ def test_registry_and_preset() -> None:
     assert isinstance(create("powersgd", rank=3), PowerSGD)
     from lightning.pytorch.strategies import StrategyRegistry
     assert "powersgd_gc" in StrategyRegistry
-    assert isinstance(StrategyRegistry["powersgd_gc"]["init_params"]["compressor"], PowerSGD)
+    assert isinstance(StrategyRegistry.get("powersgd_gc").compressor, PowerSGD)
 
 
 # ---------------------------------------------------------------------------------------------- Lightning
