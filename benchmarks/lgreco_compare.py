@@ -10,7 +10,7 @@ Two CPU ranks (gloo, fork, one thread each). Four offline tasks whose layers dif
     matrices from 16x144 to 64x576, and the 10x64 classifier. SGD with momentum 0.9, weight decay 5e-4,
     lr 0.1 with a per-step cosine decay, 4 epochs.
 ``cnn``
-    The same data learned by the ScaleCom check's CNN (``scalecom_fidelity.make_cnn``: conv 1-32, conv 32-32,
+    The same data learned by the ScaleCom check's CNN (``_common.make_cnn``: conv 1-32, conv 32-32,
     fc 1568-320, fc 320-10). SGD with momentum 0.9, weight decay 5e-4, lr 0.05 with cosine decay, 4 epochs.
 ``lm``
     Next-token prediction on the English sentences of the Ding dictionary (Debian ``trans-de-en``, read by
@@ -64,7 +64,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -74,27 +73,23 @@ from typing import Any, Callable, Optional
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from _common import ROOT, make_cnn  # benchmarks/ (puts ROOT on sys.path for ``recipes``); the ScaleCom check's CNN
+from _common import load_data as load_fashion_mnist  # the shared Fashion-MNIST loader
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "tests")]
-from helpers.distributed import free_port, run_workers  # noqa: E402 - the tests' fork/gloo runner
-from scalecom_fidelity import load_data as load_fashion_mnist  # noqa: E402 - the shared Fashion-MNIST loader
-from scalecom_fidelity import make_cnn  # noqa: E402 - the ScaleCom check's CNN (conv 1-32-32, fc 1568-320-10)
-
-from lightning_gradcomp import GradCompStrategy  # noqa: E402
-from lightning_gradcomp.callbacks import LGreCo  # noqa: E402
-from lightning_gradcomp.comm import Comm, all_reduce_bytes  # noqa: E402
-from lightning_gradcomp.compressors import PowerSGD, TopK  # noqa: E402
-from lightning_gradcomp.compressors.qsgd import QSGD  # noqa: E402
-from lightning_gradcomp.functional.lowrank import matrix_shape  # noqa: E402
-from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook  # noqa: E402
-from recipes.data.parallel_text import DING_PATH, is_held_out, read_ding  # noqa: E402 - Debian trans-de-en
-from recipes.data.vocab import EOS, WordVocab  # noqa: E402
-from recipes.models.resnet import resnet8  # noqa: E402 - the image recipe's CPU model
-from recipes.models.seq2seq import sinusoidal_positions  # noqa: E402
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.callbacks import LGreCo
+from lightning_gradcomp.comm import Comm, all_reduce_bytes
+from lightning_gradcomp.compressors import PowerSGD, TopK
+from lightning_gradcomp.compressors.qsgd import QSGD
+from lightning_gradcomp.functional.lowrank import matrix_shape
+from lightning_gradcomp.gloo_workers import free_port, run_workers
+from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+from recipes.data.parallel_text import DING_PATH, is_held_out, read_ding  # Debian trans-de-en
+from recipes.data.vocab import EOS, WordVocab
+from recipes.models.resnet import resnet8  # the image recipe's CPU model
+from recipes.models.seq2seq import sinusoidal_positions
 
 WORLD = 2
 BATCH = 64  # per rank

@@ -14,22 +14,17 @@ so use it to rank models, then measure the ones that look promising.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from lgreco_compare import ACCUMULATE, FAMILIES, build_task, make_optimizer  # benchmarks/lgreco_compare.py
 from torch import Tensor, nn
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "tests")]
-from lgreco_compare import ACCUMULATE, FAMILIES, build_task, make_optimizer  # noqa: E402
-
-from lightning_gradcomp.callbacks.lgreco import LGreCo, layer_table  # noqa: E402
-from lightning_gradcomp.compressors.base import Compressor  # noqa: E402
-from lightning_gradcomp.functional.layerwise import solve_or_uniform  # noqa: E402
-from lightning_gradcomp.plan import LayerSlot  # noqa: E402
+from lightning_gradcomp.callbacks.lgreco import LGreCo, layer_table
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.functional.layerwise import solve_or_uniform
+from lightning_gradcomp.plan import LayerSlot
 
 
 def planned_saving(compressor: Compressor, grid_args: dict[str, Any], stats: dict[str, Tensor],

@@ -31,22 +31,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import lgreco_compare as lg  # benchmarks/: the L-GreCo benchmark's tasks, model and optimiser
 import lightning.pytorch as pl
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
-import lgreco_compare as lg  # noqa: E402 - the L-GreCo benchmark's tasks, model and optimiser
-
-from lightning_gradcomp import GradCompStrategy, LocalSGDStrategy  # noqa: E402
-from lightning_gradcomp.bench.runner import free_port  # noqa: E402
-from lightning_gradcomp.compressors import CLTK, NoCompression, PowerSGD, SignSGD, TopK  # noqa: E402
+from lightning_gradcomp import GradCompStrategy, LocalSGDStrategy
+from lightning_gradcomp.bench.runner import free_port
+from lightning_gradcomp.compressors import CLTK, NoCompression, PowerSGD, SignSGD, TopK
 
 DEFAULTS = {"H": 20, "olr": 0.7, "mom": 0.9, "F": 1}
 

@@ -42,22 +42,19 @@ Root and Linux network namespaces are needed for ``--link`` other than ``none`` 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import swarm_compare  # benchmarks/: the shared task's strategies and labels
+import swarm_link  # benchmarks/: launcher, clock, evaluation and report
 import torch
+from _common import Classifier  # benchmarks/: the shared Fashion-MNIST task
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import swarm_compare  # noqa: E402 - the shared task's strategies and labels
-import swarm_link  # noqa: E402 - launcher, clock, evaluation and report
-from scalecom_fidelity import Classifier  # noqa: E402 - the shared task
-
-from lightning_gradcomp import GradCompStrategy, LocalSGDStrategy  # noqa: E402
-from lightning_gradcomp.compressors import SignSGD  # noqa: E402
-from lightning_gradcomp.presets import PRESETS  # noqa: E402
+from lightning_gradcomp import GradCompStrategy, LocalSGDStrategy
+from lightning_gradcomp.compressors import SignSGD
+from lightning_gradcomp.presets import PRESETS
 
 LABELS = {
     "scalecom_compact": "per-step CLT-k 1 % fp16/delta16 + EF (scalecom_compact)",

@@ -16,9 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-METRICS = {"image": ("val/acc1", "top-1 %", 100.0), "translation": ("val/exact", "exact match %", 100.0),
-           "speech": ("val/wer", "digit/word error %", 100.0)}
+from _common import METRICS, ROOT  # benchmarks/_common.py
 
 
 def run(task: str, config: str, overrides: list[str], out: Path) -> None:

@@ -21,10 +21,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from recipe_results import METRICS  # noqa: E402
+from _common import METRICS, ROOT  # benchmarks/_common.py
 
 
 def parse_setting(text: str) -> tuple[str, str, list[str]]:

@@ -56,6 +56,8 @@ case $task in
       --setting "c1_sp25_w300_s25=scalecom_cpu $(ratio 0.01) $wire $(small 0.25) $(warm 300 0.25)"
       --setting "c2_sp25_w300_s25=scalecom_cpu $(ratio 0.02) $wire $(small 0.25) $(warm 300 0.25)"
       --setting "c5_dense100_fp32=scalecom_cpu $(ratio 0.05) $wire32 $dense_small $(dense_start 100)"
+      --setting "c2_sp25_w100_s10=scalecom_cpu $(ratio 0.02) $wire $(small 0.25) $(warm 100 0.1)"
+      --setting "c1_sp25_nowarm=scalecom_cpu $(ratio 0.01) $wire $(small 0.25) $nowarm"
     ) ;;
   *) echo "task: image, translation or speech" >&2; exit 2 ;;
 esac

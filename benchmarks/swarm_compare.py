@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,14 +45,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from _common import Classifier, load_data, make_cnn  # benchmarks/: the shared Fashion-MNIST task
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scalecom_fidelity import Classifier, load_data, make_cnn  # noqa: E402 - the shared task
-
-from lightning_gradcomp import GradCompStrategy, SwarmStrategy  # noqa: E402
-from lightning_gradcomp.bench.runner import free_port  # noqa: E402
+from lightning_gradcomp import GradCompStrategy, SwarmStrategy
+from lightning_gradcomp.bench.runner import free_port
 
 WORLD = 4
 

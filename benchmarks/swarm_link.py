@@ -37,14 +37,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
+from _common import Classifier, load_data  # benchmarks/: the shared Fashion-MNIST task
+from swarm_compare import LABELS, WORLD, Straggle, accuracy, make_strategy  # benchmarks/swarm_compare.py
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scalecom_fidelity import Classifier, load_data  # noqa: E402 - the shared task
-from swarm_compare import LABELS, WORLD, Straggle, accuracy, make_strategy  # noqa: E402
-
-from lightning_gradcomp import SwarmStrategy  # noqa: E402
-from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address  # noqa: E402
-from lightning_gradcomp.bench.runner import free_port  # noqa: E402
+from lightning_gradcomp import SwarmStrategy
+from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address
+from lightning_gradcomp.bench.runner import free_port
 
 __all__ = ["StepClock", "first_reaching", "run_clock"]
 

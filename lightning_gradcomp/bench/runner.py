@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -15,17 +14,11 @@ from typing import Any, Callable, Optional, Sequence
 
 from lightning_gradcomp.bench.configs import available_configs
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address
+from lightning_gradcomp.gloo_workers import free_port  # re-exported (in __all__)
 
 __all__ = ["free_port", "plot_ladder", "print_ladder", "recommend", "run_bench", "run_ladder", "summarise"]
 
 DEFAULT_CONFIGS = ("ddp", "torch_fp16", "torch_powersgd", "gradcomp_fp16", "gradcomp_topk", "gradcomp_randomk")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _quantile(values: Sequence[float], q: float) -> float:

@@ -66,7 +66,13 @@ _weights_cache: dict[tuple[int, str], Tensor] = {}
 
 
 def lattice_levels(bits: int) -> int:
-    """Number of code values ``q = 2**bits`` (``bits`` in [1, 16])."""
+    """Number of code values ``q = 2**bits`` (``bits`` in [1, 16]).
+
+    Example::
+
+        >>> lattice_levels(1), lattice_levels(4)
+        (2, 16)
+    """
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16:
         raise ValueError(f"`bits` must be an integer in [1, 16], got {bits!r}")
     return 1 << bits
@@ -83,6 +89,13 @@ def lattice_sides(spread: Tensor, absmax: Tensor, bits: int, margin: float) -> T
 
     Returns:
         float32 sides, ``max(margin * spread / (q / 2), absmax * 2**-16, 1e-30)``.
+
+    Example::
+
+        >>> lattice_sides(torch.tensor([1.0]), torch.tensor([10.0]), bits=4, margin=2.0).tolist()  # 2 * 1 / 8
+        [0.25]
+        >>> lattice_sides(torch.tensor([0.0]), torch.tensor([65536.0]), bits=4, margin=2.0).tolist()  # absmax * 2**-16
+        [1.0]
     """
     half = lattice_levels(bits) / 2
     side = margin * spread.double() / half
@@ -95,6 +108,12 @@ def lattice_dither(shape: tuple[int, ...], generator: torch.Generator) -> Tensor
 
     Both ends of an exchange seed ``generator`` identically (e.g. from the shared seed, the exchange id
     and the sender's rank) to get the same offsets without sending them.
+
+    Example::
+
+        >>> u = lattice_dither((2, 3), torch.Generator().manual_seed(0))
+        >>> u.shape, bool(((u >= -0.5) & (u < 0.5)).all())
+        (torch.Size([2, 3]), True)
     """
     return torch.rand(shape, generator=generator, dtype=torch.float32) - 0.5
 
@@ -103,6 +122,11 @@ def lattice_index(x: Tensor, side: Tensor, dither: Optional[Tensor] = None) -> T
     """Nearest lattice index ``round(x / side)`` (int32; ties to even). Needs ``|x / side| < 2**24``.
 
     With ``dither`` (:func:`lattice_dither`): ``round(x / side + dither)`` (unbiased with :func:`lattice_value`).
+
+    Example::
+
+        >>> lattice_index(torch.tensor([0.9, -1.6, 2.5]), torch.tensor(0.5)).tolist()
+        [2, -3, 5]
     """
     scaled = x.float() / side.float()
     if dither is not None:
@@ -111,7 +135,13 @@ def lattice_index(x: Tensor, side: Tensor, dither: Optional[Tensor] = None) -> T
 
 
 def lattice_codes(index: Tensor, bits: int) -> Tensor:
-    """The transmitted part of ``index``: ``index mod 2**bits`` (uint8 for ``bits <= 8``, else int32)."""
+    """The transmitted part of ``index``: ``index mod 2**bits`` (uint8 for ``bits <= 8``, else int32).
+
+    Example::
+
+        >>> lattice_codes(torch.tensor([2, -3, 17]), 4).tolist()
+        [2, 13, 1]
+    """
     codes = index.to(torch.int32) & (lattice_levels(bits) - 1)
     return codes.to(torch.uint8) if bits <= 8 else codes
 
@@ -123,6 +153,14 @@ def lattice_decode(codes: Tensor, reference: Tensor, side: Tensor, bits: int,
     Exact when ``|index - reference / side| < 2**bits / 2`` for every coordinate; otherwise the wrong
     coordinates are off by multiples of ``2**bits`` (and clamped to ``+-2**20``). ``dither``: the
     sender's offsets (the reference is shifted the same way, so the condition is unchanged).
+
+    Example::
+
+        >>> side = torch.tensor(0.5)
+        >>> x, y = torch.tensor([10.2, -7.1]), torch.tensor([10.0, -7.4])  # the sender's and the receiver's vectors
+        >>> index = lattice_index(x, side)
+        >>> lattice_decode(lattice_codes(index, 4), y, side, 4).tolist(), index.tolist()
+        ([20, -14], [20, -14])
     """
     q = float(lattice_levels(bits))
     c = codes.float()
@@ -134,14 +172,28 @@ def lattice_decode(codes: Tensor, reference: Tensor, side: Tensor, bits: int,
 
 
 def lattice_value(index: Tensor, side: Tensor, dither: Optional[Tensor] = None) -> Tensor:
-    """Lattice point ``index * side`` (float32); with ``dither``: ``(index - dither) * side``."""
+    """Lattice point ``index * side`` (float32); with ``dither``: ``(index - dither) * side``.
+
+    Example::
+
+        >>> lattice_value(torch.tensor([20, -14]), torch.tensor(0.5)).tolist()
+        [10.0, -7.0]
+        >>> lattice_value(torch.tensor([3]), torch.tensor(1.0), dither=torch.tensor([0.25])).tolist()
+        [2.75]
+    """
     if dither is not None:
         return (index.float() - dither.float()) * side.float()
     return index.float() * side.float()
 
 
 def lattice_error_bound(side: Tensor) -> Tensor:
-    """Largest ``|value - x|`` of an exact decode: ``side * (1/2 + 2**-7)`` (half a side + rounding)."""
+    """Largest ``|value - x|`` of an exact decode: ``side * (1/2 + 2**-7)`` (half a side + rounding).
+
+    Example::
+
+        >>> lattice_error_bound(torch.tensor([1.0, 0.5])).tolist()
+        [0.5078125, 0.25390625]
+    """
     return side.float() * (0.5 + _ROUNDING)
 
 
@@ -165,6 +217,15 @@ def lattice_checksum(index: Tensor) -> Tensor:
     ``w_i < 2**26``, so a decode that wrapped (indices off by multiples of ``2**bits``) goes unnoticed
     only if the errors cancel, with probability about ``2**-26``. Exact (no overflow) for
     ``|index| <= 2**20`` and rows up to :data:`MAX_BLOCK` long.
+
+    Example::
+
+        >>> index = torch.tensor([[3, -1, 7], [0, 0, 0]])
+        >>> checksum = lattice_checksum(index)
+        >>> checksum.shape, int(checksum[1])
+        (torch.Size([2]), 0)
+        >>> bool(lattice_checksum(index + torch.tensor([0, 16, 0]))[0] != checksum[0])  # a wrapped coordinate shows
+        True
     """
     if index.shape[-1] > MAX_BLOCK:
         raise ValueError(f"checksum rows must have at most {MAX_BLOCK} elements, got {index.shape[-1]}")
@@ -190,6 +251,13 @@ def pair_decodable(value_a: Tensor, value_b: Tensor, side_a: Tensor, side_b: Ten
 
     Returns:
         bool tensor of shape ``(blocks,)``.
+
+    Example::
+
+        >>> a, b = torch.tensor([[1.0, 2.0], [0.0, 0.0]]), torch.tensor([[1.5, 2.0], [9.0, 0.0]])
+        >>> side = torch.full((2, 1), 0.5)
+        >>> pair_decodable(a, b, side, side, bits=4).tolist()  # decodable up to about (16 / 2) * 0.5 = 4 apart
+        [True, False]
     """
     half = lattice_levels(bits) / 2
     gap = (value_a - value_b).abs()

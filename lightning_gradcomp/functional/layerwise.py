@@ -55,6 +55,11 @@ def error_units(errors: Sequence[float], max_error: float, resolution: int) -> l
     ``units * max_error / resolution >= error`` holds exactly for every returned value, so a set of
     candidates whose units add up to at most ``resolution`` truly satisfies ``sum(errors) <= max_error``.
     A non-finite error, or one that exceeds the whole budget, maps to ``resolution + 1`` (never fits).
+
+    Example::
+
+        >>> error_units([0.0, 0.25, 0.3, 2.0, float("nan")], max_error=1.0, resolution=100)
+        [0, 25, 30, 101, 101]
     """
     over = resolution + 1
     out = []
@@ -113,6 +118,14 @@ def solve_layerwise(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[
 
     Raises:
         ValueError: malformed input, or no assignment fits the budget.
+
+    Example::
+
+        >>> sizes, errors = [[100, 10], [100, 10]], [[0.0, 1.0], [0.0, 3.0]]
+        >>> solve_layerwise(sizes, errors, max_error=1.0)  # only layer 0 can afford its small candidate
+        [1, 0]
+        >>> solve_layerwise(sizes, errors, max_error=4.0)
+        [1, 1]
     """
     _validate(sizes, errors, max_error, resolution)
     if max_error < 0:
@@ -158,6 +171,14 @@ def solve_or_uniform(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence
     Raises:
         ValueError: malformed input (as :func:`solve_layerwise`, or ``uniform`` not one valid index per layer), or
             neither the solver nor the uniform assignment fits ``max_error``.
+
+    Example::
+
+        >>> sizes, errors = [[100, 10], [100, 10]], [[0.0, 1.0], [0.0, 3.0]]
+        >>> solve_or_uniform(sizes, errors, uniform=[0, 0], max_error=1.0)
+        ([1, 0], False)
+        >>> solve_or_uniform([[4.0]] * 3, [[1.0]] * 3, uniform=[0, 0, 0], max_error=3.0, resolution=2)  # units of 1.5
+        ([0, 0, 0], True)
     """
     _validate(sizes, errors, max_error, resolution)  # before the fallback, so malformed input is never masked
     uniform = list(uniform)
@@ -177,18 +198,36 @@ def solve_or_uniform(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence
 
 # ---------------------------------------------------------------------------------------------- sizes
 def lowrank_sizes(shape: Sequence[int], ranks: Sequence[int], value_bytes: int = 4) -> list[float]:
-    """Bytes of the factors ``P`` and ``Q`` per rank: ``value_bytes * (n + m) * r`` (``inf`` above ``min(n, m)``)."""
+    """Bytes of the factors ``P`` and ``Q`` per rank: ``value_bytes * (n + m) * r`` (``inf`` above ``min(n, m)``).
+
+    Example::
+
+        >>> lowrank_sizes((64, 3, 3, 3), [1, 4, 100])  # rank 100 > min(64, 27): never chosen
+        [364.0, 1456.0, inf]
+    """
     n, m = matrix_shape(shape)
     return [float(value_bytes * (n + m) * r) if 1 <= r <= min(n, m) else math.inf for r in ranks]
 
 
 def sparse_sizes(ks: Sequence[int], value_bytes: int = 4, index_bytes: int = 4) -> list[float]:
-    """Bytes of ``k`` kept entries: ``k * (value_bytes + index_bytes)``."""
+    """Bytes of ``k`` kept entries: ``k * (value_bytes + index_bytes)``.
+
+    Example::
+
+        >>> sparse_sizes([10, 100]), sparse_sizes([10], value_bytes=2, index_bytes=2)
+        ([80.0, 800.0], [40.0])
+    """
     return [float(k * (value_bytes + index_bytes)) for k in ks]
 
 
 def quantized_sizes(numel: int, bits: Sequence[int], bucket_size: int, scale_bytes: int = 4) -> list[float]:
-    """Bytes of ``numel`` codes of ``b`` bits (packed) plus one scale per block of ``bucket_size``."""
+    """Bytes of ``numel`` codes of ``b`` bits (packed) plus one scale per block of ``bucket_size``.
+
+    Example::
+
+        >>> quantized_sizes(1000, [2, 4], bucket_size=512)  # 250 or 500 bytes of codes + 2 scales
+        [258.0, 508.0]
+    """
     blocks = -(-numel // bucket_size)
     return [float(-(-numel * b // 8) + blocks * scale_bytes) for b in bits]
 
@@ -202,6 +241,11 @@ def feedback_errors(errors: Sequence[float], norm: float) -> list[float]:
     ``||g|| = ||A||``. Unlike ``e`` (which saturates at ``||A||``), this grows without bound as ``q -> 1``: it
     is what a starved layer costs under error feedback. ``q >= 1`` maps to ``inf`` (never chosen); a zero
     ``norm`` maps every error to 0.
+
+    Example::
+
+        >>> feedback_errors([0.0, 0.5, 1.0], norm=1.0)
+        [0.0, 1.0, inf]
     """
     norm = float(norm)
     if norm <= 0.0:
@@ -218,6 +262,11 @@ def lowrank_errors(matrix: Tensor, ranks: Sequence[int]) -> list[float]:
     """Best rank-``r`` approximation errors ``sqrt(sum_{i>r} sigma_i^2)`` of ``matrix`` (any shape: ``(n, -1)``).
 
     One float64 eigen-decomposition of the smaller Gram matrix gives every rank at once.
+
+    Example::
+
+        >>> lowrank_errors(torch.diag(torch.tensor([3.0, 4.0])), [0, 1, 2])  # singular values 4 and 3
+        [5.0, 3.0, 0.0]
     """
     n, m = matrix_shape(matrix.shape)
     a = matrix.detach().reshape(n, m).to(torch.float64)
@@ -229,14 +278,26 @@ def lowrank_errors(matrix: Tensor, ranks: Sequence[int]) -> list[float]:
 
 
 def topk_errors(x: Tensor, ks: Sequence[int]) -> list[float]:
-    """Errors of keeping the ``k`` largest ``|x_i|``: ``sqrt`` of the sum of the other squares (one sort)."""
+    """Errors of keeping the ``k`` largest ``|x_i|``: ``sqrt`` of the sum of the other squares (one sort).
+
+    Example::
+
+        >>> topk_errors(torch.tensor([3.0, -4.0, 0.0]), [0, 1, 3])
+        [5.0, 3.0, 0.0]
+    """
     sq = x.detach().reshape(-1).to(torch.float64).square().sort(descending=True).values
     tail = sq.flip(0).cumsum(0).flip(0)
     return [math.sqrt(float(tail[k])) if k < sq.numel() else 0.0 for k in ks]
 
 
 def randomk_errors(x: Tensor, ks: Sequence[int]) -> list[float]:
-    """Expected (root-mean-square) errors of keeping ``k`` uniformly random entries unscaled: ``sqrt(1-k/n)||x||``."""
+    """Expected (root-mean-square) errors of keeping ``k`` uniformly random entries unscaled: ``sqrt(1-k/n)||x||``.
+
+    Example::
+
+        >>> randomk_errors(torch.tensor([3.0, 4.0, 0.0, 0.0]), [0, 3, 4])
+        [5.0, 2.5, 0.0]
+    """
     n = x.numel()
     norm_sq = float(x.detach().to(torch.float64).square().sum())
     return [math.sqrt(max(0.0, 1.0 - min(k, n) / n) * norm_sq) for k in ks]
@@ -248,6 +309,11 @@ def quantization_errors(x: Tensor, bits: Sequence[int], bucket_size: int, p: PNo
     Uses :func:`~lightning_gradcomp.functional.quantize.quantization_variance` (the expected squared error of
     :func:`~lightning_gradcomp.functional.quantize.qsgd_quantize`, scale = ``p``-norm of each bucket), so the
     table is deterministic: ``e(b) = sqrt(sum_i (s/L)^2 f_i (1 - f_i))``.
+
+    Example::
+
+        >>> [round(e, 4) for e in quantization_errors(torch.tensor([1.0, 0.5, 0.0, 0.0]), [2, 8], bucket_size=4)]
+        [0.5, 0.0039]
     """
     flat = x.detach().reshape(-1)
     return [math.sqrt(float(quantization_variance(flat, levels_for_bits(int(b)), bucket_size, p).sum()))

@@ -24,24 +24,48 @@ __all__ = [
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
-    """The ``(n, m)`` matrix view of a tensor shape: ``(shape[0], prod(shape[1:]))`` (``(n, 1)`` for vectors)."""
+    """The ``(n, m)`` matrix view of a tensor shape: ``(shape[0], prod(shape[1:]))`` (``(n, 1)`` for vectors).
+
+    Example::
+
+        >>> matrix_shape((64, 3, 3, 3)), matrix_shape((10,)), matrix_shape(())
+        ((64, 27), (10, 1), (1, 1))
+    """
     if len(shape) == 0:
         return 1, 1
     return int(shape[0]), int(math.prod(shape[1:]))
 
 
 def effective_rank(n: int, m: int, rank: int) -> int:
-    """``rank`` clipped to ``[1, min(n, m)]``: a rank above ``min(n, m)`` cannot be represented."""
+    """``rank`` clipped to ``[1, min(n, m)]``: a rank above ``min(n, m)`` cannot be represented.
+
+    Example::
+
+        >>> effective_rank(10, 3, 8), effective_rank(10, 3, 0)
+        (3, 1)
+    """
     return max(1, min(int(rank), n, m))
 
 
 def lowrank_numel(n: int, m: int, rank: int) -> int:
-    """Numbers sent for a rank-``rank`` factorisation of an ``n x m`` matrix: ``(n + m) * rank``."""
+    """Numbers sent for a rank-``rank`` factorisation of an ``n x m`` matrix: ``(n + m) * rank``.
+
+    Example::
+
+        >>> lowrank_numel(64, 27, 4), lowrank_numel(64, 27, 100)  # the second is capped at rank 27
+        (364, 2457)
+    """
     return (n + m) * effective_rank(n, m, rank)
 
 
 def lowrank_saves(n: int, m: int, rank: int, min_compression_rate: float = 1.0) -> bool:
-    """Whether rank ``rank`` shrinks ``n x m`` by at least ``min_compression_rate``: ``(n+m) r rate <= n m``."""
+    """Whether rank ``rank`` shrinks ``n x m`` by at least ``min_compression_rate``: ``(n+m) r rate <= n m``.
+
+    Example::
+
+        >>> lowrank_saves(64, 27, 4), lowrank_saves(64, 27, 4, min_compression_rate=5)  # 364 of 1728 numbers
+        (True, False)
+    """
     return (n + m) * rank * min_compression_rate <= n * m and rank <= min(n, m)
 
 
@@ -54,6 +78,14 @@ def orthogonalize(matrix: Tensor) -> Tensor:
 
     Raises:
         ValueError: ``matrix`` is not 2-D or has more columns than rows.
+
+    Example::
+
+        >>> q = orthogonalize(torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]]))
+        >>> q.shape, torch.allclose(q.T @ q, torch.eye(2), atol=1e-6)
+        (torch.Size([3, 2]), True)
+        >>> bool(torch.isfinite(orthogonalize(torch.zeros(3, 2))).all())  # zero columns: no NaN
+        True
     """
     if matrix.dim() != 2 or matrix.shape[1] > matrix.shape[0]:
         raise ValueError(f"orthogonalize expects an n x r matrix with r <= n, got shape {tuple(matrix.shape)}")
@@ -62,7 +94,16 @@ def orthogonalize(matrix: Tensor) -> Tensor:
 
 
 def random_factor(m: int, rank: int, generator: torch.Generator, device: torch.device) -> Tensor:
-    """An orthonormal ``m x rank`` start factor drawn from ``generator`` (shared seed: same on every rank)."""
+    """An orthonormal ``m x rank`` start factor drawn from ``generator`` (shared seed: same on every rank).
+
+    Example::
+
+        >>> f = random_factor(6, 2, torch.Generator().manual_seed(0), torch.device("cpu"))
+        >>> f.shape, torch.allclose(f.T @ f, torch.eye(2), atol=1e-6)
+        (torch.Size([6, 2]), True)
+        >>> torch.equal(f, random_factor(6, 2, torch.Generator().manual_seed(0), torch.device("cpu")))  # same seed
+        True
+    """
     sample = torch.randn(m, rank, generator=generator, device=generator.device, dtype=torch.float32)
     return orthogonalize(sample).to(device)
 
@@ -72,6 +113,16 @@ def adapt_factor(factor: Tensor, rank: int, generator: torch.Generator) -> Tenso
 
     Shrinking keeps the leading columns (the dominant directions of the power iteration); growing appends
     random columns orthogonalised against the kept ones, so the warm start survives a rank change.
+
+    Example::
+
+        >>> gen = torch.Generator().manual_seed(0)
+        >>> f = random_factor(6, 2, gen, torch.device("cpu"))
+        >>> g = adapt_factor(f, 3, gen)
+        >>> g.shape, torch.equal(g[:, :2], f), torch.allclose(g.T @ g, torch.eye(3), atol=1e-5)
+        (torch.Size([6, 3]), True, True)
+        >>> torch.equal(adapt_factor(g, 1, gen), f[:, :1])
+        True
     """
     m, old = factor.shape
     if rank <= old:

@@ -30,7 +30,13 @@ def _check_bits(bits: int) -> int:
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
-    """Bytes that ``numel`` codes of ``bits`` bits occupy once packed: ``ceil(numel * bits / 8)``."""
+    """Bytes that ``numel`` codes of ``bits`` bits occupy once packed: ``ceil(numel * bits / 8)``.
+
+    Example::
+
+        >>> packed_nbytes(10, 3), packed_nbytes(8, 1), packed_nbytes(5, 8)
+        (4, 1, 5)
+    """
     return (int(numel) * _check_bits(bits) + 7) // 8
 
 
@@ -102,6 +108,13 @@ def pack_bits(codes: Tensor, bits: int, *, check: bool = True) -> Tensor:
     Raises:
         ValueError: ``bits`` out of range, or a code does not fit in ``bits`` bits.
         TypeError: ``codes`` is not an integer tensor.
+
+    Example::
+
+        >>> pack_bits(torch.tensor([1, 2, 3, 0]), 2).tolist()  # 1 + (2 << 2) + (3 << 4) + (0 << 6)
+        [57]
+        >>> pack_bits(torch.tensor([[5, 7, 1], [0, 6, 2]]), 3).shape  # leading dimensions are batch dimensions
+        torch.Size([2, 2])
     """
     _check_bits(bits)
     if codes.dtype.is_floating_point or codes.dtype.is_complex:
@@ -134,6 +147,12 @@ def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
 
     Returns:
         ``uint8`` tensor of shape ``(..., numel)``.
+
+    Example::
+
+        >>> codes = torch.tensor([5, 0, 7, 3, 1])
+        >>> unpack_bits(pack_bits(codes, 3), 3, numel=5).tolist()
+        [5, 0, 7, 3, 1]
     """
     _check_bits(bits)
     if packed.dtype != torch.uint8:

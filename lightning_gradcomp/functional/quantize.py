@@ -66,6 +66,12 @@ class Quantized(NamedTuple):
         scales: fp32 scales, shape ``(..., num_groups(n, group_size))``.
         levels: ``L >= 1`` for stochastic rounding, ``0`` for scaled sign.
         group_size: elements sharing one scale.
+
+    Example::
+
+        >>> q = Quantized(torch.tensor([0, 1, 2], dtype=torch.uint8), torch.tensor([4.0]), levels=1, group_size=3)
+        >>> q.bits, q.decode().tolist()
+        (2, [-4.0, 0.0, 4.0])
     """
 
     codes: Tensor
@@ -88,6 +94,11 @@ def parse_p(p: PNorm) -> float:
 
     Raises:
         ValueError: ``p`` is not 1, 2 or infinity (``"inf"`` is accepted for YAML configs).
+
+    Example::
+
+        >>> parse_p(2), parse_p("inf"), parse_p("L1")
+        (2.0, inf, 1.0)
     """
     value: Optional[float] = None
     if isinstance(p, str):
@@ -101,21 +112,39 @@ def parse_p(p: PNorm) -> float:
 
 
 def levels_for_bits(bits: int) -> int:
-    """Levels ``L = 2**(bits - 1) - 1`` of a symmetric ``bits``-bit stochastic quantizer (bits in [2, 8])."""
+    """Levels ``L = 2**(bits - 1) - 1`` of a symmetric ``bits``-bit stochastic quantizer (bits in [2, 8]).
+
+    Example::
+
+        >>> [levels_for_bits(bits) for bits in (2, 4, 8)]
+        [1, 7, 127]
+    """
     if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
         raise ValueError(f"`bits` must be an integer in [2, 8], got {bits!r}")
     return (1 << (bits - 1)) - 1
 
 
 def code_bits(levels: int) -> int:
-    """Bits per code: 1 for scaled sign (``levels == 0``), else ``ceil(log2(2 L + 1))``."""
+    """Bits per code: 1 for scaled sign (``levels == 0``), else ``ceil(log2(2 L + 1))``.
+
+    Example::
+
+        >>> [code_bits(levels) for levels in (0, 1, 7, 127)]
+        [1, 2, 4, 8]
+    """
     if levels < 0 or levels > 127:
         raise ValueError(f"`levels` must be in [0, 127], got {levels!r}")
     return 1 if levels == 0 else (2 * levels).bit_length()
 
 
 def num_groups(numel: int, group_size: int) -> int:
-    """Number of groups (scales) of a ``numel``-element tensor: ``ceil(numel / group_size)``."""
+    """Number of groups (scales) of a ``numel``-element tensor: ``ceil(numel / group_size)``.
+
+    Example::
+
+        >>> num_groups(10, 4), num_groups(8, 4)
+        (3, 2)
+    """
     return -(-int(numel) // int(group_size))
 
 
@@ -144,7 +173,14 @@ def _norms(mag: Tensor, p: float) -> Tensor:
 
 
 def group_norms(x: Tensor, group_size: int, p: PNorm) -> Tensor:
-    """The ``p``-norm of each group of a flat tensor, shape ``(num_groups,)``, in ``x``'s dtype."""
+    """The ``p``-norm of each group of a flat tensor, shape ``(num_groups,)``, in ``x``'s dtype.
+
+    Example::
+
+        >>> x = torch.tensor([3.0, -4.0, 1.0])
+        >>> group_norms(x, 2, 2).tolist(), group_norms(x, 2, "inf").tolist()
+        ([5.0, 1.0], [4.0, 1.0])
+    """
     return _norms(_grouped(x.reshape(-1), group_size).abs(), parse_p(p))  # zero padding changes no norm
 
 
@@ -164,6 +200,17 @@ def stochastic_quantize(x: Tensor, levels: int, group_size: int, p: PNorm, gener
         :class:`Quantized` with ``n`` codes in ``[0, 2L]`` and ``ceil(n / group_size)`` fp32 scales.
         Zero groups, and groups whose scale is too small to invert in fp32 (subnormal), get scale 0 and
         decode to exact zeros.
+
+    Example::
+
+        >>> gen = torch.Generator().manual_seed(0)
+        >>> x = torch.tensor([0.5, -1.0, 0.0, 2.0])
+        >>> q = stochastic_quantize(x, 1, 4, "inf", gen)
+        >>> q.scales.tolist(), q.codes[2:].tolist()  # 0 -> L, the group's max -> 2 L
+        ([2.0], [1, 2])
+        >>> mean = sum(stochastic_quantize(x, 1, 4, "inf", gen).decode() for _ in range(2000)) / 2000
+        >>> torch.allclose(mean, x, atol=0.1)  # unbiased
+        True
     """
     if levels < 1:
         raise ValueError(f"`levels` must be >= 1, got {levels!r}")
@@ -220,22 +267,50 @@ def _stochastic_native(kernel: ModuleType, x: Tensor, levels: int, group_size: i
 
 
 def qsgd_quantize(x: Tensor, bits: int, bucket_size: int, generator: torch.Generator, p: PNorm = "inf") -> Quantized:
-    """QSGD: ``bits``-bit stochastic rounding (``L = 2**(bits-1) - 1``), one scale per ``bucket_size`` elements."""
+    """QSGD: ``bits``-bit stochastic rounding (``L = 2**(bits-1) - 1``), one scale per ``bucket_size`` elements.
+
+    Example::
+
+        >>> q = qsgd_quantize(torch.tensor([1.0, -0.5, 0.25, 0.0]), 4, 4, torch.Generator().manual_seed(0))
+        >>> q.levels, q.bits, q.scales.tolist(), q.codes[[0, 3]].tolist()  # +max -> 2 L, 0 -> L
+        (7, 4, [1.0], [14, 7])
+    """
     return stochastic_quantize(x, levels_for_bits(bits), bucket_size, p, generator)
 
 
 def terngrad_quantize(x: Tensor, bucket_size: int, generator: torch.Generator) -> Quantized:
-    """TernGrad: unbiased ternary ``{-s, 0, s}`` with ``s`` the max-norm of each bucket (2-bit codes)."""
+    """TernGrad: unbiased ternary ``{-s, 0, s}`` with ``s`` the max-norm of each bucket (2-bit codes).
+
+    Example::
+
+        >>> q = terngrad_quantize(torch.tensor([3.0, -1.0, 0.0, -3.0]), 4, torch.Generator().manual_seed(0))
+        >>> q.scales.tolist(), q.codes[[0, 2, 3]].tolist(), set(q.decode().tolist()) <= {-3.0, 0.0, 3.0}
+        ([3.0], [2, 1, 0], True)
+    """
     return stochastic_quantize(x, 1, bucket_size, math.inf, generator)
 
 
 def block_quantize(x: Tensor, p: PNorm, block_size: int, generator: torch.Generator) -> Quantized:
-    r"""DIANA's block p-quantization: ``Q(x)_j = ||x_l||_p sign(x_j) xi_j``, ``xi_j ~ Bernoulli(|x_j| / ||x_l||_p)``."""
+    r"""DIANA's block p-quantization: ``Q(x)_j = ||x_l||_p sign(x_j) xi_j``, ``xi_j ~ Bernoulli(|x_j| / ||x_l||_p)``.
+
+    Example::
+
+        >>> q = block_quantize(torch.tensor([3.0, 4.0, 0.0, -1.0]), 2, 2, torch.Generator().manual_seed(0))
+        >>> q.scales.tolist(), q.decode()[2:].tolist()  # the L2 norm of each block; |x_j| = norm is kept exactly
+        ([5.0, 1.0], [0.0, -1.0])
+    """
     return stochastic_quantize(x, 1, block_size, p, generator)
 
 
 def sign_quantize(x: Tensor, bucket_size: int) -> Quantized:
-    """Scaled sign: 1 bit per element, scale = mean ``|x|`` of each bucket (deterministic, biased)."""
+    """Scaled sign: 1 bit per element, scale = mean ``|x|`` of each bucket (deterministic, biased).
+
+    Example::
+
+        >>> q = sign_quantize(torch.tensor([1.0, -3.0, 2.0, 2.0]), 2)
+        >>> q.bits, q.codes.tolist(), q.scales.tolist(), q.decode().tolist()
+        (1, [1, 0, 1, 1], [2.0, 2.0], [2.0, -2.0, 2.0, 2.0])
+    """
     x = x.reshape(-1)
     n = x.numel()
     counts = torch.full((num_groups(n, bucket_size),), float(bucket_size), dtype=x.dtype, device=x.device)
@@ -247,7 +322,14 @@ def sign_quantize(x: Tensor, bucket_size: int) -> Quantized:
 
 def dequantize(codes: Tensor, scales: Tensor, levels: int, group_size: int,
                dtype: torch.dtype = torch.float32) -> Tensor:
-    """Decode codes ``(..., n)`` with per-group scales ``(..., G)`` into values ``(..., n)`` of ``dtype``."""
+    """Decode codes ``(..., n)`` with per-group scales ``(..., G)`` into values ``(..., n)`` of ``dtype``.
+
+    Example::
+
+        >>> codes = torch.tensor([0, 1, 2, 2], dtype=torch.uint8)
+        >>> dequantize(codes, torch.tensor([4.0, 1.0]), levels=1, group_size=2).tolist()
+        [-4.0, 0.0, 1.0, 1.0]
+    """
     n = codes.shape[-1]
     if levels >= 1 and dtype is torch.float32 and _native_codes(codes, scales, group_size):
         kernel = _native.load()
@@ -287,7 +369,13 @@ def _dequantize_native(kernel: ModuleType, codes: Tensor, scales: Tensor, levels
 
 
 def quantization_variance(x: Tensor, levels: int, group_size: int, p: PNorm) -> Tensor:
-    """Exact per-element variance of :func:`stochastic_quantize`: ``(s / L)**2 f (1 - f)``, ``f = frac(L |x| / s)``."""
+    """Exact per-element variance of :func:`stochastic_quantize`: ``(s / L)**2 f (1 - f)``, ``f = frac(L |x| / s)``.
+
+    Example::
+
+        >>> quantization_variance(torch.tensor([1.0, 0.5, 0.0]), 1, 3, "inf").tolist()  # f = 0, 1/2, 0
+        [0.0, 0.25, 0.0]
+    """
     x = x.reshape(-1).to(torch.float64)
     grouped = _grouped(x, group_size)
     wire = group_norms(x.to(torch.float32), group_size, p).to(torch.float64).unsqueeze(-1)  # fp32 as sent
@@ -302,6 +390,11 @@ def alpha_p(d: int, p: PNorm) -> float:
     ``alpha_1 = 1/d``, ``alpha_2 = 1/sqrt(d)``, ``alpha_inf = 2 / (1 + sqrt(d))``. The block quantizer's
     variance parameter is ``omega = 1/alpha_p - 1``, and DIANA's shift step must satisfy
     ``0 < alpha <= alpha_p``.
+
+    Example::
+
+        >>> alpha_p(4, 1), alpha_p(4, 2), alpha_p(9, "inf")
+        (0.25, 0.5, 0.5)
     """
     if isinstance(d, bool) or not isinstance(d, int) or d < 1:
         raise ValueError(f"`d` must be a positive integer, got {d!r}")

@@ -87,7 +87,13 @@ def prepare_native() -> bool:
 
 
 def band_limits(k: int, band: tuple[float, float] = APPROX_BAND) -> tuple[int, int]:
-    """Smallest and largest count accepted for target ``k``: ``(ceil(lo k), max(k, floor(hi k)))``."""
+    """Smallest and largest count accepted for target ``k``: ``(ceil(lo k), max(k, floor(hi k)))``.
+
+    Example::
+
+        >>> band_limits(100), band_limits(5), band_limits(10, (0.5, 2.0))
+        ((90, 110), (5, 5), (5, 20))
+    """
     lo, hi = band
     if not 0.0 < lo <= 1.0 <= hi:
         raise ValueError(f"`band` must satisfy 0 < lo <= 1 <= hi, got {band!r}")
@@ -95,7 +101,13 @@ def band_limits(k: int, band: tuple[float, float] = APPROX_BAND) -> tuple[int, i
 
 
 def exact_topk_indices(x: Tensor, k: int) -> Tensor:
-    """Sorted int64 indices of the ``k`` largest ``|x|`` of a flat tensor (:func:`~.sparsify.topk_indices`)."""
+    """Sorted int64 indices of the ``k`` largest ``|x|`` of a flat tensor (:func:`~.sparsify.topk_indices`).
+
+    Example::
+
+        >>> exact_topk_indices(torch.tensor([0.5, -3.0, 1.0, 2.0, -0.1]), 3).tolist()
+        [1, 2, 3]
+    """
     return topk_indices(x, k).sort().values
 
 
@@ -104,6 +116,12 @@ def sampled_threshold(magnitudes: Tensor, count: float, generator: torch.Generat
 
     Draws ``sample_size`` entries uniformly with replacement and returns the sample's
     ``ceil(count * sample_size / n)``-th largest value.
+
+    Example::
+
+        >>> t = sampled_threshold(torch.arange(1000.0), 100, torch.Generator().manual_seed(0), sample_size=200)
+        >>> 850 <= t <= 950  # about 100 of the 1000 entries are >= t
+        True
     """
     n = magnitudes.numel()
     picks = torch.randint(n, (sample_size,), generator=generator, device=generator.device).to(magnitudes.device)
@@ -118,6 +136,11 @@ def systematic_stride(n: int, sample_size: int) -> int:
 
     The largest ``d <= n // sample_size`` coprime to 2, 3, 5 and 7 (to 2 and 3 only when
     ``n // sample_size < 11``), or 1.
+
+    Example::
+
+        >>> systematic_stride(10_000, 100), systematic_stride(50, 10)  # 97: coprime to 210; 5: coprime to 6
+        (97, 5)
     """
     limit = max(1, n // max(sample_size, 1))
     modulus = 210 if limit >= 11 else 6
@@ -138,6 +161,15 @@ def approx_topk_indices(x: Tensor, k: int, generator: torch.Generator, *, band: 
 
     Returns:
         ``c`` sorted indices, ``band_limits(k, band)[0] <= c <= band_limits(k, band)[1]``.
+
+    Example::
+
+        >>> x = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
+        >>> idx = approx_topk_indices(x, 1000, torch.Generator().manual_seed(1))
+        >>> lo, hi = band_limits(1000)
+        >>> kept = torch.zeros(x.numel(), dtype=torch.bool).index_fill_(0, idx, True)
+        >>> lo <= idx.numel() <= hi, bool((idx.diff() > 0).all()), bool(x[kept].abs().min() >= x[~kept].abs().max())
+        (True, True, True)
     """
     n = x.numel()
     lo, hi, sample_size, stride = _plan(n, k, tuple(band), hits)

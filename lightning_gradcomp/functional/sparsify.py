@@ -11,7 +11,13 @@ __all__ = ["kept_count", "scatter_dense", "stratified_indices", "topk_indices"]
 
 
 def kept_count(numel: int, ratio: float) -> int:
-    """Elements kept at ``ratio`` of ``numel``: ``round(ratio * numel)`` clipped to ``[1, numel]``."""
+    """Elements kept at ``ratio`` of ``numel``: ``round(ratio * numel)`` clipped to ``[1, numel]``.
+
+    Example::
+
+        >>> kept_count(1000, 0.01), kept_count(10, 0.001), kept_count(10, 2.0)
+        (10, 1, 10)
+    """
     return max(1, min(numel, int(round(ratio * numel))))
 
 
@@ -30,6 +36,11 @@ def topk_indices(x: Tensor, k: int) -> Tensor:
     value is then ``>= t``), so the result is exact; with fewer (a sample far from typical) it falls back to
     ``torch.topk`` on the whole tensor. Ties at the ``k``-th value may resolve to other indices than a plain
     ``torch.topk`` (any choice among equal magnitudes is a top-``k`` set); the result is deterministic.
+
+    Example::
+
+        >>> topk_indices(torch.tensor([0.5, -3.0, 1.0, 2.0]), 2).sort().values.tolist()  # unsorted: sort to compare
+        [1, 3]
     """
     n = x.numel()
     if k >= n:
@@ -56,6 +67,14 @@ def stratified_indices(numel: int, k: int, generator: torch.Generator,
 
     Returns:
         ``(indices, block_sizes)``: int64 indices, sorted and distinct, and the size of each one's block.
+
+    Example::
+
+        >>> indices, sizes = stratified_indices(10, 3, torch.Generator().manual_seed(0), torch.device("cpu"))
+        >>> sizes.tolist()  # blocks [0, 3), [3, 6) and [6, 10)
+        [3, 3, 4]
+        >>> bool((indices >= torch.tensor([0, 3, 6])).all() and (indices < torch.tensor([3, 6, 10])).all())
+        True
     """
     k = min(k, numel)
     bounds = torch.div(torch.arange(k + 1, dtype=torch.int64) * numel, k, rounding_mode="floor")
@@ -66,7 +85,13 @@ def stratified_indices(numel: int, k: int, generator: torch.Generator,
 
 
 def scatter_dense(numel: int, indices: Tensor, values: Tensor) -> Tensor:
-    """A zero fp32 vector of ``numel`` elements with ``values`` added at ``indices`` (duplicates add)."""
+    """A zero fp32 vector of ``numel`` elements with ``values`` added at ``indices`` (duplicates add).
+
+    Example::
+
+        >>> scatter_dense(5, torch.tensor([0, 3, 3]), torch.tensor([1.0, 2.0, 0.5])).tolist()
+        [1.0, 0.0, 0.0, 2.5, 0.0]
+    """
     out = torch.zeros(numel, dtype=torch.float32, device=values.device)
     out.index_add_(0, indices.long(), values.to(torch.float32))
     return out

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from hierarchy_link import merge_rounds, summarise, torchrun_commands  # noqa: E402
+from hierarchy_link import merge_rounds, summarise, torchrun_commands  # benchmarks/ (on sys.path: conftest.py)
 
 
 def _rank(times: list[float], wire: float, nic: float | None, thread: float = 0.1) -> dict:

@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT), str(ROOT / "tests")]
-from lgreco_compare import START_STEP, TinyLM, lgreco_for, parse_variant  # noqa: E402
+from lgreco_compare import START_STEP, TinyLM, lgreco_for, parse_variant  # benchmarks/ (on sys.path: conftest.py)
 
 
 def test_untied_lm_has_its_own_output_projection() -> None:

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from swarm_link import first_reaching, run_clock  # noqa: E402
+from swarm_link import first_reaching, run_clock  # benchmarks/ (on sys.path: conftest.py)
 
 
 def test_run_clock_takes_the_slowest_rank_from_the_last_start() -> None:

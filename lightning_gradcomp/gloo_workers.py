@@ -1,0 +1,93 @@
+"""Run a function on W forked CPU processes joined by a gloo process group, without Lightning.
+
+For checking a compressor or a collective on one machine (the package's tests and benchmarks use it): each rank
+calls ``fn(rank, world_size, *args)`` inside an initialised ``gloo`` group, and the parent gets the return values
+back in rank order. Processes are forked (POSIX only), so ``fn`` and ``args`` need not be picklable; the return
+values travel through ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_workers"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        buffer = io.BytesIO()  # plain bytes: shared-memory tensors would vanish when this process exits
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
+    except BaseException:  # report the failure to the parent instead of hanging it
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks; return the results by rank.
+
+    Each rank runs with one intra-op thread, ``MASTER_ADDR=127.0.0.1`` and a fresh free port, and destroys its
+    process group on the way out.
+
+    Args:
+        fn: called once per rank after ``init_process_group("gloo")``; its return value (tensors, containers,
+            numbers) is sent back to the parent.
+        world_size: number of processes.
+        *args: passed to ``fn`` after ``rank`` and ``world_size``.
+        timeout: seconds to wait for each rank's result before giving up.
+
+    Raises:
+        AssertionError: a rank raised; the message holds its traceback.
+        queue.Empty: no result arrived within ``timeout`` (the ranks still alive are killed).
+
+    Example::
+
+        >>> def total(rank, world_size):
+        ...     t = torch.tensor([rank + 1.0])
+        ...     dist.all_reduce(t)
+        ...     return t.item()
+        >>> run_workers(total, 2)  # doctest: +SKIP
+        [3.0, 3.0]
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, value = queue.get(timeout=timeout)
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]
