@@ -20,6 +20,9 @@ Files go through fsspec (Lightning's ``get_filesystem``), so remote paths (``s3:
 checkpoint itself. A shard is written atomically: a temporary file in the same folder, then a rename (object
 stores publish an object only when its upload is complete).
 
+The checkpoint file itself is CRC-checked before it is loaded (:func:`load_verified`, which every strategy's
+``load_checkpoint`` goes through): ``torch.load`` does not verify the checksums of its zip members.
+
 Example::
 
     >>> import tempfile, torch
@@ -40,15 +43,16 @@ import io
 import os
 import re
 import secrets
-from typing import Any, Optional
+import zipfile
+from typing import Any, Callable, Optional
 
 import torch
 from fsspec import AbstractFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
 __all__ = ["FORMAT_VERSION", "SUFFIX", "build_manifest", "check_entry", "check_manifest", "is_sharded", "load_shard",
-           "new_token", "read_shards", "remove_shards", "remove_stale_shards", "shard_dir", "shard_name",
-           "shard_path", "write_shard"]
+           "load_verified", "new_token", "read_shards", "remove_shards", "remove_stale_shards", "shard_dir",
+           "shard_name", "shard_path", "verify_checkpoint_file", "write_shard"]
 
 FORMAT_VERSION = 2
 """Version of the sharded ``checkpoint["gradcomp"]`` entry (version 1 held every rank's state inline)."""
@@ -255,8 +259,7 @@ def load_shard(checkpoint_path: Any, manifest: dict[str, Any], rank: int, weight
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
     except Exception as err:  # noqa: BLE001 - the checksum matched, so this is a foreign or unsafe payload
-        raise RuntimeError(f"cannot load {what} shard '{path}': {type(err).__name__}: "
-                           f"{str(err).strip().splitlines()[0] if str(err).strip() else '(no message)'}") from err
+        raise RuntimeError(f"cannot load {what} shard '{path}': {type(err).__name__}: {_first_line(err)}") from err
 
 
 def read_shards(checkpoint_path: Any, weights_only: bool = True, key: str = "gradcomp") -> list[dict[str, Any]]:
@@ -283,6 +286,58 @@ def _locate(checkpoint_path: str, folder: str, name: str) -> str:
             and get_filesystem(renamed).exists(renamed):
         return renamed
     return recorded
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint file
+def verify_checkpoint_file(path: Any) -> None:
+    """Check the CRC-32 of every member of a local zip-format checkpoint (what ``torch.save`` writes).
+
+    ``torch.load`` does not verify the checksums, so a flipped bit in a tensor would load silently. Remote
+    paths, non-zip (legacy) files and missing files are left to the loader (which reports them itself).
+
+    Raises:
+        RuntimeError: a member's data does not match its checksum, or the archive is damaged; the message
+            names the file.
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path) or not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        raise _unreadable(path, err) from err
+    if bad is not None:
+        raise RuntimeError(f"checkpoint file '{path}' is corrupted: member {bad!r} does not match its "
+                           f"CRC-32 checksum; resume from an earlier checkpoint")
+
+
+def load_verified(load: Callable[[], dict[str, Any]], path: Any) -> dict[str, Any]:
+    """CRC-check ``path`` (:func:`verify_checkpoint_file`), then ``load()``; failures name the file.
+
+    Raises:
+        RuntimeError: the file is damaged or unreadable (a missing file keeps Lightning's own error).
+    """
+    verify_checkpoint_file(path)
+    try:
+        return load()
+    except FileNotFoundError:
+        raise  # Lightning's message names the file
+    except Exception as err:  # noqa: BLE001 - garbage makes the unpickler fail in arbitrary ways
+        raise _unreadable(path, err) from err
+
+
+def _unreadable(path: Any, err: BaseException) -> RuntimeError:
+    if "weights only" in str(err).lower():
+        why = "it holds pickled objects that `weights_only=True` loading refuses"
+    else:
+        why = ("the file is truncated or corrupted (for example, copied or written only partly) or is not a "
+               "PyTorch checkpoint; resume from an earlier checkpoint")
+    return RuntimeError(f"cannot load checkpoint file '{path}': {why} ({type(err).__name__}: {_first_line(err)})")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else "(no message)"
 
 
 # ---------------------------------------------------------------------------------------------- remove

@@ -30,6 +30,7 @@ it makes the callback compute the same bits whichever thread runs it.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, TypeVar
@@ -48,6 +49,7 @@ __all__ = [
     "all_to_all_bytes",
     "broadcast_bytes",
     "completed_future",
+    "compression_ratio",
     "p2p_bytes",
     "then_same_numerics",
 ]
@@ -81,6 +83,25 @@ def all_to_all_bytes(payload_bytes: int, world_size: int) -> float:
 def p2p_bytes(payload_bytes: int, world_size: int) -> float:
     """Bytes sent by a point-to-point send of ``payload_bytes``."""
     return float(payload_bytes)
+
+
+def compression_ratio(dense_bytes: float, wire_bytes: float) -> float:
+    """How many times fewer bytes were sent than dense DDP would have sent: the package's one ratio rule.
+
+    ``dense_bytes / wire_bytes`` when something was sent; ``1.0`` when nothing was due and nothing was sent (no
+    traffic yet: nothing saved); ``inf`` when bytes were due but none were sent (a layer that another rank owns
+    under ``hierarchy=``, a one-node hierarchy, LocalSGD's local steps before the first synchronization).
+    :attr:`CommStats.compression_ratio`, :attr:`LayerStats.ratio`, ``CompressionLogger``, ``CompressionGuard``
+    and ``lightning-gradcomp report`` all use it.
+
+    Example::
+
+        >>> compression_ratio(400.0, 100.0), compression_ratio(0.0, 0.0), compression_ratio(400.0, 0.0)
+        (4.0, 1.0, inf)
+    """
+    if wire_bytes > 0:
+        return dense_bytes / wire_bytes
+    return math.inf if dense_bytes > 0 else 1.0
 
 
 def completed_future(value: Any) -> Future:
@@ -134,8 +155,8 @@ class LayerStats:
 
     @property
     def ratio(self) -> float:
-        """Dense-equivalent bytes divided by wire bytes (``inf`` if nothing was sent)."""
-        return self.dense_bytes / self.wire_bytes if self.wire_bytes else float("inf")
+        """Dense-equivalent bytes divided by wire bytes (:func:`compression_ratio`)."""
+        return compression_ratio(self.dense_bytes, self.wire_bytes)
 
 
 @dataclass
@@ -174,8 +195,8 @@ class CommStats:
 
     @property
     def compression_ratio(self) -> float:
-        """Dense-equivalent bytes divided by wire bytes (1.0 before any traffic)."""
-        return self.dense_bytes / self.wire_bytes if self.wire_bytes else 1.0
+        """Dense-equivalent bytes divided by wire bytes (:func:`compression_ratio`: 1.0 before any traffic)."""
+        return compression_ratio(self.dense_bytes, self.wire_bytes)
 
     def layer(self, name: str) -> LayerStats:
         """The (created on demand) figures of one layer."""

@@ -39,6 +39,7 @@ from typing import Callable, Mapping, Optional, Union
 
 import torch.distributed as dist
 
+from lightning_gradcomp.checks import is_int
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.plan import BucketPlan, LayerSlot
 
@@ -59,7 +60,7 @@ def check_hierarchy(value: HierarchySpec) -> HierarchySpec:
     """
     if value is None or value == "node":
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"`hierarchy` must be {_ALLOWED}; got {value!r}")
     return value
 

@@ -28,12 +28,14 @@ from typing import Iterable, Optional
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.checks import is_number
+
 __all__ = ["ErrorFeedback", "validate_beta"]
 
 
 def validate_beta(beta: float) -> float:
     """Return ``beta`` as a float or raise ``ValueError`` unless ``0 < beta <= 1``."""
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (0.0 < float(beta) <= 1.0):
+    if not is_number(beta) or not 0.0 < float(beta) <= 1.0:
         raise ValueError(f"`beta` must be a number in (0, 1], got {beta!r}")
     return float(beta)
 

@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from lightning_gradcomp.callbacks import logger as names
 from lightning_gradcomp.callbacks.summary import format_bytes
+from lightning_gradcomp.comm import compression_ratio
 
 __all__ = ["Report", "ReportError", "Series", "add_arguments", "load_metrics", "make_report", "plot_report",
            "read_csv_metrics", "read_tensorboard_metrics", "run", "text_summary"]
@@ -130,7 +131,7 @@ def text_summary(series: Series, source: Path) -> str:
     wire_t, dense_t = _last(series, names.WIRE_BYTES_TOTAL), _last(series, names.DENSE_BYTES_TOTAL)
     if wire_t is not None and dense_t is not None:
         lines.append(f"cumulative (rank 0, warm-up included): wire {format_bytes(wire_t)} vs dense "
-                     f"{format_bytes(dense_t)} -> ratio {dense_t / wire_t if wire_t else float('nan'):.2f}")
+                     f"{format_bytes(dense_t)} -> ratio {compression_ratio(dense_t, wire_t):.2f}")
     ep_wire, ep_ratio = series.get(names.EPOCH_WIRE_BYTES), series.get(names.EPOCH_RATIO)
     if ep_wire and ep_ratio:
         lines.append(f"epochs (all ranks): {len(ep_wire[1])}, last epoch sent {format_bytes(ep_wire[1][-1])}, "

@@ -20,7 +20,8 @@ import math
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Mapping, Optional, Union
 
-from lightning_gradcomp.compressors.base import Compressor, check_number
+from lightning_gradcomp.checks import check_int, check_number, is_int
+from lightning_gradcomp.compressors.base import Compressor
 
 __all__ = ["CallableSchedule", "CompressionSchedule", "StepSchedule", "WarmupSchedule", "as_schedule",
            "follow_schedule", "scheduled_param"]
@@ -53,9 +54,9 @@ class WarmupSchedule(CompressionSchedule):
     """
 
     def __init__(self, steps: int, start: float, stages: int = 4) -> None:
-        self.steps = int(check_number("steps", steps, 1, float("inf"), low_open=False, integer=True))
+        self.steps = check_int("steps", steps, 1)
         self.start = float(check_number("start", start, 0.0, float("inf")))
-        self.stages = int(check_number("stages", stages, 1, float("inf"), low_open=False, integer=True))
+        self.stages = check_int("stages", stages, 1)
 
     def value(self, step: int, target: Any) -> float:
         if step >= self.steps:
@@ -83,7 +84,7 @@ class StepSchedule(CompressionSchedule):
         checked = {}
         for step, value in values.items():
             key = int(step) if isinstance(step, str) and step.strip().isdigit() else step
-            check_number("schedule step", key, 0, float("inf"), low_open=False, integer=True)
+            check_int("schedule step", key, 0)
             check_number(f"schedule value at step {key}", value, 0.0, float("inf"))
             checked[int(key)] = float(value)
         self.values = dict(sorted(checked.items()))
@@ -179,6 +180,6 @@ def scheduled_param(compressor: Compressor, base: Any, scheduled: Any) -> Any:
 
 def _as_param(compressor: Compressor, value: Any) -> Any:
     """Round to an integer for integer parameters (rank, bits), at least 1."""
-    if isinstance(compressor.default_param, int) and not isinstance(compressor.default_param, bool):
+    if is_int(compressor.default_param):
         return max(1, int(math.floor(float(value) + 0.5)))
     return float(value)

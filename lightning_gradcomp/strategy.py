@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
-import re
-import zipfile
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -19,10 +15,12 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_gradcomp import checkpoint_shards
+from lightning_gradcomp.checkpoint_shards import load_verified, verify_checkpoint_file
+from lightning_gradcomp.checks import check_bool, check_int, check_timeout
 from lightning_gradcomp.comm import Comm, CommStats
-from lightning_gradcomp.compressors import registry
-from lightning_gradcomp.compressors.base import Compressor, check_number
-from lightning_gradcomp.compressors.none import NoCompression
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.compressors.registry import as_compressor
+from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, is_collective_failure
 from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, HierarchySpec, check_hierarchy, group_size_for
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta
@@ -38,13 +36,6 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "gradcomp"
 """Top-level checkpoint key holding the manifest of the compression-state shards (see :mod:`.checkpoint_shards`)."""
-
-DEFAULT_TIMEOUT = timedelta(minutes=10)
-"""Default process-group timeout: how long a collective waits for a rank that stopped responding.
-
-A rank that *dies* is noticed at once (its connections close); this bounds the wait on a rank that *hangs*.
-Lightning's default is 30 minutes; see docs/reliability.md for the trade-off.
-"""
 
 _CHECKPOINT_VERSION = 1
 """Version of the old single-file entry (every rank's state inline); still loaded, no longer written."""
@@ -114,15 +105,14 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             if kwargs.get(name) is not None:
                 raise ValueError(f"`{name}` cannot be combined with GradCompStrategy: it installs its own "
                                  f"communication hook; use `compressor=` instead, or plain DDPStrategy")
-        self.compressor = _as_compressor(compressor)
-        self.start_step = int(check_number("start_step", start_step, 2, float("inf"), low_open=False, integer=True))
-        self.policy = SlotPolicy(
-            min_numel=int(check_number("min_numel", min_numel, 1, float("inf"), low_open=False, integer=True)),
-            compress_1d=_check_bool("compress_1d", compress_1d),
-            small_param=_check_small_param(small_param, self.compressor))
+        self.compressor = as_compressor(compressor)
+        self.start_step = check_int("start_step", start_step, 2)
+        self.policy = SlotPolicy(min_numel=check_int("min_numel", min_numel, 1),
+                                 compress_1d=check_bool("compress_1d", compress_1d),
+                                 small_param=_check_small_param(small_param, self.compressor))
         self.beta = validate_beta(beta)
         self.schedule = as_schedule(schedule, self.compressor)
-        self.seed = int(check_number("seed", seed, 0, 2**63 - 1, low_open=False, integer=True))
+        self.seed = check_int("seed", seed, 0, 2**63 - 1)
         if nonfinite not in ("dense", "zero"):
             raise ValueError(f"`nonfinite` must be 'dense' or 'zero', got {nonfinite!r}")
         self.nonfinite = nonfinite
@@ -354,7 +344,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Say what a failed collective most likely means (a rank died or hung) in front of its message."""
         super().on_exception(exception)
-        if not _is_collective_failure(exception) or not exception.args or not isinstance(exception.args[0], str):
+        if not is_collective_failure(exception) or not exception.args or not isinstance(exception.args[0], str):
             return
         if exception.args[0].startswith("GradCompStrategy"):
             return
@@ -373,27 +363,6 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         Idempotent; see :mod:`lightning_gradcomp.presets`.
         """
         register_presets(strategy_registry, cls)
-
-
-class _UnknownCompressorError(KeyError, ValueError):
-    """An unknown compressor name: a ``ValueError`` (and a ``KeyError``, as ``registry.create`` raises)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
-def _as_compressor(compressor: Union[Compressor, str, None]) -> Compressor:
-    if compressor is None:
-        return NoCompression()
-    if isinstance(compressor, str):
-        if compressor.lower() not in registry.list():
-            raise _UnknownCompressorError(f"unknown compressor {compressor!r}: `compressor` must be a Compressor "
-                                          f"instance or a registered name ({', '.join(registry.list())})")
-        return registry.create(compressor)
-    if not isinstance(compressor, Compressor):
-        raise TypeError(f"`compressor` must be a Compressor instance or a registered name "
-                        f"({', '.join(registry.list())}), got {compressor!r}")
-    return compressor
 
 
 def _check_hierarchy_combination(hierarchy: HierarchySpec, compressor: Compressor,
@@ -433,89 +402,3 @@ def _check_small_param(value: Any, compressor: Compressor) -> Any:
         return compressor.check_param(value)
     except (TypeError, ValueError) as err:
         raise type(err)(f"`small_param`: {err}") from None
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a bool, got {value!r}")
-    return value
-
-
-def check_timeout(timeout: Any) -> Optional[timedelta]:
-    """Validate a process-group timeout: a positive ``timedelta``, positive seconds (YAML), or ``None``.
-
-    Raises:
-        TypeError: not a ``timedelta``, a number or ``None``.
-        ValueError: not positive and finite.
-    """
-    if timeout is None:
-        return None
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(f"`timeout` must be a datetime.timedelta, a number of seconds or None, got {timeout!r}")
-    if not seconds > 0 or seconds == float("inf"):
-        raise ValueError(f"`timeout` must be positive and finite (seconds in (0, inf)), got {timeout!r}")
-    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
-
-
-_COLLECTIVE_ERROR = re.compile(r"gloo|nccl|c10d|ProcessGroup|pair closure|Timed out waiting|"
-                               r"Connection (closed|reset) by peer|Broken pipe", re.IGNORECASE)
-"""Messages of failed collectives (gloo's timeout reads "Application timeout caused pair closure")."""
-
-
-def _is_collective_failure(exception: BaseException) -> bool:
-    """Whether ``exception`` comes from a failed collective (a peer died, hung or the network broke)."""
-    dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(exception, dist_error):
-        return True
-    return isinstance(exception, RuntimeError) and bool(_COLLECTIVE_ERROR.search(str(exception)))
-
-
-def verify_checkpoint_file(path: Any) -> None:
-    """Check the CRC-32 of every member of a local zip-format checkpoint (what ``torch.save`` writes).
-
-    ``torch.load`` does not verify the checksums, so a flipped bit in a tensor would load silently. Remote
-    paths, non-zip (legacy) files and missing files are left to the loader (which reports them itself).
-
-    Raises:
-        RuntimeError: a member's data does not match its checksum, or the archive is damaged; the message
-            names the file.
-    """
-    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path) or not zipfile.is_zipfile(path):
-        return
-    try:
-        with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
-        raise _unreadable(path, err) from err
-    if bad is not None:
-        raise RuntimeError(f"checkpoint file '{path}' is corrupted: member {bad!r} does not match its "
-                           f"CRC-32 checksum; resume from an earlier checkpoint")
-
-
-def load_verified(load: Callable[[], dict[str, Any]], path: Any) -> dict[str, Any]:
-    """CRC-check ``path`` (:func:`verify_checkpoint_file`), then ``load()``; failures name the file.
-
-    Raises:
-        RuntimeError: the file is damaged or unreadable (a missing file keeps Lightning's own error).
-    """
-    verify_checkpoint_file(path)
-    try:
-        return load()
-    except FileNotFoundError:
-        raise  # Lightning's message names the file
-    except Exception as err:  # noqa: BLE001 - garbage makes the unpickler fail in arbitrary ways
-        raise _unreadable(path, err) from err
-
-
-def _unreadable(path: Any, err: BaseException) -> RuntimeError:
-    first = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
-    if "weights only" in str(err).lower():
-        why = "it holds pickled objects that `weights_only=True` loading refuses"
-    else:
-        why = ("the file is truncated or corrupted (for example, copied or written only partly) or is not a "
-               "PyTorch checkpoint; resume from an earlier checkpoint")
-    return RuntimeError(f"cannot load checkpoint file '{path}': {why} ({type(err).__name__}: {first})")

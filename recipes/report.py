@@ -10,6 +10,8 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 
+from lightning_gradcomp.comm import compression_ratio
+
 __all__ = ["RecipeReport", "format_bytes", "summarize_comm"]
 
 
@@ -23,12 +25,13 @@ def format_bytes(n: float) -> str:
 
 
 def summarize_comm(wire_bytes: float, dense_bytes: float) -> dict[str, float]:
-    """Totals plus ``saved_fraction`` (1 - wire/dense) and ``compression_ratio`` (dense/wire)."""
+    """Totals plus ``saved_fraction`` (1 - wire/dense) and ``compression_ratio`` (the package's one rule:
+    :func:`lightning_gradcomp.comm.compression_ratio`)."""
     return {
         "wire_bytes": wire_bytes,
         "dense_bytes": dense_bytes,
         "saved_fraction": 1.0 - wire_bytes / dense_bytes if dense_bytes else 0.0,
-        "compression_ratio": dense_bytes / wire_bytes if wire_bytes else float("inf"),
+        "compression_ratio": compression_ratio(dense_bytes, wire_bytes),
     }
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
 
 from helpers.distributed import run_workers
-from lightning_gradcomp.comm import (Comm, CommStats, all_gather_bytes, all_reduce_bytes, all_to_all_bytes,
-                                     broadcast_bytes, p2p_bytes)
+from lightning_gradcomp.comm import (Comm, CommStats, LayerStats, all_gather_bytes, all_reduce_bytes,
+                                     all_to_all_bytes, broadcast_bytes, compression_ratio, p2p_bytes)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
@@ -30,6 +33,29 @@ def test_stats_attribution_and_round_trip() -> None:
     copy = CommStats()
     copy.load_state_dict(stats.state_dict())
     assert copy == stats
+
+
+@pytest.mark.parametrize("dense, wire, expected", [
+    (900.0, 300.0, 3.0), (100.0, 400.0, 0.25),  # something sent: dense / wire (below 1 when it costs bytes)
+    (0.0, 0.0, 1.0),  # nothing due, nothing sent: no saving
+    (400.0, 0.0, math.inf),  # bytes due, none sent (a layer another rank owns, LocalSGD between syncs)
+])
+def test_one_ratio_rule_everywhere(dense: float, wire: float, expected: float) -> None:
+    """``compression_ratio`` is the only rule: CommStats, LayerStats, the summary table, the logger, the guard and
+    the report all give its value."""
+    from lightning_gradcomp.callbacks import guard, logger
+    from lightning_gradcomp.callbacks.summary import summary_rows
+    from lightning_gradcomp.report import text_summary
+
+    assert compression_ratio(dense, wire) == expected
+    stats = CommStats(wire_bytes=wire, dense_bytes=dense, steps=1)
+    stats.layers["w"] = LayerStats(numel=4, wire_bytes=wire, dense_bytes=dense)
+    assert stats.compression_ratio == stats.layers["w"].ratio == expected
+    rows, total = summary_rows(stats, {})
+    assert rows[0].ratio == total.ratio == expected
+    assert logger.compression_ratio is guard.compression_ratio is compression_ratio  # no private copies
+    series = {logger.WIRE_BYTES_TOTAL: ([5], [wire]), logger.DENSE_BYTES_TOTAL: ([5], [dense])}
+    assert f"-> ratio {expected:.2f}" in text_summary(series, Path("metrics.csv"))
 
 
 def _collectives(rank: int, world: int) -> dict:

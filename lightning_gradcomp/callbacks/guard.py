@@ -15,7 +15,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_gradcomp.compressors.base import check_number
+from lightning_gradcomp.checks import check_int, check_number
+from lightning_gradcomp.comm import compression_ratio
 from lightning_gradcomp.hook import GradCompHook
 from lightning_gradcomp.plan import SlotPolicy
 from lightning_gradcomp.strategy import GradCompStrategy
@@ -111,7 +112,7 @@ class CompressionGuard(Callback):
     """
 
     def __init__(self, warmup_steps: int = 3, min_ratio: float = 1.05) -> None:
-        self.warmup_steps = int(check_number("warmup_steps", warmup_steps, 1, 10**9, low_open=False, integer=True))
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 1, 10**9)
         self.min_ratio = float(check_number("min_ratio", min_ratio, 1.0, float("inf")))
         self.message: Optional[str] = None
         self._done = False
@@ -160,7 +161,7 @@ class CompressionGuard(Callback):
         if steps < (1 if final else self.warmup_steps):
             return
         wire, dense = stats.wire_bytes - wire0, stats.dense_bytes - dense0
-        ratio = dense / wire if wire > 0 else 1.0
+        ratio = compression_ratio(dense, wire)
         self._done = True
         if ratio < self.min_ratio:
             self._warn("NOTHING IS BEING COMPRESSED.", diagnose_layout(hook, strategy.policy, ratio, steps))

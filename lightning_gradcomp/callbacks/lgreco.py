@@ -39,7 +39,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Compressor, check_number
+from lightning_gradcomp.checks import check_bool, check_int, check_number
+from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.powersgd import PowerSGD
 from lightning_gradcomp.functional.layerwise import feedback_errors, solve_or_uniform
 from lightning_gradcomp.hook import BucketRecord
@@ -156,10 +157,9 @@ class LGreCo(Callback):
                  log_layers: bool = True, error: str = "norm", statistic: str = "gradient",
                  window: str = "sum") -> None:
         inf = float("inf")
-        self.period = int(check_number("period", period, 1, inf, low_open=False, integer=True))
-        self.warmup_steps = int(check_number("warmup_steps", warmup_steps, 1, inf, low_open=False, integer=True))
-        self.accumulate_steps = int(check_number("accumulate_steps", accumulate_steps, 1, self.period,
-                                                 low_open=False, integer=True))
+        self.period = check_int("period", period, 1)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 1)
+        self.accumulate_steps = check_int("accumulate_steps", accumulate_steps, 1, self.period)
         self.alpha = float(check_number("alpha", alpha, 0.0, inf))
         if candidates is not None:
             if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence) or not candidates:
@@ -169,12 +169,9 @@ class LGreCo(Callback):
         self.candidates = None if candidates is None else list(candidates)
         self.min_factor = float(check_number("min_factor", min_factor, 0.0, 1.0))
         self.max_factor = float(check_number("max_factor", max_factor, 1.0, inf, low_open=False))
-        self.num_candidates = int(check_number("num_candidates", num_candidates, 1, inf, low_open=False,
-                                               integer=True))
-        self.resolution = int(check_number("resolution", resolution, 1, inf, low_open=False, integer=True))
-        if not isinstance(log_layers, bool):
-            raise TypeError(f"`log_layers` must be a bool, got {log_layers!r}")
-        self.log_layers = log_layers
+        self.num_candidates = check_int("num_candidates", num_candidates, 1)
+        self.resolution = check_int("resolution", resolution, 1)
+        self.log_layers = check_bool("log_layers", log_layers)
         if error not in ("norm", "squared", "feedback"):
             raise ValueError(f"`error` must be 'norm', 'squared' or 'feedback', got {error!r}")
         self.error = error

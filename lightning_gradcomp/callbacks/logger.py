@@ -26,8 +26,8 @@ from torchmetrics import MaxMetric, MeanMetric, SumMetric
 
 from lightning_gradcomp.callbacks.guard import CompressionGuard
 from lightning_gradcomp.callbacks.summary import print_summary
-from lightning_gradcomp.comm import CommStats
-from lightning_gradcomp.compressors.base import check_number
+from lightning_gradcomp.comm import CommStats, compression_ratio
+from lightning_gradcomp.checks import check_bool, check_int
 from lightning_gradcomp.hook import BucketRecord, GradCompHook
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.strategy import GradCompStrategy
@@ -129,8 +129,9 @@ class StepError:
     layers: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
-def _ratio(num: float, den: float) -> float:
-    return num / den if den > 0 else float("nan")
+def _relative_error(r2: float, p2: float) -> float:
+    """``sqrt(r2 / p2)`` from the squared norms of the residual and the input (``nan`` when ``p2`` is 0)."""
+    return math.sqrt(r2 / p2) if p2 > 0 else float("nan")
 
 
 class ErrorProbe:
@@ -183,19 +184,19 @@ class ErrorProbe:
                 total[0] += r2
                 total[1] += p2
             r2_sum, p2_sum = sum(v[0] for v in values), sum(v[1] for v in values)
-            out.append(StepError(step, math.sqrt(_ratio(r2_sum, p2_sum)), layers))
+            out.append(StepError(step, _relative_error(r2_sum, p2_sum), layers))
         self._pending.clear()
         return out
 
     def layer_errors(self) -> dict[str, float]:
         """Per-layer error pooled over every drained sample: ``sqrt(sum ||r||^2 / sum ||p||^2)``."""
-        return {name: math.sqrt(_ratio(r2, p2)) for name, (r2, p2) in self.totals.items()}
+        return {name: _relative_error(r2, p2) for name, (r2, p2) in self.totals.items()}
 
     def total_error(self) -> float:
         """Error pooled over every layer and sample (``nan`` before any)."""
         r2 = sum(v[0] for v in self.totals.values())
         p2 = sum(v[1] for v in self.totals.values())
-        return math.sqrt(_ratio(r2, p2))
+        return _relative_error(r2, p2)
 
 
 @dataclass
@@ -253,18 +254,14 @@ class CompressionLogger(Callback):
     def __init__(self, log_every_n_steps: Optional[int] = None, error_every_n_steps: int = 50,
                  per_layer: bool = False, prog_bar: bool = True, summary: bool = True, guard: bool = True) -> None:
         if log_every_n_steps is not None:
-            check_number("log_every_n_steps", log_every_n_steps, 1, 10**12, low_open=False, integer=True)
-        check_number("error_every_n_steps", error_every_n_steps, 0, 10**12, low_open=False, integer=True)
-        for name, value in (("per_layer", per_layer), ("prog_bar", prog_bar), ("summary", summary),
-                            ("guard", guard)):
-            if not isinstance(value, bool):
-                raise TypeError(f"`{name}` must be a bool, got {value!r}")
+            check_int("log_every_n_steps", log_every_n_steps, 1, 10**12)
+        check_int("error_every_n_steps", error_every_n_steps, 0, 10**12)
         self.log_every_n_steps = log_every_n_steps
         self.error_every_n_steps = error_every_n_steps
-        self.per_layer = per_layer
-        self.prog_bar = prog_bar
-        self.summary = summary
-        self.guard: Optional[CompressionGuard] = CompressionGuard() if guard else None
+        self.per_layer = check_bool("per_layer", per_layer)
+        self.prog_bar = check_bool("prog_bar", prog_bar)
+        self.summary = check_bool("summary", summary)
+        self.guard: Optional[CompressionGuard] = CompressionGuard() if check_bool("guard", guard) else None
         self.probe: Optional[ErrorProbe] = None
         self._every = log_every_n_steps or 50
         self._hook: Optional[GradCompHook] = None
@@ -310,7 +307,8 @@ class CompressionLogger(Callback):
             return  # no reduction in this batch (gradient accumulation)
         self._seen_steps = hook.stats.steps
         if self._show_bar and self._last is not None and hook.stats.steps % PROG_BAR_EVERY_N_STEPS == 0:
-            ratio = _ratio(hook.stats.dense_bytes - self._last.dense, hook.stats.wire_bytes - self._last.wire)
+            ratio = compression_ratio(hook.stats.dense_bytes - self._last.dense,
+                                      hook.stats.wire_bytes - self._last.wire)
             if math.isfinite(ratio):  # pl_module.log costs ~0.1-0.5 ms: not on every step
                 pl_module.log(RATIO, ratio, prog_bar=True, logger=False, on_step=True, on_epoch=False)
         metrics: dict[str, float] = {}
@@ -345,7 +343,7 @@ class CompressionLogger(Callback):
         values = {name: float(metric.compute()) for name, metric in m.items()}
         for metric in m.values():
             metric.reset()
-        values[EPOCH_RATIO] = _ratio(values[EPOCH_DENSE_BYTES], values[EPOCH_WIRE_BYTES])
+        values[EPOCH_RATIO] = compression_ratio(values[EPOCH_DENSE_BYTES], values[EPOCH_WIRE_BYTES])
         self._write(trainer, {k: v for k, v in values.items() if math.isfinite(v)})
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -386,8 +384,8 @@ class CompressionLogger(Callback):
             DENSE_BYTES: (now.dense - last.dense) / steps,
             WIRE_BYTES_TOTAL: now.wire,
             DENSE_BYTES_TOTAL: now.dense,
-            RATIO: _ratio(now.dense - last.dense, now.wire - last.wire),
-            RATIO_TOTAL: _ratio(now.dense, now.wire),
+            RATIO: compression_ratio(now.dense - last.dense, now.wire - last.wire),
+            RATIO_TOTAL: compression_ratio(now.dense, now.wire),
             HOOK_MS: 1e3 * (now.hook_s - last.hook_s) / steps,
             NONFINITE_BUCKETS: float(stats.nonfinite_steps),
         }
@@ -400,7 +398,7 @@ class CompressionLogger(Callback):
                 wire0, dense0 = last.layers.get(name, (0.0, 0.0))
                 wire, dense = now.layers[name]
                 out[LAYER_WIRE_BYTES + name] = (wire - wire0) / steps
-                out[LAYER_RATIO + name] = _ratio(dense - dense0, wire - wire0)
+                out[LAYER_RATIO + name] = compression_ratio(dense - dense0, wire - wire0)
                 if layer.compressed and isinstance(layer.param, (int, float)):
                     out[LAYER_PARAM + name] = float(layer.param)
         return {k: v for k, v in out.items() if math.isfinite(v)}
@@ -413,7 +411,7 @@ class CompressionLogger(Callback):
         latest = measured[-1]
         out = {ERROR: latest.error}
         if self.per_layer:
-            out.update({LAYER_ERROR + name: math.sqrt(_ratio(r2, p2)) for name, (r2, p2) in latest.layers.items()})
+            out.update({LAYER_ERROR + name: _relative_error(r2, p2) for name, (r2, p2) in latest.layers.items()})
         return {k: v for k, v in out.items() if math.isfinite(v)}
 
     @staticmethod

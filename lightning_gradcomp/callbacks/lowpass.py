@@ -31,8 +31,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
+from lightning_gradcomp.checks import check_int, is_int
 from lightning_gradcomp.comm import Comm, CommStats
-from lightning_gradcomp.compressors.base import check_number
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta
 
 __all__ = ["BETA", "LowPassMemoryFilter", "MEMORY_NORM", "SIMILARITY", "count_sketch", "mean_pairwise_cosine"]
@@ -71,7 +71,7 @@ def _check_schedule(schedule: Optional[Mapping[Any, float]]) -> dict[int, float]
     for step, beta in schedule.items():
         if isinstance(step, str) and step.strip().isdigit():
             step = int(step)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        if not is_int(step) or step < 0:
             raise ValueError(f"`schedule` keys must be optimizer steps (integers >= 0), got {step!r}")
         try:
             out[step] = validate_beta(beta)
@@ -109,12 +109,11 @@ class LowPassMemoryFilter(Callback):
                  similarity_every_n_steps: int = 0, sketch_size: Optional[int] = 4096, seed: int = 0) -> None:
         self.beta = validate_beta(beta)
         self.schedule = _check_schedule(schedule)
-        self.similarity_every_n_steps = int(check_number("similarity_every_n_steps", similarity_every_n_steps, 0,
-                                                         10**12, low_open=False, integer=True))
+        self.similarity_every_n_steps = check_int("similarity_every_n_steps", similarity_every_n_steps, 0, 10**12)
         if sketch_size is not None:
-            check_number("sketch_size", sketch_size, 1, 2**31 - 1, low_open=False, integer=True)
+            check_int("sketch_size", sketch_size, 1, 2**31 - 1)
         self.sketch_size = sketch_size
-        self.seed = int(check_number("seed", seed, 0, 2**63 - 1, low_open=False, integer=True))
+        self.seed = check_int("seed", seed, 0, 2**63 - 1)
         self.comm_stats = CommStats()
         self.current_beta: Optional[float] = None
         self.last_memory_norm: Optional[float] = None

@@ -30,29 +30,12 @@ import torch
 from torch import Tensor
 from torch.futures import Future
 
+from lightning_gradcomp.checks import check_number
 from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.plan import LayerSlot
 
 __all__ = ["Compressor", "ReduceContext", "Reduction", "check_number", "split_flat"]
-
-
-def check_number(name: str, value: Any, low: float, high: float, *, low_open: bool = True,
-                 integer: bool = False) -> Any:
-    """Validate a numeric argument against ``(low, high]`` (or ``[low, high]``) and return it.
-
-    Raises:
-        TypeError: ``value`` is not a number (or not an integer when ``integer``).
-        ValueError: ``value`` is outside the range; the message names ``name`` and the range.
-    """
-    kind = "an integer" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        raise TypeError(f"`{name}` must be {kind}, got {value!r}")
-    lo_ok = value > low if low_open else value >= low
-    if not (lo_ok and value <= high):
-        bracket = "(" if low_open else "["
-        raise ValueError(f"`{name}` must be in {bracket}{low}, {high}], got {value!r}")
-    return value
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.checks import check_dtype
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
@@ -29,11 +30,7 @@ class Cast(Compressor):
     borrows_inputs = True  # one torch.cat reads them
 
     def __init__(self, dtype: "torch.dtype | str" = torch.float16) -> None:
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
-        if dtype not in _ALLOWED:
-            raise ValueError(f"`dtype` must be torch.float16 or torch.bfloat16, got {dtype!r}")
-        self.dtype: torch.dtype = dtype
+        self.dtype: torch.dtype = check_dtype("dtype", dtype, _ALLOWED)
 
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
         """One all-reduce of the concatenated, pre-divided 16-bit slots."""

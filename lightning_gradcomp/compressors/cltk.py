@@ -36,6 +36,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.checks import check_bool
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
@@ -101,10 +102,8 @@ class CLTK(SparseCompressor):
             raise ValueError(f"`selection` must be 'exact' or 'approx', got {selection!r}")
         if index_coding not in ("int32", "delta16"):
             raise ValueError(f"`index_coding` must be 'int32' or 'delta16', got {index_coding!r}")
-        if not isinstance(spread_leaders, bool):
-            raise TypeError(f"`spread_leaders` must be a bool, got {spread_leaders!r}")
         self.selection = selection
-        self.spread_leaders = spread_leaders
+        self.spread_leaders = check_bool("spread_leaders", spread_leaders)
         self.index_coding = index_coding
 
     def index_slots(self, numel: int, k: int) -> int:

@@ -32,8 +32,8 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.checks import check_bucket_size, is_number
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction
-from lightning_gradcomp.compressors.qsgd import check_bucket_size
 from lightning_gradcomp.compressors.quantized import (
     QuantizedCompressor,
     Segment,
@@ -126,7 +126,7 @@ class DIANA(QuantizedCompressor):
         limit = self.quantizer.alpha_max
         if alpha is None:
             alpha = limit / 2
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= limit:
+        if not is_number(alpha) or not 0.0 <= alpha <= limit:
             raise ValueError(f"`alpha` must be a number in [0, alpha_p = {limit:.6g}] for quantizer {self.quantizer} "
                              f"(alpha_p(d) = 1/sqrt(d) for l2, 2/(1+sqrt(d)) for linf); got {alpha!r}")
         self.alpha: float = float(alpha)

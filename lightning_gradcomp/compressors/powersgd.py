@@ -22,7 +22,8 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_gradcomp.comm import then_same_numerics
-from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, check_number
+from lightning_gradcomp.checks import check_bool, check_int, check_number
+from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional.layerwise import lowrank_errors, lowrank_sizes
@@ -56,10 +57,8 @@ class PowerSGD(Compressor):
     param_name = "rank"
 
     def __init__(self, rank: int = 4, warm_start: bool = True, min_compression_rate: float = 2.0) -> None:
-        self.rank: int = int(check_number("rank", rank, 1, float("inf"), low_open=False, integer=True))
-        if not isinstance(warm_start, bool):
-            raise TypeError(f"`warm_start` must be a bool, got {warm_start!r}")
-        self.warm_start = warm_start
+        self.rank: int = check_int("rank", rank, 1)
+        self.warm_start = check_bool("warm_start", warm_start)
         self.min_compression_rate = float(check_number("min_compression_rate", min_compression_rate, 1.0,
                                                        float("inf"), low_open=False))
         self._factors = StagedState()
@@ -70,7 +69,7 @@ class PowerSGD(Compressor):
         return True
 
     def check_param(self, value: Any) -> int:
-        return int(check_number("rank", value, 1, float("inf"), low_open=False, integer=True))
+        return check_int("rank", value, 1)
 
     def layer_candidates(self, shape: Sequence[int], candidates: Iterable[Any]) -> list[Any]:
         """Valid ranks (see :meth:`Compressor.layer_candidates`) whose factors are smaller than the dense ``n x m``

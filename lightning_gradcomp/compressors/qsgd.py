@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from lightning_gradcomp.compressors.base import check_number
+from lightning_gradcomp.checks import check_bucket_size, check_int
 from lightning_gradcomp.compressors.quantized import QuantizedCompressor, SlotCodec, check_p
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.functional.quantize import levels_for_bits
@@ -17,12 +17,7 @@ def check_bits(value: Any) -> int:
     """Validate a QSGD bit width: an integer in [2, 8] (integral floats accepted)."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    return int(check_number("bits", value, 2, 8, low_open=False, integer=True))
-
-
-def check_bucket_size(value: Any, name: str = "bucket_size") -> int:
-    """Validate a scale-group size: an integer >= 1."""
-    return int(check_number(name, value, 1, float("inf"), low_open=False, integer=True))
+    return check_int("bits", value, 2, 8)
 
 
 @register("qsgd")

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.checks import check_bool
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
@@ -40,9 +41,7 @@ class RandomK(SparseCompressor):
     def __init__(self, ratio: float = 0.01, unbiased: bool = False,
                  value_dtype: "torch.dtype | str" = torch.float32) -> None:
         super().__init__(ratio, value_dtype)
-        if not isinstance(unbiased, bool):
-            raise TypeError(f"`unbiased` must be a bool, got {unbiased!r}")
-        self.unbiased = unbiased
+        self.unbiased = check_bool("unbiased", unbiased)
 
     @property
     def uses_error_feedback(self) -> bool:

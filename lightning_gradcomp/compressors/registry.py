@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import builtins
 import warnings
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, Union
 
 from lightning_gradcomp.compressors.base import Compressor
 
-__all__ = ["create", "list", "register"]
+__all__ = ["as_compressor", "create", "list", "register"]
 
 _FACTORIES: dict[str, Callable[..., Compressor]] = {}
 F = TypeVar("F", bound=Callable[..., Compressor])
@@ -46,3 +46,33 @@ def create(name: str, **kwargs: Any) -> Compressor:
 def list() -> builtins.list[str]:  # noqa: A001 - the registry API is register/create/list
     """Sorted names of the registered compressors."""
     return sorted(_FACTORIES)
+
+
+class _UnknownCompressorError(KeyError, ValueError):
+    """An unknown compressor name: a ``ValueError`` (and a ``KeyError``, as :func:`create` raises)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def as_compressor(compressor: Union[Compressor, str, None]) -> Compressor:
+    """A strategy's ``compressor`` argument as a compressor: an instance as is, a registered name built with its
+    defaults, ``None`` as :class:`~lightning_gradcomp.compressors.NoCompression`.
+
+    Raises:
+        ValueError: an unknown name (also a ``KeyError``); the message lists the registered names.
+        TypeError: neither a :class:`Compressor`, a string nor ``None``.
+    """
+    if compressor is None:
+        from lightning_gradcomp.compressors.none import NoCompression  # noqa: PLC0415 - none.py imports us
+
+        return NoCompression()
+    if isinstance(compressor, str):
+        if compressor.lower() not in list():
+            raise _UnknownCompressorError(f"unknown compressor {compressor!r}: `compressor` must be a Compressor "
+                                          f"instance or a registered name ({', '.join(list())})")
+        return create(compressor)
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"`compressor` must be a Compressor instance or a registered name ({', '.join(list())}), "
+                        f"got {compressor!r}")
+    return compressor

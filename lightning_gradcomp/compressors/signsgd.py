@@ -6,8 +6,8 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_gradcomp.checks import check_bucket_size
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction
-from lightning_gradcomp.compressors.qsgd import check_bucket_size
 from lightning_gradcomp.compressors.quantized import QuantizedCompressor, Segment, SlotCodec, owned_state, state_copy
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState

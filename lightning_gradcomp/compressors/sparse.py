@@ -8,7 +8,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Compressor, check_number
+from lightning_gradcomp.checks import check_dtype, check_number
+from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.functional.layerwise import sparse_sizes, topk_errors
 from lightning_gradcomp.functional.sparsify import kept_count
 
@@ -18,13 +19,8 @@ _VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_value_dtype(value_dtype: "torch.dtype | str") -> torch.dtype:
-    """Validate the wire dtype of sparse values (fp32, fp16 or bf16)."""
-    if isinstance(value_dtype, str):
-        value_dtype = getattr(torch, value_dtype.removeprefix("torch."), value_dtype)
-    if value_dtype not in _VALUE_DTYPES:
-        raise ValueError(f"`value_dtype` must be one of torch.float32, torch.float16, torch.bfloat16, "
-                         f"got {value_dtype!r}")
-    return value_dtype
+    """Validate the wire dtype of sparse values (fp32, fp16 or bf16; strings such as ``"float16"`` accepted)."""
+    return check_dtype("value_dtype", value_dtype, _VALUE_DTYPES)
 
 
 def pack_bytes(tensors: Sequence[Tensor]) -> Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lightning_gradcomp.compressors.qsgd import check_bucket_size
+from lightning_gradcomp.checks import check_bucket_size
 from lightning_gradcomp.compressors.quantized import QuantizedCompressor, SlotCodec
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.presets import register_preset

@@ -39,6 +39,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.checks import is_int
+
 __all__ = [
     "MAX_BLOCK",
     "lattice_checksum",
@@ -73,7 +75,7 @@ def lattice_levels(bits: int) -> int:
         >>> lattice_levels(1), lattice_levels(4)
         (2, 16)
     """
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16:
+    if not is_int(bits) or not 1 <= bits <= 16:
         raise ValueError(f"`bits` must be an integer in [1, 16], got {bits!r}")
     return 1 << bits
 

@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.checks import is_int, is_number
 from lightning_gradcomp.functional.lowrank import matrix_shape
 from lightning_gradcomp.functional.quantize import PNorm, levels_for_bits, quantization_variance
 
@@ -79,9 +80,9 @@ def error_units(errors: Sequence[float], max_error: float, resolution: int) -> l
 
 def _validate(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], max_error: float,
               resolution: int) -> None:
-    if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1:
+    if not is_int(resolution) or resolution < 1:
         raise ValueError(f"`resolution` must be an integer >= 1, got {resolution!r}")
-    if isinstance(max_error, bool) or not isinstance(max_error, (int, float)) or math.isnan(max_error):
+    if not is_number(max_error) or math.isnan(max_error):
         raise ValueError(f"`max_error` must be a number (not NaN), got {max_error!r}")
     if len(sizes) != len(errors):
         raise ValueError(f"`sizes` and `errors` must list the same layers, got {len(sizes)} and {len(errors)}")

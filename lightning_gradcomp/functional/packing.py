@@ -18,13 +18,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.checks import is_int
 from lightning_gradcomp.functional import _native
 
 __all__ = ["pack_bits", "packed_nbytes", "unpack_bits"]
 
 
 def _check_bits(bits: int) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+    if not is_int(bits) or not 1 <= bits <= 8:
         raise ValueError(f"`bits` must be an integer in [1, 8], got {bits!r}")
     return bits
 

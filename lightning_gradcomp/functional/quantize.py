@@ -35,6 +35,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.checks import is_int, is_number
 from lightning_gradcomp.functional import _native
 
 __all__ = [
@@ -104,7 +105,7 @@ def parse_p(p: PNorm) -> float:
     if isinstance(p, str):
         key = p.strip().lower().removeprefix("l")
         value = {"1": 1.0, "2": 2.0, "inf": math.inf, "infinity": math.inf}.get(key)
-    elif isinstance(p, (int, float)) and not isinstance(p, bool):
+    elif is_number(p):
         value = float(p)
     if value not in (1.0, 2.0, math.inf):
         raise ValueError(f"`p` must be 1, 2 or inf, got {p!r}")
@@ -119,7 +120,7 @@ def levels_for_bits(bits: int) -> int:
         >>> [levels_for_bits(bits) for bits in (2, 4, 8)]
         [1, 7, 127]
     """
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+    if not is_int(bits) or not 2 <= bits <= 8:
         raise ValueError(f"`bits` must be an integer in [2, 8], got {bits!r}")
     return (1 << (bits - 1)) - 1
 
@@ -396,7 +397,7 @@ def alpha_p(d: int, p: PNorm) -> float:
         >>> alpha_p(4, 1), alpha_p(4, 2), alpha_p(9, "inf")
         (0.25, 0.5, 0.5)
     """
-    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+    if not is_int(d) or d < 1:
         raise ValueError(f"`d` must be a positive integer, got {d!r}")
     p = parse_p(p)
     if p == 1.0:

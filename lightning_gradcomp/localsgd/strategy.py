@@ -30,18 +30,21 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp import checkpoint_shards
+from lightning_gradcomp.checkpoint_shards import load_verified
+from lightning_gradcomp.checks import check_bool, check_int, check_number, check_timeout
 from lightning_gradcomp.comm import Comm, CommStats
-from lightning_gradcomp.compressors.base import Compressor, check_number
+from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.cltk import CLTK
 from lightning_gradcomp.compressors.diana import DIANA
 from lightning_gradcomp.compressors.none import NoCompression
+from lightning_gradcomp.compressors.registry import as_compressor
+from lightning_gradcomp.distributed import DEFAULT_TIMEOUT
 from lightning_gradcomp.localsgd.engine import OUTERS, OuterSync
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta
 from lightning_gradcomp.plan import SlotPolicy
 from lightning_gradcomp.presets import register_preset, register_presets
 from lightning_gradcomp.replicas import DivergentReplicas
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
-from lightning_gradcomp.strategy import DEFAULT_TIMEOUT, _as_compressor, check_timeout, load_verified
 
 __all__ = ["CHECKPOINT_KEY", "LocalSGDStrategy"]
 
@@ -114,9 +117,11 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             dedicated gloo process group) before its result is applied; 0 (default) is synchronous. At most
             ``local_steps / fragments``. At application the fragment's parameters become the new global model
             (its local progress since the exchange was issued is dropped): replicas are identical in it.
+        timeout: process-group timeout, a ``timedelta`` or seconds (> 0); ``None`` uses PyTorch's backend
+            default. Default :data:`~lightning_gradcomp.distributed.DEFAULT_TIMEOUT` (10 minutes), as for
+            :class:`~lightning_gradcomp.GradCompStrategy`.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, timeout, start_method: as for
-            :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        process_group_backend, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
     strategy_name = "localsgd"
@@ -134,35 +139,31 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
                  process_group_backend: Optional[str] = None,
                  timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen") -> None:
-        self.local_steps = int(check_number("local_steps", local_steps, 1, float("inf"), low_open=False,
-                                            integer=True))
+        self.local_steps = check_int("local_steps", local_steps, 1)
         if outer not in OUTERS:
             raise ValueError(f"`outer` must be one of {OUTERS}, got {outer!r}")
         self.outer = outer
         self.outer_lr = float(check_number("outer_lr", outer_lr, 0.0, float("inf")))
-        if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) \
-                or not 0.0 <= outer_momentum < 1.0:
-            raise ValueError(f"`outer_momentum` must be a number in [0, 1), got {outer_momentum!r}")
-        self.outer_momentum = float(outer_momentum)
-        self.compressor = _as_compressor(compressor)
+        self.outer_momentum = float(check_number("outer_momentum", outer_momentum, 0, 1, low_open=False,
+                                                 high_open=True))
+        self.compressor = as_compressor(compressor)
         if isinstance(self.compressor, _REJECTED):
             raise ValueError(f"`compressor` {type(self.compressor).__name__} cannot reduce pseudo-gradients: its "
                              f"shifts assume stationary per-step gradients; use an unbiased quantizer (QSGD, "
                              f"TernGrad) or a compressor with error feedback (CLTK, TopK, PowerSGD, SignSGD)")
-        self.fragments = int(check_number("fragments", fragments, 1, float("inf"), low_open=False, integer=True))
+        self.fragments = check_int("fragments", fragments, 1)
         if self.local_steps % self.fragments:
             raise ValueError(f"`fragments` must divide `local_steps` ({self.local_steps}): one fragment is synced "
                              f"every local_steps / fragments steps; got fragments={self.fragments}")
-        self.overlap = int(check_number("overlap", overlap, 0, float("inf"), low_open=False, integer=True))
+        self.overlap = check_int("overlap", overlap, 0)
         if self.overlap > self.local_steps // self.fragments:
             raise ValueError(f"`overlap` must be at most local_steps / fragments ({self.local_steps // self.fragments}"
                              f"): one fragment exchange is in flight at a time; got overlap={self.overlap}")
-        self.policy = SlotPolicy(
-            min_numel=int(check_number("min_numel", min_numel, 1, float("inf"), low_open=False, integer=True)),
-            compress_1d=_check_bool("compress_1d", compress_1d))
+        self.policy = SlotPolicy(min_numel=check_int("min_numel", min_numel, 1),
+                                 compress_1d=check_bool("compress_1d", compress_1d))
         self.beta = validate_beta(beta)
-        self.seed = int(check_number("seed", seed, 0, 2**63 - 1, low_open=False, integer=True))
-        self.sync_at_end = _check_bool("sync_at_end", sync_at_end)
+        self.seed = check_int("seed", seed, 0, 2**63 - 1)
+        self.sync_at_end = check_bool("sync_at_end", sync_at_end)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -392,12 +393,6 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         The presets at the bottom of this module are registered with Lightning when declared.
         """
         register_presets(strategy_registry, cls)
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a bool, got {value!r}")
-    return value
 
 
 register_preset("localsgd", "Local SGD: 20 local steps, then model averaging", lambda: {"outer": "average"},

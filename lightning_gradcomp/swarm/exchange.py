@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.checks import is_int, is_number
 from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.functional.lattice import (
     MAX_BLOCK,
@@ -121,12 +122,11 @@ class LatticeCodec:
     rounding: str = "nearest"
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
+        if not is_int(self.bits) or not 1 <= self.bits <= 8:
             raise ValueError(f"`bits` must be an integer in [1, 8] (or None for fp32), got {self.bits!r}")
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or \
-                not 1 <= self.block_size <= MAX_BLOCK:
+        if not is_int(self.block_size) or not 1 <= self.block_size <= MAX_BLOCK:
             raise ValueError(f"`block_size` must be an integer in [1, {MAX_BLOCK}], got {self.block_size!r}")
-        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not self.margin >= 1:
+        if not is_number(self.margin) or not self.margin >= 1:
             raise ValueError(f"`lattice_margin` must be a number >= 1, got {self.margin!r}")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"`rounding` must be one of {ROUNDINGS}, got {self.rounding!r}")

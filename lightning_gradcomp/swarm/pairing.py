@@ -27,6 +27,8 @@ from typing import Optional, Union
 
 import torch
 
+from lightning_gradcomp.checks import is_int
+
 __all__ = [
     "TOPOLOGIES",
     "Edges",
@@ -104,7 +106,7 @@ def validate_edges(edges: Sequence[Sequence[int]], world_size: int) -> Edges:
     """
     clean: set[tuple[int, int]] = set()
     for edge in edges:
-        if len(edge) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in edge):
+        if len(edge) != 2 or not all(is_int(v) for v in edge):
             raise ValueError(f"`topology` edges must be pairs of integer ranks, got {edge!r}")
         i, j = int(edge[0]), int(edge[1])
         if not (0 <= i < world_size and 0 <= j < world_size):

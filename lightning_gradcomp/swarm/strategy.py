@@ -25,7 +25,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -35,12 +34,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp import checkpoint_shards
+from lightning_gradcomp.checkpoint_shards import load_verified
+from lightning_gradcomp.checks import check_bool, check_int, check_number, check_timeout, is_int
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
-from lightning_gradcomp.compressors.base import check_number
+from lightning_gradcomp.distributed import DEFAULT_TIMEOUT
 from lightning_gradcomp.presets import register_preset, register_presets
 from lightning_gradcomp.replicas import DivergentReplicas
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
-from lightning_gradcomp.strategy import check_timeout, load_verified
 from lightning_gradcomp.swarm.asynchronous import AsyncGossip, PairingRecord, StoreMatchmaker, exchange_group
 from lightning_gradcomp.swarm.exchange import ROUNDINGS, LatticeCodec, PairwiseGossip, PendingExchange, SwarmStats
 from lightning_gradcomp.swarm.pairing import TOPOLOGIES, Edges, Topology, matching, round_local_steps, topology_edges
@@ -115,9 +115,11 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         gossip_buffers: gossip floating-point buffers (BatchNorm running statistics) with the parameters,
             so every model's statistics follow its averaged weights.
         exchange_timeout: seconds after which an async exchange with a silent partner fails (dead partner).
+        timeout: process-group timeout, a ``timedelta`` or seconds (> 0); ``None`` uses PyTorch's backend
+            default. Default :data:`~lightning_gradcomp.distributed.DEFAULT_TIMEOUT` (10 minutes), as for
+            :class:`~lightning_gradcomp.GradCompStrategy`.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, timeout, start_method: as for
-            :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        process_group_backend, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
     strategy_name = "swarmsgd"
@@ -134,11 +136,11 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None,
                  checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None,
-                 process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
+                 process_group_backend: Optional[str] = None,
+                 timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen") -> None:
-        self.local_steps = int(check_number("local_steps", local_steps, 1, float("inf"), low_open=False,
-                                            integer=True))
-        self.geometric_local_steps = _check_bool("geometric_local_steps", geometric_local_steps)
+        self.local_steps = check_int("local_steps", local_steps, 1)
+        self.geometric_local_steps = check_bool("geometric_local_steps", geometric_local_steps)
         self.topology = _check_topology(topology)
         self.torus_shape = None if torus_shape is None else _check_shape(torus_shape)
         if rounding not in ROUNDINGS:
@@ -147,14 +149,13 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         self.codec = None if bits is None else LatticeCodec(bits=bits, block_size=block_size,
                                                            margin=lattice_margin, rounding=rounding)
         self.bits = bits
-        self.non_blocking = _check_bool("non_blocking", non_blocking)
+        self.non_blocking = check_bool("non_blocking", non_blocking)
         if eval_model not in _EVAL_MODELS:
             raise ValueError(f"`eval_model` must be one of {_EVAL_MODELS}, got {eval_model!r}")
         self.eval_model = eval_model
-        self.average_at_end = _check_bool("average_at_end", average_at_end)
-        self.monitor_every = int(check_number("monitor_every", monitor_every, 0, float("inf"), low_open=False,
-                                              integer=True))
-        self.seed = int(check_number("seed", seed, 0, 2**63 - 1, low_open=False, integer=True))
+        self.average_at_end = check_bool("average_at_end", average_at_end)
+        self.monitor_every = check_int("monitor_every", monitor_every, 0)
+        self.seed = check_int("seed", seed, 0, 2**63 - 1)
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
         self.mode = mode
@@ -164,7 +165,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         if replay is not None and mode != "async":
             raise ValueError("`replay` reproduces an asynchronous run: it needs mode='async'")
         self.replay = _check_replay(replay)
-        self.gossip_buffers = _check_bool("gossip_buffers", gossip_buffers)
+        self.gossip_buffers = check_bool("gossip_buffers", gossip_buffers)
         self.exchange_timeout = float(check_number("exchange_timeout", exchange_timeout, 0, float("inf")))
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -657,12 +658,6 @@ def _write_named(module: torch.nn.Module, values: dict[str, Tensor]) -> None:
                 live[name].copy_(value)
 
 
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a bool, got {value!r}")
-    return value
-
-
 def _check_replay(replay: Any) -> Any:
     if replay is None:
         return None
@@ -688,7 +683,7 @@ def _check_topology(topology: Any) -> Topology:
     except TypeError:
         raise TypeError(f"`topology` must be a name {TOPOLOGIES} or a list of (i, j) edges, got {topology!r}") from None
     for edge in edges:
-        if len(edge) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in edge):
+        if len(edge) != 2 or not all(is_int(v) and v >= 0 for v in edge):
             raise ValueError(f"`topology` edges must be pairs of non-negative integer ranks, got {edge!r}")
         if edge[0] == edge[1]:
             raise ValueError(f"`topology` edge {edge!r} is a self-loop")
@@ -703,7 +698,7 @@ def _check_shape(shape: Any) -> tuple[int, int]:
     except (TypeError, ValueError):
         raise TypeError(f"`torus_shape` must be a (rows, cols) pair, got {shape!r}") from None
     for v in (rows, cols):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not is_int(v) or v < 1:
             raise ValueError(f"`torus_shape` entries must be integers >= 1, got {shape!r}")
     return int(rows), int(cols)
 

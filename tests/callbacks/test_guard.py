@@ -84,7 +84,7 @@ def test_strategy_diagnosis() -> None:
     assert diagnose_strategy(strategy) is None
 
 
-@pytest.mark.parametrize("ratio, fires", [(1.0, True), (1.02, True), (4.0, False)])
+@pytest.mark.parametrize("ratio, fires", [(1.0, True), (1.02, True), (4.0, False), (float("inf"), False)])
 def test_guard_judges_after_warmup_and_warns_once(ratio: float, fires: bool, recwarn: pytest.WarningsRecorder) -> None:
     policy = SlotPolicy(min_numel=10**6) if ratio == 1.0 else SlotPolicy()
     hook = FakeHook(policy)

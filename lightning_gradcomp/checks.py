@@ -1,0 +1,116 @@
+"""Argument checks shared by the package: each raises naming the argument and what it allows.
+
+The bottom floor of the package: it imports only the standard library and torch, so every module (compressors,
+callbacks, strategies, ``functional``) can use it. ``bool`` is never accepted as a number: ``True`` is an ``int``
+to Python, but ``ratio=True`` or ``bits=True`` is a mistake.
+
+Example::
+
+    >>> check_number("ratio", 0.01, 0.0, 1.0)
+    0.01
+    >>> check_int("min_numel", 0, 1)
+    Traceback (most recent call last):
+    ...
+    ValueError: `min_numel` must be in [1, inf], got 0
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+__all__ = ["check_bool", "check_bucket_size", "check_dtype", "check_int", "check_number", "check_timeout", "is_int",
+           "is_number"]
+
+
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is an ``int`` or a ``float``, not a ``bool``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an ``int``, not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_number(name: str, value: Any, low: float, high: float, *, low_open: bool = True, high_open: bool = False,
+                 integer: bool = False) -> Any:
+    """Validate a numeric argument against ``(low, high]`` (``low_open``, ``high_open`` choose the brackets) and
+    return it unchanged.
+
+    Raises:
+        TypeError: ``value`` is not a number (or not an integer when ``integer``); the message names ``name``.
+        ValueError: ``value`` is outside the range; the message names ``name`` and the range.
+    """
+    if not (is_int(value) if integer else is_number(value)):
+        raise TypeError(f"`{name}` must be {'an integer' if integer else 'a number'}, got {value!r}")
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below):
+        raise ValueError(f"`{name}` must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}, "
+                         f"got {value!r}")
+    return value
+
+
+def check_int(name: str, value: Any, low: int, high: float = math.inf) -> int:
+    """Validate an integer argument in ``[low, high]`` (``high`` may be ``inf``) and return it.
+
+    Raises:
+        TypeError: ``value`` is not an ``int`` (a ``bool`` or an integral ``float`` neither).
+        ValueError: ``value`` is outside the range; the message names ``name`` and the range.
+    """
+    return int(check_number(name, value, low, high, low_open=False, integer=True))
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """Validate a flag: a ``bool`` (not ``0``/``1`` nor ``"yes"``).
+
+    Raises:
+        TypeError: ``value`` is not a ``bool``; the message names ``name``.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool, got {value!r}")
+    return value
+
+
+def check_bucket_size(value: Any, name: str = "bucket_size") -> int:
+    """Validate the size of a group of elements sharing one scale (``bucket_size``, ``block_size``): an integer
+    >= 1."""
+    return check_int(name, value, 1)
+
+
+def check_dtype(name: str, value: Union[torch.dtype, str], allowed: Sequence[torch.dtype]) -> torch.dtype:
+    """Validate a dtype among ``allowed``; strings name a torch dtype (``"bfloat16"``, ``"torch.float16"``).
+
+    Raises:
+        ValueError: ``value`` is not one of ``allowed``; the message names ``name`` and lists them.
+    """
+    dtype = getattr(torch, value.removeprefix("torch."), None) if isinstance(value, str) else value
+    if not isinstance(dtype, torch.dtype) or dtype not in allowed:
+        names = [str(d) for d in allowed]
+        choices = " or ".join(names) if len(names) == 2 else "one of " + ", ".join(names)
+        raise ValueError(f"`{name}` must be {choices}, got {dtype if isinstance(dtype, torch.dtype) else value!r}")
+    return dtype
+
+
+def check_timeout(timeout: Any) -> Optional[timedelta]:
+    """Validate a process-group timeout: a positive ``timedelta``, positive seconds (YAML), or ``None``.
+
+    Raises:
+        TypeError: not a ``timedelta``, a number or ``None``.
+        ValueError: not positive and finite.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif is_number(timeout):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"`timeout` must be a datetime.timedelta, a number of seconds or None, got {timeout!r}")
+    if not seconds > 0 or seconds == math.inf:
+        raise ValueError(f"`timeout` must be positive and finite (seconds in (0, inf)), got {timeout!r}")
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
