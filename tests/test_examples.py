@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -14,39 +15,64 @@ from helpers.distributed import run_workers
 from helpers.models import assert_replicas_identical, fit
 from helpers.reduce import rank_inputs, reduce_worker
 from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.callbacks import LGreCo
 from lightning_gradcomp.comm import all_gather_bytes
+from lightning_gradcomp.functional.packing import packed_nbytes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-from custom_compressor import Int8AllGather  # noqa: E402
+from custom_compressor import AbsmaxInt  # noqa: E402 - also declares the preset "absmax_int4"
 
 
-def test_docs_show_the_tested_compressor_verbatim() -> None:
+def test_docs_show_the_complete_example_verbatim_in_at_most_50_lines() -> None:
     source = (ROOT / "examples" / "custom_compressor.py").read_text()
     page = (ROOT / "docs" / "custom-compressor.md").read_text()
-    body = source[source.index("@register"):]
-    assert body.strip() in page
-    assert len(body.strip().splitlines()) < 50
+    assert source.strip() in page
+    assert len(source.strip().splitlines()) <= 50
 
 
-def test_custom_compressor_reduces_and_counts_bytes() -> None:
-    shapes = [(30, 40), (10, 10)]
-    results = run_workers(reduce_worker, 3, Int8AllGather(), shapes)
-    inputs = [rank_inputs(r, shapes) for r in range(3)]
-    for layer in range(2):
-        mean = sum(x[layer] for x in inputs) / 3
-        bound = max(float(x[layer].abs().max()) for x in inputs) / 127  # half a step per rank, averaged
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+def test_example_reduces_within_half_a_step_and_counts_its_bytes(world_size: int) -> None:
+    shapes, bits = [(30, 40), (7,), (10, 10)], [4, 2, 8]
+    results = run_workers(reduce_worker, world_size, AbsmaxInt(), shapes, bits)
+    inputs = [rank_inputs(r, shapes) for r in range(world_size)]
+    for layer, b in enumerate(bits):
+        mean = sum(x[layer] for x in inputs) / world_size
+        bound = max(float(x[layer].abs().max()) for x in inputs) / (2 ** (b - 1) - 1) / 2 * (1 + 1e-5)
         got = results[0]["steps"][0]["averaged"][layer]
         assert float((got - mean).abs().max()) <= bound
-        assert torch.equal(got, results[2]["steps"][0]["averaged"][layer])
-    assert results[0]["stats"]["wire_bytes"] == pytest.approx(all_gather_bytes(1300 + 2 * 4, 3))
+        for other in results[1:]:
+            assert torch.equal(got, other["steps"][0]["averaged"][layer])
+    payload = sum(packed_nbytes(math.prod(s), b) for s, b in zip(shapes, bits)) + 4 * len(shapes)
+    assert results[0]["stats"]["wire_bytes"] == pytest.approx(all_gather_bytes(payload, world_size))
 
 
-def test_custom_compressor_trains_with_identical_replicas(tmp_path: Path) -> None:
-    records = fit(GradCompStrategy(compressor=Int8AllGather(), start_method="fork"), tmp_path, max_epochs=2)
+def test_example_layer_costs_are_its_bytes_and_its_error() -> None:
+    comp = AbsmaxInt()
+    assert comp.tunable and comp.layer_candidates((4, 4), [1, 2, 3, 9]) == [2, 3, 4]
+    exact = torch.tensor([-7.0, 0.0, 3.0, 7.0])  # on the 4-bit grid: no error at 4 bits
+    sizes, errors = comp.layer_costs(exact, (4,), [2, 4])
+    assert sizes == [1.0 + 4, 2.0 + 4] and errors[1] == 0.0 and errors[0] > 0
+    with pytest.raises(ValueError, match="bits"):
+        AbsmaxInt(bits=9)
+
+
+def test_example_preset_name_trains_with_identical_replicas(tmp_path: Path) -> None:
+    records = fit("absmax_int4_fork", tmp_path, max_epochs=2)
     assert_replicas_identical(records)
-    assert records[0]["stats"]["wire_bytes"] < records[0]["stats"]["dense_bytes"] / 2
+    assert records[0]["stats"]["wire_bytes"] < records[0]["stats"]["dense_bytes"] / 2  # TinyNet: small layers dense
+
+
+def test_lgreco_tunes_the_example_per_layer(tmp_path: Path) -> None:
+    strategy = GradCompStrategy(compressor=AbsmaxInt(bits=4), start_method="fork")
+    lgreco = LGreCo(period=3, warmup_steps=4, accumulate_steps=2, alpha=1.3)  # error budget: 1.3x uniform 4 bits
+    records = fit(strategy, tmp_path, max_epochs=3, callbacks=[lgreco])
+    assert_replicas_identical(records)
+    chosen = [{name: layer["param"] for name, layer in rec["stats"]["layers"].items() if layer["param"] is not None}
+              for rec in records]  # the compressed layers' bit widths at the end
+    assert chosen[0] and chosen[0] == chosen[1] and all(2 <= b <= 8 for b in chosen[0].values())
+    assert set(chosen[0].values()) != {4}  # L-GreCo moved at least one layer off the uniform 4 bits
 
 
 @pytest.mark.slow
