@@ -44,15 +44,32 @@ import os
 import re
 import secrets
 import zipfile
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from fsspec import AbstractFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
-__all__ = ["FORMAT_VERSION", "SUFFIX", "build_manifest", "check_entry", "check_manifest", "is_sharded", "load_shard",
-           "load_verified", "new_token", "read_shards", "remove_shards", "remove_stale_shards", "shard_dir",
-           "shard_name", "shard_path", "verify_checkpoint_file", "write_shard"]
+__all__ = [
+    "FORMAT_VERSION",
+    "SUFFIX",
+    "build_manifest",
+    "check_entry",
+    "check_manifest",
+    "is_sharded",
+    "load_shard",
+    "load_verified",
+    "new_token",
+    "read_shards",
+    "remove_shards",
+    "remove_stale_shards",
+    "shard_dir",
+    "shard_name",
+    "shard_path",
+    "verify_checkpoint_file",
+    "write_shard",
+]
 
 FORMAT_VERSION = 2
 """Version of the sharded ``checkpoint["gradcomp"]`` entry (version 1 held every rank's state inline)."""
@@ -143,8 +160,9 @@ def _atomic_write(fs: AbstractFileSystem, path: str, data: memoryview) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- manifest
-def build_manifest(shards: list[dict[str, Any]], compressor: str, replicated: dict[str, Any],
-                   checkpoint_path: Any) -> dict[str, Any]:
+def build_manifest(
+    shards: list[dict[str, Any]], compressor: str, replicated: dict[str, Any], checkpoint_path: Any
+) -> dict[str, Any]:
     """The ``checkpoint["gradcomp"]`` entry: format version, compressor, world size, shard folder and shards.
 
     Args:
@@ -155,8 +173,14 @@ def build_manifest(shards: list[dict[str, Any]], compressor: str, replicated: di
         checkpoint_path: the checkpoint the shards belong to; its shard folder's *name* is recorded, so a
             symbolic link to the checkpoint (``ModelCheckpoint(save_last="link")``) finds the shards.
     """
-    manifest = {"version": FORMAT_VERSION, "compressor": compressor, "world_size": len(shards),
-                "dir": _base(shard_dir(checkpoint_path)), "replicated": replicated, "shards": list(shards)}
+    manifest = {
+        "version": FORMAT_VERSION,
+        "compressor": compressor,
+        "world_size": len(shards),
+        "dir": _base(shard_dir(checkpoint_path)),
+        "replicated": replicated,
+        "shards": list(shards),
+    }
     check_manifest(manifest)
     return manifest
 
@@ -175,8 +199,10 @@ def check_manifest(manifest: Any, key: str = "gradcomp") -> None:
     """
     problem = _manifest_problem(manifest)
     if problem:
-        raise ValueError(f"checkpoint entry {key!r} is malformed or from an unknown version ({problem}; "
-                         f"expected version {FORMAT_VERSION} with one shard per rank)")
+        raise ValueError(
+            f"checkpoint entry {key!r} is malformed or from an unknown version ({problem}; "
+            f"expected version {FORMAT_VERSION} with one shard per rank)"
+        )
 
 
 def check_entry(saved: Any, sharded: bool, key: str, required: tuple[str, ...], legacy_version: int) -> None:
@@ -192,9 +218,11 @@ def check_entry(saved: Any, sharded: bool, key: str, required: tuple[str, ...], 
         if missing:
             raise ValueError(f"checkpoint entry {key!r} is malformed (it has no {', '.join(missing)})")
     elif not isinstance(saved, dict) or saved.get("version") != legacy_version or "per_rank" not in saved:
-        raise ValueError(f"checkpoint entry {key!r} is malformed or from an unknown version (expected version "
-                         f"{FORMAT_VERSION} with one shard per rank, or version {legacy_version} with one state "
-                         f"per rank)")
+        raise ValueError(
+            f"checkpoint entry {key!r} is malformed or from an unknown version (expected version "
+            f"{FORMAT_VERSION} with one shard per rank, or version {legacy_version} with one state "
+            f"per rank)"
+        )
 
 
 def _manifest_problem(manifest: Any) -> Optional[str]:
@@ -221,9 +249,15 @@ def _manifest_problem(manifest: Any) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------- read
-def load_shard(checkpoint_path: Any, manifest: dict[str, Any], rank: int, weights_only: bool = True, *,
-               what: str = "compression-state",
-               contents: str = "error-feedback memory and compressor state") -> dict[str, Any]:
+def load_shard(
+    checkpoint_path: Any,
+    manifest: dict[str, Any],
+    rank: int,
+    weights_only: bool = True,
+    *,
+    what: str = "compression-state",
+    contents: str = "error-feedback memory and compressor state",
+) -> dict[str, Any]:
     """Read rank ``rank``'s shard, check its size and SHA-256 against the manifest, and load it (on CPU).
 
     The shard folder is the manifest's ``dir`` next to ``checkpoint_path``, else ``<checkpoint_path>.gradcomp``
@@ -248,14 +282,16 @@ def load_shard(checkpoint_path: Any, manifest: dict[str, Any], rank: int, weight
             f"{what} shard '{path}' of checkpoint '{checkpoint_path}' is missing (rank {rank} of "
             f"{manifest['world_size']}): every rank's {contents} live in the folder "
             f"'{manifest['dir']}' next to the checkpoint file. Copy that folder together with the checkpoint (and "
-            f"make it visible to every rank), or resume from an earlier checkpoint") from None
+            f"make it visible to every rank), or resume from an earlier checkpoint"
+        ) from None
     digest = hashlib.sha256(data).hexdigest()
     if len(data) != entry["bytes"] or digest != entry["sha256"]:
         raise RuntimeError(
             f"{what} shard '{path}' of checkpoint '{checkpoint_path}' is corrupted: it has {len(data)} "
             f"bytes with SHA-256 {digest[:16]}..., the checkpoint's manifest expects {entry['bytes']} bytes with "
             f"{entry['sha256'][:16]}... (the file was changed, truncated or copied only partly, or belongs to "
-            f"another save); resume from an earlier checkpoint")
+            f"another save); resume from an earlier checkpoint"
+        )
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
     except Exception as err:  # noqa: BLE001 - the checksum matched, so this is a foreign or unsafe payload
@@ -282,8 +318,11 @@ def read_shards(checkpoint_path: Any, weights_only: bool = True, key: str = "gra
 def _locate(checkpoint_path: str, folder: str, name: str) -> str:
     recorded = _join(_join(_parent(checkpoint_path), folder), name)
     renamed = _join(shard_dir(checkpoint_path), name)
-    if recorded != renamed and not get_filesystem(recorded).exists(recorded) \
-            and get_filesystem(renamed).exists(renamed):
+    if (
+        recorded != renamed
+        and not get_filesystem(recorded).exists(recorded)
+        and get_filesystem(renamed).exists(renamed)
+    ):
         return renamed
     return recorded
 
@@ -307,8 +346,10 @@ def verify_checkpoint_file(path: Any) -> None:
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
         raise _unreadable(path, err) from err
     if bad is not None:
-        raise RuntimeError(f"checkpoint file '{path}' is corrupted: member {bad!r} does not match its "
-                           f"CRC-32 checksum; resume from an earlier checkpoint")
+        raise RuntimeError(
+            f"checkpoint file '{path}' is corrupted: member {bad!r} does not match its "
+            f"CRC-32 checksum; resume from an earlier checkpoint"
+        )
 
 
 def load_verified(load: Callable[[], dict[str, Any]], path: Any) -> dict[str, Any]:
@@ -330,8 +371,10 @@ def _unreadable(path: Any, err: BaseException) -> RuntimeError:
     if "weights only" in str(err).lower():
         why = "it holds pickled objects that `weights_only=True` loading refuses"
     else:
-        why = ("the file is truncated or corrupted (for example, copied or written only partly) or is not a "
-               "PyTorch checkpoint; resume from an earlier checkpoint")
+        why = (
+            "the file is truncated or corrupted (for example, copied or written only partly) or is not a "
+            "PyTorch checkpoint; resume from an earlier checkpoint"
+        )
     return RuntimeError(f"cannot load checkpoint file '{path}': {why} ({type(err).__name__}: {_first_line(err)})")
 
 

@@ -17,13 +17,22 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, TypeGuard, Union
 
 import torch
 
-__all__ = ["check_bool", "check_bucket_size", "check_dtype", "check_int", "check_number", "check_timeout", "is_int",
-           "is_number"]
+__all__ = [
+    "check_bool",
+    "check_bucket_size",
+    "check_dtype",
+    "check_int",
+    "check_number",
+    "check_timeout",
+    "is_int",
+    "is_number",
+]
 
 
 def is_number(value: Any) -> bool:
@@ -31,13 +40,21 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """Whether ``value`` is an ``int``, not a ``bool``."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_number(name: str, value: Any, low: float, high: float, *, low_open: bool = True, high_open: bool = False,
-                 integer: bool = False) -> Any:
+def check_number(
+    name: str,
+    value: Any,
+    low: float,
+    high: float,
+    *,
+    low_open: bool = True,
+    high_open: bool = False,
+    integer: bool = False,
+) -> Any:
     """Validate a numeric argument against ``(low, high]`` (``low_open``, ``high_open`` choose the brackets) and
     return it unchanged.
 
@@ -50,8 +67,9 @@ def check_number(name: str, value: Any, low: float, high: float, *, low_open: bo
     above = value > low if low_open else value >= low
     below = value < high if high_open else value <= high
     if not (above and below):
-        raise ValueError(f"`{name}` must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"`{name}` must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}, got {value!r}"
+        )
     return value
 
 

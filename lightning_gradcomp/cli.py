@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 __all__ = ["main"]
 
@@ -16,8 +17,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub.add_parser("list", help="list registered compressors and strategy names")
     from lightning_gradcomp import report
 
-    report.add_arguments(sub.add_parser("report", help="plots and a summary of logged compression metrics",
-                                        description=report.__doc__.split("\n\n")[0]))
+    report.add_arguments(
+        sub.add_parser(
+            "report",
+            help="plots and a summary of logged compression metrics",
+            description=report.__doc__.split("\n\n")[0],
+        )
+    )
     from lightning_gradcomp.bench import runner as bench
 
     bench.add_arguments(sub.add_parser("bench", help="is compression worth it on this network? (measured)"))

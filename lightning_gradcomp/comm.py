@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Literal, Optional, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -239,8 +240,18 @@ class CommStats:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`."""
-        for key in ("wire_bytes", "intra_bytes", "dense_bytes", "steps", "compressed_steps", "collectives",
-                    "nonfinite_steps", "hook_seconds", "comm_thread_seconds", "wait_seconds"):
+        for key in (
+            "wire_bytes",
+            "intra_bytes",
+            "dense_bytes",
+            "steps",
+            "compressed_steps",
+            "collectives",
+            "nonfinite_steps",
+            "hook_seconds",
+            "comm_thread_seconds",
+            "wait_seconds",
+        ):
             setattr(self, key, state.get(key, getattr(self, key)))
         self.layers = {k: LayerStats(**v) for k, v in state.get("layers", {}).items()}
 
@@ -259,8 +270,9 @@ class Comm:
             ``stats.wire_bytes``.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None, *,
-                 intra: bool = False) -> None:
+    def __init__(
+        self, group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None, *, intra: bool = False
+    ) -> None:
         self.group = group
         self.stats = stats if stats is not None else CommStats()
         self.intra = intra
@@ -273,12 +285,28 @@ class Comm:
         else:
             self.stats.add_wire(nbytes, shares)
 
-    def waiting(self) -> "_Waiting":
+    def waiting(self) -> _Waiting:
         """A context that adds its wall time to ``stats.wait_seconds`` (a blocking collective or wait)."""
         return _Waiting(self.stats)
 
-    def all_reduce(self, tensor: Tensor, *, async_op: bool = False, op: Any = dist.ReduceOp.SUM,
-                   shares: Optional[LayerShares] = None) -> Optional[Future]:
+    @overload
+    def all_reduce(
+        self, tensor: Tensor, *, async_op: Literal[False] = False, op: Any = ..., shares: Optional[LayerShares] = None
+    ) -> None: ...
+
+    @overload
+    def all_reduce(
+        self, tensor: Tensor, *, async_op: Literal[True], op: Any = ..., shares: Optional[LayerShares] = None
+    ) -> Future: ...
+
+    def all_reduce(
+        self,
+        tensor: Tensor,
+        *,
+        async_op: bool = False,
+        op: Any = dist.ReduceOp.SUM,
+        shares: Optional[LayerShares] = None,
+    ) -> Optional[Future]:
         """In-place sum (or ``op``) across ranks. With ``async_op`` returns a ``Future[Tensor]``."""
         self._count(all_reduce_bytes(_nbytes(tensor), self.world_size), shares)
         if not async_op:
@@ -309,29 +337,60 @@ class Comm:
         with self.waiting():
             dist.all_to_all_single(output, tensor, group=self.group)
 
-    def all_to_all_uneven(self, output: Tensor, tensor: Tensor, output_splits: Sequence[int],
-                          input_splits: Sequence[int], *, async_op: bool = False) -> Optional[Future]:
+    @overload
+    def all_to_all_uneven(
+        self,
+        output: Tensor,
+        tensor: Tensor,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+        *,
+        async_op: Literal[False] = False,
+    ) -> None: ...
+
+    @overload
+    def all_to_all_uneven(
+        self,
+        output: Tensor,
+        tensor: Tensor,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+        *,
+        async_op: Literal[True],
+    ) -> Future: ...
+
+    def all_to_all_uneven(
+        self,
+        output: Tensor,
+        tensor: Tensor,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+        *,
+        async_op: bool = False,
+    ) -> Optional[Future]:
         """Exchange uneven chunks of 1-D tensors: ``tensor``'s chunk ``j`` (``input_splits[j]`` elements) goes to
         rank ``j``; rank ``j``'s chunk for this rank lands in ``output``'s chunk ``j`` (``output_splits[j]``).
         Counts the elements sent to the other ranks. With ``async_op`` returns a ``Future[Tensor]`` (``output``)."""
         sent = sum(input_splits) - input_splits[self.rank]
         self._count(float(sent * tensor.element_size()), None)
-        kwargs = {"output_split_sizes": list(output_splits), "input_split_sizes": list(input_splits),
-                  "group": self.group}
+        out_splits, in_splits = list(output_splits), list(input_splits)
         if not async_op:
             with self.waiting():
-                dist.all_to_all_single(output, tensor, **kwargs)
+                dist.all_to_all_single(output, tensor, out_splits, in_splits, group=self.group)
             return None
-        work = dist.all_to_all_single(output, tensor, async_op=True, **kwargs)
+        work = dist.all_to_all_single(output, tensor, out_splits, in_splits, group=self.group, async_op=True)
         return work.get_future().then(lambda _: output)
 
-    def exchange(self, send: Tensor, recv: Tensor, peer: int, *, async_op: bool = False,
-                 shares: Optional[LayerShares] = None) -> list[dist.Work]:
+    def exchange(
+        self, send: Tensor, recv: Tensor, peer: int, *, async_op: bool = False, shares: Optional[LayerShares] = None
+    ) -> list[dist.Work]:
         """Send ``send`` to and receive ``recv`` from group rank ``peer`` (both posted together)."""
         self._count(p2p_bytes(_nbytes(send), self.world_size), shares)
         global_peer = dist.get_global_rank(self.group, peer) if self.group else peer
-        ops = [dist.P2POp(dist.isend, send, global_peer, self.group),
-               dist.P2POp(dist.irecv, recv, global_peer, self.group)]
+        ops = [
+            dist.P2POp(dist.isend, send, global_peer, self.group),
+            dist.P2POp(dist.irecv, recv, global_peer, self.group),
+        ]
         works = dist.batch_isend_irecv(ops)
         if not async_op:
             with self.waiting():

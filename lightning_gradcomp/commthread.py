@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch.futures import Future

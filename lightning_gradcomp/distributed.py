@@ -16,8 +16,11 @@ A rank that *dies* is noticed at once (its connections close); this bounds the w
 Lightning's default is 30 minutes; see docs/reliability.md for the trade-off.
 """
 
-_COLLECTIVE_ERROR = re.compile(r"gloo|nccl|c10d|ProcessGroup|pair closure|Timed out waiting|"
-                               r"Connection (closed|reset) by peer|Broken pipe", re.IGNORECASE)
+_COLLECTIVE_ERROR = re.compile(
+    r"gloo|nccl|c10d|ProcessGroup|pair closure|Timed out waiting|"
+    r"Connection (closed|reset) by peer|Broken pipe",
+    re.IGNORECASE,
+)
 """Messages of failed collectives (gloo's timeout reads "Application timeout caused pair closure")."""
 
 

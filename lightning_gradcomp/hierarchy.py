@@ -32,10 +32,11 @@ shares are balanced, the bytes of one ring all-reduce), inter-node only this ran
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from functools import cached_property
 from datetime import timedelta
-from typing import Callable, Mapping, Optional, Union
+from functools import cached_property
+from typing import Optional, Union
 
 import torch.distributed as dist
 
@@ -73,8 +74,10 @@ def group_size_for(hierarchy: HierarchySpec, world_size: int, processes_per_node
     """
     size = processes_per_node if hierarchy == "node" else check_hierarchy(hierarchy)
     if not isinstance(size, int) or size < 1 or world_size % size:
-        raise ValueError(f"`hierarchy={hierarchy!r}` gives node groups of {size} processes, which does not divide "
-                         f"the world size {world_size}; `hierarchy` must be {_ALLOWED}")
+        raise ValueError(
+            f"`hierarchy={hierarchy!r}` gives node groups of {size} processes, which does not divide "
+            f"the world size {world_size}; `hierarchy` must be {_ALLOWED}"
+        )
     return size
 
 
@@ -150,7 +153,7 @@ class NodeShards:
     local: BucketPlan
 
     @classmethod
-    def of(cls, plan: BucketPlan, owner: Callable[[str], int], group_size: int, local_rank: int) -> "NodeShards":
+    def of(cls, plan: BucketPlan, owner: Callable[[str], int], group_size: int, local_rank: int) -> NodeShards:
         """Group ``plan``'s slots by ``owner(name)`` (a pure function of the plan, the owners and the rank).
 
         >>> from lightning_gradcomp.plan import LayerSlot, BucketPlan
@@ -201,8 +204,14 @@ class Hierarchy:
         self._shards: dict[int, tuple[BucketPlan, NodeShards]] = {}
 
     @classmethod
-    def create(cls, layout: HierarchyLayout, rank: int, numels: Mapping[str, int], stats: CommStats,
-               timeout: Optional[timedelta] = None) -> "Hierarchy":
+    def create(
+        cls,
+        layout: HierarchyLayout,
+        rank: int,
+        numels: Mapping[str, int],
+        stats: CommStats,
+        timeout: Optional[timedelta] = None,
+    ) -> Hierarchy:
         """Create the node and cross-node groups (a collective: every rank calls it, in the same order).
 
         Args:
@@ -212,18 +221,18 @@ class Hierarchy:
             stats: where both ``Comm`` count their bytes (the hook's stats).
             timeout: the groups' timeout (the strategy's process-group timeout).
         """
-        kwargs = {} if timeout is None else {"timeout": timeout}
         intra = cross = None
         for node in range(layout.num_nodes):  # every rank creates every group, in the same order
-            group = dist.new_group(layout.node_ranks(node), **kwargs)
+            group = dist.new_group(layout.node_ranks(node), timeout=timeout)
             if node == layout.node_of(rank):
                 intra = group
         for local in range(layout.group_size):
-            group = dist.new_group(layout.cross_ranks(local), **kwargs)
+            group = dist.new_group(layout.cross_ranks(local), timeout=timeout)
             if local == layout.local_rank(rank):
                 cross = group
-        return cls(layout, rank, Comm(intra, stats, intra=True), Comm(cross, stats),
-                   assign_owners(numels, layout.group_size))
+        return cls(
+            layout, rank, Comm(intra, stats, intra=True), Comm(cross, stats), assign_owners(numels, layout.group_size)
+        )
 
     def owner(self, name: str) -> int:
         """The local rank owning ``name`` (a name outside the model: by a checksum of the name)."""
@@ -238,8 +247,10 @@ class Hierarchy:
         """``plan``'s slots grouped by owner (cached per bucket; rebuilt when the plan changes)."""
         cached = self._shards.get(plan.index)
         if cached is None or cached[0] is not plan:
-            cached = self._shards[plan.index] = (plan, NodeShards.of(plan, self.owner, self.layout.group_size,
-                                                                        self.local_rank))
+            cached = self._shards[plan.index] = (
+                plan,
+                NodeShards.of(plan, self.owner, self.layout.group_size, self.local_rank),
+            )
         return cached[1]
 
     def describe(self) -> list[int]:

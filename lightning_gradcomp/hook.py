@@ -46,8 +46,9 @@ and every memory and compressor state stays in unscaled units, whatever the scal
 
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -121,10 +122,21 @@ class GradCompHook:
             strategy), or ``None`` for the flat protocol over ``comm``. ``comm`` stays the world's (W).
     """
 
-    def __init__(self, compressor: Compressor, comm: Comm, param_names: dict[int, str], *, start_step: int = 2,
-                 policy: Optional[SlotPolicy] = None, seed: int = 0, beta: float = 1.0,
-                 device: Optional[torch.device] = None, nonfinite: str = "dense",
-                 schedule: Optional[CompressionSchedule] = None, hierarchy: Optional[Hierarchy] = None) -> None:
+    def __init__(
+        self,
+        compressor: Compressor,
+        comm: Comm,
+        param_names: dict[int, str],
+        *,
+        start_step: int = 2,
+        policy: Optional[SlotPolicy] = None,
+        seed: int = 0,
+        beta: float = 1.0,
+        device: Optional[torch.device] = None,
+        nonfinite: str = "dense",
+        schedule: Optional[CompressionSchedule] = None,
+        hierarchy: Optional[Hierarchy] = None,
+    ) -> None:
         self.compressor = compressor
         self.comm = comm
         self.hierarchy = hierarchy
@@ -143,10 +155,10 @@ class GradCompHook:
         self.loss_scale: Optional[Callable[[], Optional[Tensor]]] = None
         self._plans: dict[int, tuple[tuple[int, ...], BucketPlan]] = {}
         self._small: set[str] = set()  # compressed slots that use policy.small_param
-        self._auto_commit = True      # no optimizer attached: every backward pass is a step
-        self._in_backward = False     # between the first and the last bucket of a backward pass
-        self._unstepped = False       # a backward pass went through the hook since the last step
-        self._compressed = False      # ... and it compressed something
+        self._auto_commit = True  # no optimizer attached: every backward pass is a step
+        self._in_backward = False  # between the first and the last bucket of a backward pass
+        self._unstepped = False  # a backward pass went through the hook since the last step
+        self._compressed = False  # ... and it compressed something
         self._optimizer_hooks: list[Any] = []
         self._thread: Optional[CommThread] = None
         self._follow_schedule()
@@ -200,8 +212,12 @@ class GradCompHook:
         self._optimizer_hooks.append(optimizer.register_step_post_hook(self._on_optimizer_step))
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        names = [self.param_names[id(p)] for group in optimizer.param_groups for p in group["params"]
-                 if p.grad is not None and id(p) in self.param_names]
+        names = [
+            self.param_names[id(p)]
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None and id(p) in self.param_names
+        ]
         self._end_step(names)
 
     def _end_step(self, names: Optional[list[str]]) -> None:
@@ -232,15 +248,19 @@ class GradCompHook:
         buf = bucket.buffer()
         plan = self.plan_for(bucket)
         step = self.step
-        compresses = step >= self.start_step and not self.compressor.dense and (
-            self.hierarchy is None or self.hierarchy.layout.num_nodes > 1)  # one node: no slow hop to spare
+        compresses = (
+            step >= self.start_step
+            and not self.compressor.dense
+            and (self.hierarchy is None or self.hierarchy.layout.num_nodes > 1)
+        )  # one node: no slow hop to spare
         compressing = compresses and bool(plan.compressed)
         self._compressed |= compresses
         scale = self.loss_scale() if compressing and self.loss_scale is not None else None
         if self._thread is None or not self._thread.alive:
             self._thread = CommThread()
-        fut = self._thread.submit(lambda: self._reduce(plan, buf, step, compressing, scale),
-                                  buf.device if buf.is_cuda else None)
+        fut = self._thread.submit(
+            lambda: self._reduce(plan, buf, step, compressing, scale), buf.device if buf.is_cuda else None
+        )
         if bucket.is_last():
             self._thread.drain()  # every collective of this backward pass is issued before DDP issues its own
             self._in_backward = False
@@ -256,8 +276,7 @@ class GradCompHook:
             self._thread.close()
             self._thread = None
 
-    def _reduce(self, plan: BucketPlan, buf: Tensor, step: int, compressing: bool,
-                scale: Optional[Tensor]) -> Future:
+    def _reduce(self, plan: BucketPlan, buf: Tensor, step: int, compressing: bool, scale: Optional[Tensor]) -> Future:
         """One bucket's whole protocol, on the communication thread."""
         start = time.perf_counter()
         self._count_dense_equivalent(plan, buf)
@@ -288,9 +307,18 @@ class GradCompHook:
         assert fut is not None
         return fut
 
-    def _reduce_compressed(self, plan: BucketPlan, buf: Tensor, step: int, scale: Optional[Tensor], comm: Comm,
-                           dense: tuple[LayerSlot, ...], comp: tuple[LayerSlot, ...], node_size: int = 1,
-                           node_flag: Optional[Tensor] = None) -> Future:
+    def _reduce_compressed(
+        self,
+        plan: BucketPlan,
+        buf: Tensor,
+        step: int,
+        scale: Optional[Tensor],
+        comm: Comm,
+        dense: tuple[LayerSlot, ...],
+        comp: tuple[LayerSlot, ...],
+        node_size: int = 1,
+        node_flag: Optional[Tensor] = None,
+    ) -> Future:
         """Reduce ``dense`` and ``comp`` (slots of ``buf``) over ``comm``; the Future resolves to ``buf``.
 
         ``buf`` holds the sum of ``node_size`` ranks' gradients (1: this rank's own; with a hierarchy, the node's),
@@ -305,45 +333,55 @@ class GradCompHook:
         use_ef = self.compressor.uses_error_feedback
         if scale is not None:
             scale = scale.to(device=buf.device, dtype=torch.float32).reshape(1)
-        divisor = scale if node_size == 1 else torch.full((1,), float(node_size), device=buf.device).mul_(
-            1.0 if scale is None else scale)
-        grads = [buf[s.offset:s.end] for s in comp]
+        divisor = (
+            scale
+            if node_size == 1
+            else torch.full((1,), float(node_size), device=buf.device).mul_(1.0 if scale is None else scale)
+        )
+        grads = [buf[s.offset : s.end] for s in comp]
         borrow = not use_ef and self.compressor.borrows_inputs and divisor is None and buf.dtype == torch.float32
-        tensors = [self.memory.compensate(s.name, g, divisor) if use_ef else g if borrow else _unscaled(g, divisor)
-                   for s, g in zip(comp, grads)]  # borrowed: views of the bucket, only read during reduce()
+        tensors = [
+            self.memory.compensate(s.name, g, divisor) if use_ef else g if borrow else _unscaled(g, divisor)
+            for s, g in zip(comp, grads)
+        ]  # borrowed: views of the bucket, only read during reduce()
         watchers = [obs for obs in self.observers if obs.wants(step)]
         inputs = [t.clone() for t in tensors] if watchers else []
         raw = None
         if any(getattr(obs, "needs_gradients", False) for obs in watchers):  # without EF the inputs are g already
             raw = [_unscaled(g, divisor) for g in grads] if use_ef else inputs
         ctx = ReduceContext(comm, step, plan.index, comp, [self.param_of(s.name) for s in comp], self.seed)
-        reduction = reduce_with_feedback(self.compressor, self.memory if use_ef else None, tensors, ctx,
-                                         watchers, inputs, raw)
+        reduction = reduce_with_feedback(
+            self.compressor, self.memory if use_ef else None, tensors, ctx, watchers, inputs, raw
+        )
 
         def write_back(fut: Future) -> Tensor:
             for slot, avg in zip(comp, fut.value()):
-                buf[slot.offset:slot.end].copy_(avg)
+                buf[slot.offset : slot.end].copy_(avg)
                 if scale is not None:  # back to the loss-scaled units the GradScaler expects (exact: 2^k)
-                    buf[slot.offset:slot.end].mul_(scale)
+                    buf[slot.offset : slot.end].mul_(scale)
             return buf
 
         return then_same_numerics(reduction.averaged, write_back)
 
-    def _head(self, buf: Tensor, dense: tuple[LayerSlot, ...], comm: Comm, flag: bool,
-              flag_value: Optional[Tensor] = None) -> bool:
+    def _head(
+        self, buf: Tensor, dense: tuple[LayerSlot, ...], comm: Comm, flag: bool, flag_value: Optional[Tensor] = None
+    ) -> bool:
         """All-reduce ``dense`` (divided by W), plus a "NaN/Inf in ``buf``" flag (or ``flag_value``) when ``flag``,
         in **one** collective over ``comm``; write them back. Returns whether any rank flagged (skipped when
         there is nothing to send)."""
-        pieces = [buf[s.offset:s.end] for s in dense]
+        pieces = [buf[s.offset : s.end] for s in dense]
         if flag:  # NaN/Inf anywhere -> sum
-            pieces.append(flag_value if flag_value is not None else
-                          (~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1))
+            pieces.append(
+                flag_value
+                if flag_value is not None
+                else (~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1)
+            )
         if not pieces:
             return False
         head = torch.cat(pieces).div_(self.comm.world_size)
         comm.all_reduce(head, shares=[(s.name, s.numel) for s in dense])
-        for slot, piece in zip(dense, torch.split(head[:head.numel() - int(flag)], [s.numel for s in dense])):
-            buf[slot.offset:slot.end].copy_(piece)
+        for slot, piece in zip(dense, torch.split(head[: head.numel() - int(flag)], [s.numel for s in dense])):
+            buf[slot.offset : slot.end].copy_(piece)
         return flag and bool(head[-1] != 0)
 
     def _reduce_nonfinite(self, buf: Tensor, comp: tuple[LayerSlot, ...], comm: Comm) -> Future:
@@ -354,24 +392,29 @@ class GradCompHook:
             return completed_future(buf)
         if not comp:  # a hierarchy rank owning no compressed slot of this bucket
             return completed_future(buf)
-        rest = torch.cat([buf[s.offset:s.end] for s in comp]).div_(self.comm.world_size)
+        rest = torch.cat([buf[s.offset : s.end] for s in comp]).div_(self.comm.world_size)
         comm.all_reduce(rest, shares=[(s.name, s.numel) for s in comp])
         for slot, piece in zip(comp, torch.split(rest, [s.numel for s in comp])):
-            buf[slot.offset:slot.end].copy_(piece)
+            buf[slot.offset : slot.end].copy_(piece)
         return completed_future(buf)
 
-    def _reduce_hierarchical(self, hierarchy: Hierarchy, plan: BucketPlan, buf: Tensor, step: int, compressing: bool,
-                             scale: Optional[Tensor]) -> Future:
+    def _reduce_hierarchical(
+        self, hierarchy: Hierarchy, plan: BucketPlan, buf: Tensor, step: int, compressing: bool, scale: Optional[Tensor]
+    ) -> Future:
         """Node reduce-scatter into this rank's shard, its slots across nodes, node all-gather of the shards."""
         intra, shards, size = hierarchy.intra, hierarchy.shards(plan), hierarchy.layout.group_size
         local = shards.local  # this rank's slots, back to back in its shard
         width = local.numel + 1  # the shard and the node's NaN/Inf flag
         # (1) every slot to its owner, with this rank's flag (read only when compressing); row j of `rows` is what
         # local rank j sent us
-        flag = ((~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1) if compressing
-                else buf.new_zeros(1))
-        send = torch.cat([piece for slots in shards.by_owner
-                          for piece in (*(buf[s.offset:s.end] for s in slots), flag)])
+        flag = (
+            (~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1)
+            if compressing
+            else buf.new_zeros(1)
+        )
+        send = torch.cat(
+            [piece for slots in shards.by_owner for piece in (*(buf[s.offset : s.end] for s in slots), flag)]
+        )
         rows = send.view(1, width) if size == 1 else buf.new_empty(size, width)
         if size > 1:
             intra.all_to_all_uneven(rows.view(-1), send, [width] * size, shards.widths)
@@ -379,8 +422,9 @@ class GradCompHook:
         for j in range(1, size):  # the node sum, in local-rank order (only the owner computes it)
             shard.add_(rows[j])
         if compressing:  # (2) the shard across nodes: the flat protocol on the cross-node group
-            fut = self._reduce_compressed(local, shard, step, scale, hierarchy.cross, local.dense, local.compressed,
-                                          size, node_flag=shard[-1:])
+            fut = self._reduce_compressed(
+                local, shard, step, scale, hierarchy.cross, local.dense, local.compressed, size, node_flag=shard[-1:]
+            )
             with intra.waiting():  # its averages are sent in (3)
                 fut.wait()
         else:
@@ -397,7 +441,7 @@ class GradCompHook:
         def unpack(received: Tensor) -> Tensor:
             for slot, piece in zip(layout, torch.split(received, list(sizes))):
                 if slot is not None:
-                    buf[slot.offset:slot.end].copy_(piece)
+                    buf[slot.offset : slot.end].copy_(piece)
             return buf
 
         if size == 1:
@@ -429,9 +473,12 @@ class GradCompHook:
         """
         saved = state.get("hierarchy")  # absent before hierarchy= existed: flat
         if per_rank and saved != self._layout():
-            warnings.warn(f"GradCompHook: the state was saved with hierarchy layout {saved} ([nodes, processes per "
-                          f"node]; None: flat) and is restored into {self._layout()}: per-rank state (error-feedback "
-                          f"memories, compressor state) is reset; the step counter and per-layer parameters are kept")
+            warnings.warn(
+                f"GradCompHook: the state was saved with hierarchy layout {saved} ([nodes, processes per "
+                f"node]; None: flat) and is restored into {self._layout()}: per-rank state (error-feedback "
+                f"memories, compressor state) is reset; the step counter and per-layer parameters are kept",
+                stacklevel=2,
+            )
             per_rank = False
         self.step = int(state.get("step", 0))
         self.memory.beta = float(state.get("beta", self.memory.beta))
@@ -446,9 +493,15 @@ class GradCompHook:
             self.compressor.reset_state()
 
 
-def reduce_with_feedback(compressor: Compressor, memory: Optional[ErrorFeedback], tensors: list[Tensor],
-                         ctx: ReduceContext, watchers: list[HookObserver], inputs: list[Tensor],
-                         raw: Optional[list[Tensor]] = None) -> Reduction:
+def reduce_with_feedback(
+    compressor: Compressor,
+    memory: Optional[ErrorFeedback],
+    tensors: list[Tensor],
+    ctx: ReduceContext,
+    watchers: list[HookObserver],
+    inputs: list[Tensor],
+    raw: Optional[list[Tensor]] = None,
+) -> Reduction:
     """Run ``compressor.reduce``, stage the new error-feedback memories and show the observers the result.
 
     Args:

@@ -23,7 +23,8 @@ residual at the wrong scale.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -111,8 +112,11 @@ class ErrorFeedback:
 
     def flat(self, names: list[str]) -> Tensor:
         """The named memories concatenated (zeros where a memory does not exist yet)."""
-        return torch.cat([self.memories[n].reshape(-1) for n in names if n in self.memories]) \
-            if any(n in self.memories for n in names) else torch.zeros(0)
+        return (
+            torch.cat([self.memories[n].reshape(-1) for n in names if n in self.memories])
+            if any(n in self.memories for n in names)
+            else torch.zeros(0)
+        )
 
     def reset(self) -> None:
         """Drop every memory (committed and staged)."""
@@ -125,6 +129,8 @@ class ErrorFeedback:
 
     def load_state_dict(self, state: dict[str, Tensor], device: Optional[torch.device] = None) -> None:
         """Replace the memories with ``state`` (moved to ``device`` when given)."""
-        self.memories = {k: v.to(device=device, dtype=torch.float32) if device is not None
-                         else v.to(torch.float32).clone() for k, v in state.items()}
+        self.memories = {
+            k: v.to(device=device, dtype=torch.float32) if device is not None else v.to(torch.float32).clone()
+            for k, v in state.items()
+        }
         self.staged.clear()

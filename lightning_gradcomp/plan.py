@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -84,8 +85,13 @@ class BucketPlan:
         return tuple(s for s in self.slots if s.compressed)
 
 
-def build_plan(index: int, params: Sequence[torch.Tensor], names: dict[int, str], policy: SlotPolicy,
-               accepts: Callable[[LayerSlot], bool] = lambda slot: True) -> BucketPlan:
+def build_plan(
+    index: int,
+    params: Sequence[torch.Tensor],
+    names: dict[int, str],
+    policy: SlotPolicy,
+    accepts: Callable[[LayerSlot], bool] = lambda slot: True,
+) -> BucketPlan:
     """Lay out ``params`` (a bucket's parameters, in bucket order) as contiguous slots.
 
     Args:
@@ -95,7 +101,7 @@ def build_plan(index: int, params: Sequence[torch.Tensor], names: dict[int, str]
         policy: the size/dimension policy.
         accepts: the compressor's own veto (e.g. PowerSGD skips layers it cannot shrink).
     """
-    slots = []
+    slots: list[LayerSlot] = []
     offset = 0
     for param in params:
         shape = tuple(param.shape)

@@ -22,7 +22,8 @@ compressor name only to build the class from a string.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
@@ -51,8 +52,9 @@ class _Builder:
         return f"{type(self).__name__}({_resolve(self.strategy).__name__}, {self.factory!r})"
 
 
-def register_preset(name: str, description: str, factory: Factory, *,
-                    strategy: Optional[type[Strategy]] = None) -> None:
+def register_preset(
+    name: str, description: str, factory: Factory, *, strategy: Optional[type[Strategy]] = None
+) -> None:
     """Declare the strategy name ``name`` (+ ``_spawn`` / ``_fork``) and register it with Lightning now.
 
     Args:
@@ -97,8 +99,7 @@ def register_presets(strategy_registry: Any, strategy: type[Strategy]) -> None:
 
 def _register(strategy_registry: Any, key: str, description: str, builder: _Builder) -> None:
     for suffix, method in _VARIANTS:
-        strategy_registry.register(key + suffix, builder, description=description, override=True,
-                                   start_method=method)
+        strategy_registry.register(key + suffix, builder, description=description, override=True, start_method=method)
 
 
 def _check_declaration(name: str, description: str, factory: Factory, strategy: Optional[type[Strategy]]) -> str:

@@ -62,8 +62,9 @@ class DivergentReplicas:
 
     def _local_model_state(self) -> dict[str, Any]:
         """This rank's own training model's state dict, even while another model is swapped in."""
-        state = {k: v.detach().clone() if isinstance(v, Tensor) else v
-                 for k, v in self.lightning_module.state_dict().items()}
+        state = {
+            k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in self.lightning_module.state_dict().items()
+        }
         if self._eval_backup is not None:
             state.update({k: v.clone() for k, v in self._eval_backup.items() if k in state})
         return state

@@ -27,8 +27,19 @@ from lightning_gradcomp.callbacks import logger as names
 from lightning_gradcomp.callbacks.summary import format_bytes
 from lightning_gradcomp.comm import compression_ratio
 
-__all__ = ["Report", "ReportError", "Series", "add_arguments", "load_metrics", "make_report", "plot_report",
-           "read_csv_metrics", "read_tensorboard_metrics", "run", "text_summary"]
+__all__ = [
+    "Report",
+    "ReportError",
+    "Series",
+    "add_arguments",
+    "load_metrics",
+    "make_report",
+    "plot_report",
+    "read_csv_metrics",
+    "read_tensorboard_metrics",
+    "run",
+    "text_summary",
+]
 
 Series = dict[str, tuple[list[int], list[float]]]
 """Metric name -> (steps, values), in logging order."""
@@ -75,8 +86,10 @@ def read_tensorboard_metrics(run_dir: Path) -> Series:
     try:
         from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
     except ImportError as err:
-        raise ReportError(f"{run_dir} holds TensorBoard event files, and reading them needs the `tensorboard` "
-                          f"package (pip install tensorboard); or log with CSVLogger") from err
+        raise ReportError(
+            f"{run_dir} holds TensorBoard event files, and reading them needs the `tensorboard` "
+            f"package (pip install tensorboard); or log with CSVLogger"
+        ) from err
     acc = EventAccumulator(str(run_dir), size_guidance={SCALARS: 0})
     acc.Reload()
     series: Series = {}
@@ -112,38 +125,50 @@ def _last(series: Series, name: str) -> Optional[float]:
 
 
 def _layers(series: Series, prefix: str) -> dict[str, tuple[list[int], list[float]]]:
-    return {k[len(prefix):]: v for k, v in series.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in series.items() if k.startswith(prefix)}
 
 
 def text_summary(series: Series, source: Path) -> str:
     """A short human summary of the logged run (rank 0 figures unless marked "all ranks")."""
     ours = {k for k in series if k.startswith(PREFIX)}
     if not ours:
-        raise ReportError(f"{source} has no {PREFIX}* metric: was CompressionLogger among the Trainer's callbacks, "
-                          f"and did the run reach its first log step?")
+        raise ReportError(
+            f"{source} has no {PREFIX}* metric: was CompressionLogger among the Trainer's callbacks, "
+            f"and did the run reach its first log step?"
+        )
     steps = sorted({s for k in ours for s in series[k][0]})
     lines = [f"GradComp report: {source}", f"logged steps: {steps[0]} .. {steps[-1]} ({len(steps)} log points)"]
     wire, dense = _last(series, names.WIRE_BYTES), _last(series, names.DENSE_BYTES)
     if wire is not None and dense is not None:
         ratio = _last(series, names.RATIO)
-        lines.append(f"bytes per step (rank 0, last interval): wire {format_bytes(wire)} vs dense "
-                     f"{format_bytes(dense)} -> ratio {ratio if ratio is not None else float('nan'):.2f}")
+        lines.append(
+            f"bytes per step (rank 0, last interval): wire {format_bytes(wire)} vs dense "
+            f"{format_bytes(dense)} -> ratio {ratio if ratio is not None else float('nan'):.2f}"
+        )
     wire_t, dense_t = _last(series, names.WIRE_BYTES_TOTAL), _last(series, names.DENSE_BYTES_TOTAL)
     if wire_t is not None and dense_t is not None:
-        lines.append(f"cumulative (rank 0, warm-up included): wire {format_bytes(wire_t)} vs dense "
-                     f"{format_bytes(dense_t)} -> ratio {compression_ratio(dense_t, wire_t):.2f}")
+        lines.append(
+            f"cumulative (rank 0, warm-up included): wire {format_bytes(wire_t)} vs dense "
+            f"{format_bytes(dense_t)} -> ratio {compression_ratio(dense_t, wire_t):.2f}"
+        )
     ep_wire, ep_ratio = series.get(names.EPOCH_WIRE_BYTES), series.get(names.EPOCH_RATIO)
     if ep_wire and ep_ratio:
-        lines.append(f"epochs (all ranks): {len(ep_wire[1])}, last epoch sent {format_bytes(ep_wire[1][-1])}, "
-                     f"ratio {ep_ratio[1][-1]:.2f}")
+        lines.append(
+            f"epochs (all ranks): {len(ep_wire[1])}, last epoch sent {format_bytes(ep_wire[1][-1])}, "
+            f"ratio {ep_ratio[1][-1]:.2f}"
+        )
     err = series.get(names.ERROR)
     if err and err[1]:
         vals = err[1]
-        lines.append(f"compression error ||p - C(p)||/||p||: mean {sum(vals) / len(vals):.4g}, last {vals[-1]:.4g}, "
-                     f"min {min(vals):.4g}, max {max(vals):.4g} ({len(vals)} samples)")
+        lines.append(
+            f"compression error ||p - C(p)||/||p||: mean {sum(vals) / len(vals):.4g}, last {vals[-1]:.4g}, "
+            f"min {min(vals):.4g}, max {max(vals):.4g} ({len(vals)} samples)"
+        )
     else:
-        lines.append("compression error: not logged (error_every_n_steps=0, no compressed step sampled yet, or "
-                     "the compressor reports neither residuals nor its local contribution)")
+        lines.append(
+            "compression error: not logged (error_every_n_steps=0, no compressed step sampled yet, or "
+            "the compressor reports neither residuals nor its local contribution)"
+        )
     hook = series.get(names.HOOK_MS)
     if hook and hook[1]:
         lines.append(f"hook time: mean {sum(hook[1]) / len(hook[1]):.3g} ms/step")
@@ -165,15 +190,19 @@ def _require_matplotlib() -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError as err:
-        raise ReportError("plots need matplotlib: pip install \"lightning-gradcomp[plots]\" "
-                          "(or pass --no-plots for the text summary only)") from err
+        raise ReportError(
+            'plots need matplotlib: pip install "lightning-gradcomp[plots]" '
+            "(or pass --no-plots for the text summary only)"
+        ) from err
     return Figure
 
 
 def _plot_bytes(ax: Any, series: Series) -> bool:
     drawn = False
-    for name, label, style in ((names.DENSE_BYTES, "dense all-reduce (fp32)", "--"),
-                               (names.WIRE_BYTES, "sent (wire)", "-")):
+    for name, label, style in (
+        (names.DENSE_BYTES, "dense all-reduce (fp32)", "--"),
+        (names.WIRE_BYTES, "sent (wire)", "-"),
+    ):
         if name in series:
             ax.plot(*series[name], style, marker=".", label=label)
             drawn = True
@@ -188,8 +217,11 @@ def _plot_bytes(ax: Any, series: Series) -> bool:
 
 def _plot_ratio(ax: Any, series: Series) -> bool:
     drawn = False
-    for name, label in ((names.RATIO, "interval"), (names.RATIO_TOTAL, "cumulative"),
-                        (names.EPOCH_RATIO, "epoch, all ranks")):
+    for name, label in (
+        (names.RATIO, "interval"),
+        (names.RATIO_TOTAL, "cumulative"),
+        (names.EPOCH_RATIO, "epoch, all ranks"),
+    ):
         if name in series:
             ax.plot(*series[name], marker=".", label=label)
             drawn = True
@@ -313,8 +345,10 @@ def make_report(log_dir: Path, out_dir: Optional[Path] = None, plots: bool = Tru
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments (and description) of the ``report`` subcommand."""
-    parser.description = ("Plots and a text summary of the metrics CompressionLogger logged (CSVLogger metrics.csv, "
-                          "or TensorBoard event files when tensorboard is installed).")
+    parser.description = (
+        "Plots and a text summary of the metrics CompressionLogger logged (CSVLogger metrics.csv, "
+        "or TensorBoard event files when tensorboard is installed)."
+    )
     parser.add_argument("log_dir", type=Path, help="Lightning log directory (CSVLogger or TensorBoard) or metrics.csv")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: LOG_DIR/report)")
     parser.add_argument("--no-plots", action="store_true", help="write the text summary only")

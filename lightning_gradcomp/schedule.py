@@ -18,13 +18,21 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Mapping, Optional, Union
+from collections.abc import Callable, Mapping
+from typing import Any, Optional, Union
 
 from lightning_gradcomp.checks import check_int, check_number, is_int
 from lightning_gradcomp.compressors.base import Compressor
 
-__all__ = ["CallableSchedule", "CompressionSchedule", "StepSchedule", "WarmupSchedule", "as_schedule",
-           "follow_schedule", "scheduled_param"]
+__all__ = [
+    "CallableSchedule",
+    "CompressionSchedule",
+    "StepSchedule",
+    "WarmupSchedule",
+    "as_schedule",
+    "follow_schedule",
+    "scheduled_param",
+]
 
 
 class CompressionSchedule(ABC):
@@ -35,7 +43,7 @@ class CompressionSchedule(ABC):
         """The parameter at ``step`` (0-based optimizer steps), given the compressor's ``target``; may be
         fractional for integer parameters (the caller rounds)."""
 
-    def check(self, compressor: Compressor) -> None:
+    def check(self, compressor: Compressor) -> None:  # noqa: B027 - optional hook: by default every value is valid
         """Raise ``ValueError`` if a value this schedule can give is invalid for ``compressor``."""
 
 
@@ -102,7 +110,9 @@ class StepSchedule(CompressionSchedule):
             try:
                 compressor.check_param(_as_param(compressor, value))
             except (TypeError, ValueError) as err:
-                raise ValueError(f"`schedule` value {value!r} at step {step} is invalid for {compressor!r}: {err}")
+                raise ValueError(
+                    f"`schedule` value {value!r} at step {step} is invalid for {compressor!r}: {err}"
+                ) from err
 
     def __repr__(self) -> str:
         return f"StepSchedule({self.values})"
@@ -144,8 +154,9 @@ def as_schedule(spec: ScheduleSpec, compressor: Compressor) -> Optional[Compress
     elif callable(spec):
         schedule = CallableSchedule(spec)
     else:
-        raise TypeError(f"`schedule` must be a CompressionSchedule, a {{step: value}} mapping or a callable, "
-                        f"got {spec!r}")
+        raise TypeError(
+            f"`schedule` must be a CompressionSchedule, a {{step: value}} mapping or a callable, got {spec!r}"
+        )
     schedule.check(compressor)
     return schedule
 

@@ -16,7 +16,8 @@ and the replicated state only. The steps of a save (every rank runs them, as ``T
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import Any, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,9 +45,17 @@ class ShardedCheckpoints:
     broadcast: Callable[..., Any]
     barrier: Callable[..., Any]
 
-    def _save_with_shards(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any], key: str,
-                          state: dict[str, Any], compressor: str, replicated: dict[str, Any],
-                          **fields: Any) -> None:
+    def _save_with_shards(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: Any,
+        storage_options: Optional[Any],
+        key: str,
+        state: dict[str, Any],
+        compressor: str,
+        replicated: dict[str, Any],
+        **fields: Any,
+    ) -> None:
         """Write ``state`` to this rank's shard and ``checkpoint`` (with the manifest under ``key``) from rank 0.
 
         Args:
@@ -71,16 +80,28 @@ class ShardedCheckpoints:
             self.barrier(f"{self._name_in_messages}.save_checkpoint")  # the new file is in place: older shards go
         checkpoint_shards.remove_stale_shards(filepath, self.global_rank, keep=entry["file"])
 
-    def _load_own_shard(self, checkpoint_path: Any, manifest: dict[str, Any], weights_only: Optional[bool],
-                        device: Optional[torch.device] = None, **describe: str) -> dict[str, Any]:
+    def _load_own_shard(
+        self,
+        checkpoint_path: Any,
+        manifest: dict[str, Any],
+        weights_only: Optional[bool],
+        device: Optional[torch.device] = None,
+        **describe: str,
+    ) -> dict[str, Any]:
         """This rank's shard, verified against ``manifest``; a failure on any rank raises on every rank.
 
         Tensors are loaded on the CPU, then moved to ``device`` if given. ``describe`` (``what``, ``contents``)
         words the error messages, see :func:`~.checkpoint_shards.load_shard`.
         """
-        state = self._on_every_rank(lambda: checkpoint_shards.load_shard(
-            checkpoint_path, manifest, self.global_rank, weights_only=True if weights_only is None else weights_only,
-            **describe))
+        state = self._on_every_rank(
+            lambda: checkpoint_shards.load_shard(
+                checkpoint_path,
+                manifest,
+                self.global_rank,
+                weights_only=True if weights_only is None else weights_only,
+                **describe,
+            )
+        )
         return state if device is None else move_data_to_device(state, device)
 
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -29,8 +29,14 @@ from lightning_gradcomp.presets import register_presets
 from lightning_gradcomp.schedule import CompressionSchedule, as_schedule
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 
-__all__ = ["CHECKPOINT_KEY", "DEFAULT_TIMEOUT", "GradCompStrategy", "check_timeout", "load_verified",
-           "verify_checkpoint_file"]
+__all__ = [
+    "CHECKPOINT_KEY",
+    "DEFAULT_TIMEOUT",
+    "GradCompStrategy",
+    "check_timeout",
+    "load_verified",
+    "verify_checkpoint_file",
+]
 
 log = logging.getLogger(__name__)
 
@@ -94,22 +100,35 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
     strategy_name = "gradcomp"
     _name_in_messages = "GradCompStrategy"
 
-    def __init__(self, compressor: Union[Compressor, str, None] = None, start_step: int = 2, min_numel: int = 1024,
-                 compress_1d: bool = False, small_param: Union[int, float, None] = None, beta: float = 1.0,
-                 seed: int = 0, nonfinite: str = "dense",
-                 layerwise: Optional[Callback] = None,
-                 schedule: Union[CompressionSchedule, dict[int, float], None] = None,
-                 timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT, hierarchy: HierarchySpec = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        compressor: Union[Compressor, str, None] = None,
+        start_step: int = 2,
+        min_numel: int = 1024,
+        compress_1d: bool = False,
+        small_param: Union[int, float, None] = None,
+        beta: float = 1.0,
+        seed: int = 0,
+        nonfinite: str = "dense",
+        layerwise: Optional[Callback] = None,
+        schedule: Union[CompressionSchedule, dict[int, float], None] = None,
+        timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
+        hierarchy: HierarchySpec = None,
+        **kwargs: Any,
+    ) -> None:
         for name in _INCOMPATIBLE:
             if kwargs.get(name) is not None:
-                raise ValueError(f"`{name}` cannot be combined with GradCompStrategy: it installs its own "
-                                 f"communication hook; use `compressor=` instead, or plain DDPStrategy")
+                raise ValueError(
+                    f"`{name}` cannot be combined with GradCompStrategy: it installs its own "
+                    f"communication hook; use `compressor=` instead, or plain DDPStrategy"
+                )
         self.compressor = as_compressor(compressor)
         self.start_step = check_int("start_step", start_step, 2)
-        self.policy = SlotPolicy(min_numel=check_int("min_numel", min_numel, 1),
-                                 compress_1d=check_bool("compress_1d", compress_1d),
-                                 small_param=_check_small_param(small_param, self.compressor))
+        self.policy = SlotPolicy(
+            min_numel=check_int("min_numel", min_numel, 1),
+            compress_1d=check_bool("compress_1d", compress_1d),
+            small_param=_check_small_param(small_param, self.compressor),
+        )
         self.beta = validate_beta(beta)
         self.schedule = as_schedule(schedule, self.compressor)
         self.seed = check_int("seed", seed, 0, 2**63 - 1)
@@ -156,8 +175,13 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             raise RuntimeError("set_layer_params() needs the hook: call it during fit")
         self._hook.layer_params.update(checked)
 
-    def make_hook(self, comm: Comm, param_names: dict[int, str], device: Optional[torch.device] = None,
-                  hierarchy: Optional[Hierarchy] = None) -> GradCompHook:
+    def make_hook(
+        self,
+        comm: Comm,
+        param_names: dict[int, str],
+        device: Optional[torch.device] = None,
+        hierarchy: Optional[Hierarchy] = None,
+    ) -> GradCompHook:
         """Build this strategy's hook engine for one rank: the single place a :class:`GradCompHook` is assembled.
 
         The strategy itself, ``lightning-gradcomp bench`` and the benchmark scripts all call this, so what is
@@ -172,9 +196,19 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         """
         compressor = self.compressor.clone()
         compressor.prepare()
-        hook = GradCompHook(compressor, comm, param_names, start_step=self.start_step, policy=self.policy,
-                            seed=self.seed, beta=self.beta, device=device, nonfinite=self.nonfinite,
-                            schedule=self.schedule, hierarchy=hierarchy)
+        hook = GradCompHook(
+            compressor,
+            comm,
+            param_names,
+            start_step=self.start_step,
+            policy=self.policy,
+            seed=self.seed,
+            beta=self.beta,
+            device=device,
+            nonfinite=self.nonfinite,
+            schedule=self.schedule,
+            hierarchy=hierarchy,
+        )
         hook.loss_scale = self._loss_scale
         return hook
 
@@ -190,12 +224,15 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
                 numbered ``node_rank * devices + local_rank``.
         """
         size = group_size_for(self.hierarchy, self.world_size, self.num_processes)
-        if self.hierarchy == "node" and (self.world_size != self.num_nodes * size
-                                         or self.global_rank != self.node_rank * size + self.local_rank):
-            raise ValueError(f"`hierarchy='node'` needs ranks numbered node_rank * devices + local_rank over "
-                             f"num_nodes * devices processes; rank {self.global_rank} of {self.world_size} has "
-                             f"node_rank {self.node_rank}, local_rank {self.local_rank} ({self.num_nodes} nodes x "
-                             f"{size} devices): pass an int `hierarchy` or fix the launcher's rank order")
+        if self.hierarchy == "node" and (
+            self.world_size != self.num_nodes * size or self.global_rank != self.node_rank * size + self.local_rank
+        ):
+            raise ValueError(
+                f"`hierarchy='node'` needs ranks numbered node_rank * devices + local_rank over "
+                f"num_nodes * devices processes; rank {self.global_rank} of {self.world_size} has "
+                f"node_rank {self.node_rank}, local_rank {self.local_rank} ({self.num_nodes} nodes x "
+                f"{size} devices): pass an int `hierarchy` or fix the launcher's rank order"
+            )
         return HierarchyLayout(self.world_size, size)
 
     def _loss_scale(self) -> Optional[torch.Tensor]:
@@ -214,8 +251,10 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         if self.layerwise is None or trainer is None or any(cb is self.layerwise for cb in trainer.callbacks):
             return
         if any(type(cb) is type(self.layerwise) for cb in trainer.callbacks):
-            raise ValueError(f"GradCompStrategy(layerwise={type(self.layerwise).__name__}(...)) and a "
-                             f"{type(self.layerwise).__name__} in Trainer(callbacks=...) cannot be combined: use one")
+            raise ValueError(
+                f"GradCompStrategy(layerwise={type(self.layerwise).__name__}(...)) and a "
+                f"{type(self.layerwise).__name__} in Trainer(callbacks=...) cannot be combined: use one"
+            )
         trainer.callbacks.append(self.layerwise)
 
     @override
@@ -240,6 +279,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         """Register the compression hook on every device (Lightning itself only does so on CUDA)."""
         assert isinstance(self.model, DistributedDataParallel)
         if self._hook is None:
+            assert self.lightning_module is not None
             names = {id(p): n for n, p in self.lightning_module.named_parameters()}
             stats = CommStats()
             hierarchy = None
@@ -262,8 +302,9 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         """
         state = self._hook.state_dict() if self._hook is not None else {}
         replicated = {key: value for key, value in state.items() if key not in _PER_RANK_KEYS}
-        self._save_with_shards(checkpoint, filepath, storage_options, CHECKPOINT_KEY, state,
-                               type(self.compressor).__name__, replicated)
+        self._save_with_shards(
+            checkpoint, filepath, storage_options, CHECKPOINT_KEY, state, type(self.compressor).__name__, replicated
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -280,8 +321,10 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             ValueError: the checkpoint was written with another compressor, or its ``"gradcomp"`` entry is
                 malformed.
         """
-        checkpoint = load_verified(lambda: super(GradCompStrategy, self).load_checkpoint(
-            checkpoint_path, weights_only=weights_only), checkpoint_path)
+        checkpoint = load_verified(
+            lambda: super(GradCompStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
+            checkpoint_path,
+        )
         try:
             self._pending = self._select_state(checkpoint.get(CHECKPOINT_KEY))
         except ValueError as err:
@@ -302,17 +345,26 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             return self._select_sharded(saved)  # type: ignore[arg-type]
         if saved is None:
             if self._fitting():
-                rank_zero_warn(f"GradCompStrategy: the checkpoint has no {CHECKPOINT_KEY!r} entry (written by plain "
-                               f"DDP or another strategy): compression state (error-feedback memories, compressor "
-                               f"state, per-layer parameters, step counter) starts fresh")
+                rank_zero_warn(
+                    f"GradCompStrategy: the checkpoint has no {CHECKPOINT_KEY!r} entry (written by plain "
+                    f"DDP or another strategy): compression state (error-feedback memories, compressor "
+                    f"state, per-layer parameters, step counter) starts fresh"
+                )
             return None
         per_rank = saved.get("per_rank") if isinstance(saved, dict) else None
-        if (not isinstance(saved, dict) or saved.get("version") != _CHECKPOINT_VERSION
-                or not isinstance(per_rank, list) or len(per_rank) != saved.get("world_size")
-                or not all(isinstance(entry, dict) for entry in per_rank) or "compressor" not in saved):
-            raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} is malformed or from an unknown version "
-                             f"(expected version {checkpoint_shards.FORMAT_VERSION} with one shard per rank, or "
-                             f"version {_CHECKPOINT_VERSION} with one state per rank)")
+        if (
+            not isinstance(saved, dict)
+            or saved.get("version") != _CHECKPOINT_VERSION
+            or not isinstance(per_rank, list)
+            or len(per_rank) != saved.get("world_size")
+            or not all(isinstance(entry, dict) for entry in per_rank)
+            or "compressor" not in saved
+        ):
+            raise ValueError(
+                f"checkpoint entry {CHECKPOINT_KEY!r} is malformed or from an unknown version "
+                f"(expected version {checkpoint_shards.FORMAT_VERSION} with one shard per rank, or "
+                f"version {_CHECKPOINT_VERSION} with one state per rank)"
+            )
         if not self._same_ranks(saved):
             return saved["per_rank"][0], False
         return saved["per_rank"][self.global_rank], True
@@ -327,12 +379,16 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         """Refuse another compressor; warn and say ``False`` when the world size changed (replicated state only)."""
         ours = type(self.compressor).__name__
         if saved["compressor"] != ours:
-            raise ValueError(f"checkpoint was written with compressor {saved['compressor']}, but this strategy "
-                             f"uses {ours}; resume with the same compressor or start a new run")
+            raise ValueError(
+                f"checkpoint was written with compressor {saved['compressor']}, but this strategy "
+                f"uses {ours}; resume with the same compressor or start a new run"
+            )
         if saved["world_size"] != self.world_size:
-            rank_zero_warn(f"GradCompStrategy: checkpoint was written by {saved['world_size']} ranks, resuming on "
-                           f"{self.world_size}: per-rank state (error-feedback memories, compressor state) is reset; "
-                           f"the step counter and per-layer parameters are kept")
+            rank_zero_warn(
+                f"GradCompStrategy: checkpoint was written by {saved['world_size']} ranks, resuming on "
+                f"{self.world_size}: per-rank state (error-feedback memories, compressor state) is reset; "
+                f"the step counter and per-layer parameters are kept"
+            )
             return False
         return True
 
@@ -349,10 +405,12 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         if exception.args[0].startswith("GradCompStrategy"):
             return
         timeout = getattr(self, "_timeout", None)
-        hint = (f"GradCompStrategy (rank {self.global_rank} of {self.world_size}): a collective failed. Another "
-                f"rank has most likely died (its connection closed) or stopped responding for longer than the "
-                f"process-group timeout ({timeout}, `timeout=`). Check the other ranks' logs, then restart "
-                f"every rank from the last checkpoint (`trainer.fit(..., ckpt_path=...)`). Original error: ")
+        hint = (
+            f"GradCompStrategy (rank {self.global_rank} of {self.world_size}): a collective failed. Another "
+            f"rank has most likely died (its connection closed) or stopped responding for longer than the "
+            f"process-group timeout ({timeout}, `timeout=`). Check the other ranks' logs, then restart "
+            f"every rank from the last checkpoint (`trainer.fit(..., ckpt_path=...)`). Original error: "
+        )
         exception.args = (hint + exception.args[0], *exception.args[1:])
 
     @classmethod
@@ -365,19 +423,24 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         register_presets(strategy_registry, cls)
 
 
-def _check_hierarchy_combination(hierarchy: HierarchySpec, compressor: Compressor,
-                                 layerwise: Optional[Callback]) -> HierarchySpec:
+def _check_hierarchy_combination(
+    hierarchy: HierarchySpec, compressor: Compressor, layerwise: Optional[Callback]
+) -> HierarchySpec:
     """Refuse ``hierarchy=`` with a compressor or ``layerwise`` callback that needs every layer on every rank."""
     if hierarchy is None:
         return None
     if not compressor.hierarchical:
-        raise ValueError(f"{type(compressor).__name__} cannot run with `hierarchy={hierarchy!r}`: it needs every rank "
-                         f"of the world (hierarchical mode hands each compressor node-mean gradients over the "
-                         f"cross-node group); use hierarchy=None")
+        raise ValueError(
+            f"{type(compressor).__name__} cannot run with `hierarchy={hierarchy!r}`: it needs every rank "
+            f"of the world (hierarchical mode hands each compressor node-mean gradients over the "
+            f"cross-node group); use hierarchy=None"
+        )
     if layerwise is not None:
-        raise ValueError(f"`layerwise={type(layerwise).__name__}(...)` cannot be combined with `hierarchy="
-                         f"{hierarchy!r}`: each rank only compresses the layers it owns, and the per-layer tuning "
-                         f"averages statistics of every layer over all ranks; use hierarchy=None")
+        raise ValueError(
+            f"`layerwise={type(layerwise).__name__}(...)` cannot be combined with `hierarchy="
+            f"{hierarchy!r}`: each rank only compresses the layers it owns, and the per-layer tuning "
+            f"averages statistics of every layer over all ranks; use hierarchy=None"
+        )
     return hierarchy
 
 
@@ -388,9 +451,11 @@ def _check_hierarchy_callbacks(callbacks: list[Callback]) -> None:
     for cb in callbacks:
         if isinstance(cb, LGreCo) or (isinstance(cb, LowPassMemoryFilter) and cb.similarity_every_n_steps):
             what = "LGreCo" if isinstance(cb, LGreCo) else "LowPassMemoryFilter(similarity_every_n_steps=...)"
-            raise ValueError(f"{what} cannot be combined with GradCompStrategy(hierarchy=...): each rank holds the "
-                             f"compression state of the layers it owns only; use hierarchy=None"
-                             + ("" if isinstance(cb, LGreCo) else " or similarity_every_n_steps=0"))
+            raise ValueError(
+                f"{what} cannot be combined with GradCompStrategy(hierarchy=...): each rank holds the "
+                f"compression state of the layers it owns only; use hierarchy=None"
+                + ("" if isinstance(cb, LGreCo) else " or similarity_every_n_steps=0")
+            )
 
 
 def _check_small_param(value: Any, compressor: Compressor) -> Any:

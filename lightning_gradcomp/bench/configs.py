@@ -23,8 +23,9 @@ the end.
 
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -91,12 +92,17 @@ class LayerwiseDriver:
 
     def __init__(self, callback: Callback, strategy: GradCompStrategy) -> None:
         hooks = [name for name in dir(Callback) if name.startswith("on_") or name in ("setup", "teardown")]
-        unsupported = [name for name in hooks if name not in _DRIVEN + _NOT_APPLICABLE
-                       and getattr(type(callback), name) is not getattr(Callback, name)]
+        unsupported = [
+            name
+            for name in hooks
+            if name not in _DRIVEN + _NOT_APPLICABLE and getattr(type(callback), name) is not getattr(Callback, name)
+        ]
         if unsupported:
-            raise NotImplementedError(f"the bench drives only {', '.join(_DRIVEN)} of a layerwise callback; "
-                                      f"{type(callback).__name__} also overrides {', '.join(unsupported)}: "
-                                      f"benchmark it with a Lightning Trainer instead")
+            raise NotImplementedError(
+                f"the bench drives only {', '.join(_DRIVEN)} of a layerwise callback; "
+                f"{type(callback).__name__} also overrides {', '.join(unsupported)}: "
+                f"benchmark it with a Lightning Trainer instead"
+            )
         self.callback = callback
         self.trainer = _TrainerView(strategy, callback)
         self.module = _ModuleView()
@@ -106,8 +112,8 @@ class LayerwiseDriver:
 
     def step_end(self) -> None:
         self.trainer.global_step += 1
-        self.callback.on_train_batch_end(self.trainer, self.module, None, None,  # type: ignore[arg-type]
-                                         self.trainer.global_step - 1)
+        step = self.trainer.global_step - 1
+        self.callback.on_train_batch_end(self.trainer, self.module, None, None, step)  # type: ignore[arg-type]
 
     def end(self) -> None:
         self.callback.on_train_end(self.trainer, self.module)  # type: ignore[arg-type]
@@ -174,6 +180,7 @@ class _TimedHook:
 def _timed_hook_fn(timed: _TimedHook) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return timed(state, bucket)
+
     return hook
 
 
@@ -202,13 +209,18 @@ def install(name: str, model: nn.Module, bucket_cap_mb: float = 25.0) -> Install
         return Installed(ddp, counted(2), lambda: timed.seconds, {"steps": steps})
     if name == "torch_powersgd":
         ddp = _wrap(model, _SINGLE_BUCKET_MB)
-        state = psgd.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2,
-                                   min_compression_rate=2, random_seed=0)
+        state = psgd.PowerSGDState(
+            None, matrix_approximation_rank=4, start_powerSGD_iter=2, min_compression_rate=2, random_seed=0
+        )
         timed = _TimedHook(psgd.powerSGD_hook)
         ddp.register_comm_hook(state, _timed_hook_fn(timed))
         # PyTorch counts the elements it all-reduces (P, Q and uncompressed tensors), all in fp32
-        return Installed(ddp, lambda: all_reduce_bytes(4 * state.total_numel_after_compression, world),
-                         lambda: timed.seconds, {"state": state})
+        return Installed(
+            ddp,
+            lambda: all_reduce_bytes(4 * state.total_numel_after_compression, world),
+            lambda: timed.seconds,
+            {"state": state},
+        )
     if name not in available_configs():
         raise ValueError(f"unknown benchmark configuration {name!r}; available: {', '.join(available_configs())}")
     strategy = preset_class(name)(**PRESETS[name][1]())
@@ -229,6 +241,12 @@ def install_strategy(strategy: GradCompStrategy, model: nn.Module, bucket_cap_mb
     strategy.bind_hook(hook)  # what GradCompStrategy._register_ddp_hooks does in a fit (there is no Trainer here)
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
     layerwise = None if strategy.layerwise is None else LayerwiseDriver(strategy.layerwise, strategy)
-    return Installed(ddp, lambda: hook.stats.wire_bytes, lambda: hook.stats.hook_seconds,
-                     thread_seconds=lambda: hook.stats.comm_thread_seconds,
-                     wait_seconds=lambda: hook.stats.wait_seconds, hook=hook, layerwise=layerwise)
+    return Installed(
+        ddp,
+        lambda: hook.stats.wire_bytes,
+        lambda: hook.stats.hook_seconds,
+        thread_seconds=lambda: hook.stats.comm_thread_seconds,
+        wait_seconds=lambda: hook.stats.wait_seconds,
+        hook=hook,
+        layerwise=layerwise,
+    )

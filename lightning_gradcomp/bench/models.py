@@ -7,8 +7,9 @@ so DDP can wrap it directly.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -39,8 +40,9 @@ def _mlp(width: int = 1024, depth: int = 4, batch_size: int = 64) -> Workload:
     for _ in range(depth - 2):
         layers += [nn.Linear(width, width), nn.ReLU()]
     gen = torch.Generator().manual_seed(0)
-    return _classification(nn.Sequential(*layers, nn.Linear(width, 10)), torch.randn(batch_size, 256, generator=gen),
-                           10, gen)
+    return _classification(
+        nn.Sequential(*layers, nn.Linear(width, 10)), torch.randn(batch_size, 256, generator=gen), 10, gen
+    )
 
 
 def _cnn(channels: int = 64, batch_size: int = 32) -> Workload:
@@ -48,9 +50,18 @@ def _cnn(channels: int = 64, batch_size: int = 32) -> Workload:
         return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
 
     c = channels
-    model = nn.Sequential(block(3, c), block(c, c), nn.MaxPool2d(2), block(c, 2 * c), block(2 * c, 2 * c),
-                          nn.MaxPool2d(2), block(2 * c, 4 * c), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                          nn.Linear(4 * c, 10))
+    model = nn.Sequential(
+        block(3, c),
+        block(c, c),
+        nn.MaxPool2d(2),
+        block(c, 2 * c),
+        block(2 * c, 2 * c),
+        nn.MaxPool2d(2),
+        block(2 * c, 4 * c),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4 * c, 10),
+    )
     gen = torch.Generator().manual_seed(0)
     return _classification(model, torch.randn(batch_size, 3, 32, 32, generator=gen), 10, gen)
 
@@ -67,7 +78,9 @@ class _TinyLM(nn.Module):
         return self.out(self.encoder(self.embed(tokens)))
 
 
-def _transformer(d_model: int = 256, layers: int = 4, batch_size: int = 16, seq: int = 64, vocab: int = 1000) -> Workload:
+def _transformer(
+    d_model: int = 256, layers: int = 4, batch_size: int = 16, seq: int = 64, vocab: int = 1000
+) -> Workload:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=gen)
 
@@ -107,7 +120,7 @@ def load_workload(spec: str, batch_size: Optional[int] = None) -> Workload:
     module: Any = getattr(importlib.import_module(module_name), class_name)()
     batch = next(iter(module.train_dataloader()))
 
-    def loss(m: nn.Module) -> Tensor:
+    def loss(m: Any) -> Tensor:  # m: the user's LightningModule, with its own training_step signature
         out = m.training_step(batch, 0)
         return out["loss"] if isinstance(out, dict) else out
 

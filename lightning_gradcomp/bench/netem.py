@@ -62,15 +62,34 @@ def setup_commands(prefix: str, world_size: int, rate: str) -> list[list[str]]:
             ["ip", "-n", ns, "addr", "add", f"{rank_address(rank)}/24", "dev", inner],
             ["ip", "-n", ns, "link", "set", inner, "up"],
             ["ip", "-n", ns, "link", "set", "lo", "up"],
-            ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", inner, "root", "tbf", "rate", rate,
-             "burst", "256kb", "latency", "100ms"],
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                inner,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "256kb",
+                "latency",
+                "100ms",
+            ],
         ]
     return cmds
 
 
 def teardown_commands(prefix: str, world_size: int) -> list[list[str]]:
     """Commands removing everything :func:`setup_commands` made (veths go with their namespaces)."""
-    return [["ip", "netns", "del", f"{prefix}ns{r}"] for r in range(world_size)] + [["ip", "link", "del", f"{prefix}br"]]
+    return [["ip", "netns", "del", f"{prefix}ns{r}"] for r in range(world_size)] + [
+        ["ip", "link", "del", f"{prefix}br"]
+    ]
 
 
 class EmulatedLink:
@@ -103,7 +122,7 @@ class EmulatedLink:
         """The interface gloo must bind to in ``rank``'s namespace."""
         return f"{self.prefix}v{rank}"
 
-    def __enter__(self) -> "EmulatedLink":
+    def __enter__(self) -> EmulatedLink:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         try:

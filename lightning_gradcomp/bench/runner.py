@@ -8,9 +8,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 from lightning_gradcomp.bench.configs import available_configs
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address
@@ -50,8 +51,9 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "scaling_efficiency": compute / median,
             "wire_bytes_per_step": wire,
             "iface_tx_bytes_per_step": statistics.mean(iface) if all(v is not None for v in iface) else None,
-            "iface_tx_payload_bytes_per_step": (statistics.mean(payload) if all(v is not None for v in payload)
-                                                else None),
+            "iface_tx_payload_bytes_per_step": (
+                statistics.mean(payload) if all(v is not None for v in payload) else None
+            ),
             "hook_ms_per_step": 1e3 * statistics.mean(p["hook_seconds_per_step"] for p in per_rank),
             "thread_ms_per_step": 1e3 * statistics.mean(p.get("thread_seconds_per_step", 0.0) for p in per_rank),
             "wait_ms_per_step": 1e3 * statistics.mean(p.get("wait_seconds_per_step", 0.0) for p in per_rank),
@@ -60,22 +62,30 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     dense = rows.get("ddp")
     for row in rows.values():
         measured = row["iface_tx_payload_bytes_per_step"]
-        row["iface_payload_vs_ours"] = (measured / row["wire_bytes_per_step"]
-                                        if measured is not None and row["wire_bytes_per_step"] else None)
+        row["iface_payload_vs_ours"] = (
+            measured / row["wire_bytes_per_step"] if measured is not None and row["wire_bytes_per_step"] else None
+        )
         if dense:
             row["speedup_vs_ddp"] = dense["step_time_median_s"] / row["step_time_median_s"]
             row["bytes_ratio_vs_ddp"] = dense["wire_bytes_per_step"] / max(row["wire_bytes_per_step"], 1e-12)
         if "torch_powersgd" in rows:
-            row["throughput_vs_torch_powersgd"] = (row["throughput_samples_per_s"]
-                                                   / rows["torch_powersgd"]["throughput_samples_per_s"])
+            row["throughput_vs_torch_powersgd"] = (
+                row["throughput_samples_per_s"] / rows["torch_powersgd"]["throughput_samples_per_s"]
+            )
     references = _references(ranks)
     for row in rows.values():
         work_ms = row["work_ms_per_step"] = work_ms_of(row)
         row["work_vs_clone"] = work_ms / references["clone_ms"] if references else None
-        row["work_vs_clone_rand"] = (work_ms / (references["clone_ms"] + references["rand_like_ms"])
-                                     if references else None)
-    return {"world_size": world, "compute_only_step_s": compute, "params": ranks[0]["configs"][next(iter(rows))]["params"],
-            "references": references, "configs": rows}
+        row["work_vs_clone_rand"] = (
+            work_ms / (references["clone_ms"] + references["rand_like_ms"]) if references else None
+        )
+    return {
+        "world_size": world,
+        "compute_only_step_s": compute,
+        "params": ranks[0]["configs"][next(iter(rows))]["params"],
+        "references": references,
+        "configs": rows,
+    }
 
 
 def work_ms_of(row: dict[str, Any]) -> float:
@@ -106,11 +116,15 @@ def recommend(summary: dict[str, Any]) -> str:
     rival = min(others, key=lambda n: rows[n]["step_time_median_s"])
     speedup = dense / rows[rival]["step_time_median_s"]
     if speedup < 1.05:
-        return (f"compression does not pay here: dense DDP takes {dense * 1e3:.1f} ms/step and the fastest "
-                f"alternative ({rival}) is {speedup:.2f}x as fast; keep dense DDP on this link")
-    return (f"use {rival}: {speedup:.2f}x faster than dense DDP ({rows[rival]['step_time_median_s'] * 1e3:.1f} vs "
-            f"{dense * 1e3:.1f} ms/step), {rows[rival]['bytes_ratio_vs_ddp']:.1f}x fewer bytes, scaling efficiency "
-            f"{rows[rival]['scaling_efficiency']:.0%}")
+        return (
+            f"compression does not pay here: dense DDP takes {dense * 1e3:.1f} ms/step and the fastest "
+            f"alternative ({rival}) is {speedup:.2f}x as fast; keep dense DDP on this link"
+        )
+    return (
+        f"use {rival}: {speedup:.2f}x faster than dense DDP ({rows[rival]['step_time_median_s'] * 1e3:.1f} vs "
+        f"{dense * 1e3:.1f} ms/step), {rows[rival]['bytes_ratio_vs_ddp']:.1f}x fewer bytes, scaling efficiency "
+        f"{rows[rival]['scaling_efficiency']:.0%}"
+    )
 
 
 def wait_all(procs: Sequence[subprocess.Popen], timeout: float, what: str) -> None:
@@ -129,9 +143,15 @@ def wait_all(procs: Sequence[subprocess.Popen], timeout: float, what: str) -> No
         raise RuntimeError(f"{what} exited with codes {codes}")
 
 
-def launch_ranks(spec: dict[str, Any], world: int, link: Optional[EmulatedLink], timeout: float,
-                 command: Callable[[Path], list[str]], host_of: Callable[[int], int] = lambda rank: rank,
-                 threads: int = 1) -> list[dict[str, Any]]:
+def launch_ranks(
+    spec: dict[str, Any],
+    world: int,
+    link: Optional[EmulatedLink],
+    timeout: float,
+    command: Callable[[Path], list[str]],
+    host_of: Callable[[int], int] = lambda rank: rank,
+    threads: int = 1,
+) -> list[dict[str, Any]]:
     """Run ``world`` processes of ``command(spec_path)`` (env ``RANK``, ``WORLD_SIZE``, ``MASTER_*``), each inside the
     namespace of host ``host_of(rank)`` of ``link`` when given; return their ``<out_dir>/rank<r>.json`` files.
 
@@ -143,8 +163,14 @@ def launch_ranks(spec: dict[str, Any], world: int, link: Optional[EmulatedLink],
     spec_path.write_text(json.dumps(spec))
     procs = []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": str(port),
-               "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": str(threads)}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_PORT": str(port),
+            "MASTER_ADDR": "127.0.0.1",
+            "OMP_NUM_THREADS": str(threads),
+        }
         cmd = command(spec_path)
         if link is not None:
             env.update(MASTER_ADDR=rank_address(0), GLOO_SOCKET_IFNAME=link.interface(host_of(rank)))
@@ -155,14 +181,28 @@ def launch_ranks(spec: dict[str, Any], world: int, link: Optional[EmulatedLink],
 
 
 def _launch(spec: dict[str, Any], link: Optional[EmulatedLink], timeout: float) -> list[dict[str, Any]]:
-    return launch_ranks(spec, spec["world_size"], link, timeout,
-                        lambda path: [sys.executable, "-m", "lightning_gradcomp.bench.worker", str(path)],
-                        threads=spec.get("threads", 1))
+    return launch_ranks(
+        spec,
+        spec["world_size"],
+        link,
+        timeout,
+        lambda path: [sys.executable, "-m", "lightning_gradcomp.bench.worker", str(path)],
+        threads=spec.get("threads", 1),
+    )
 
 
-def run_bench(model: str = "mlp", world_size: int = 2, steps: int = 20, warmup: int = 5,
-              configs: Sequence[str] = DEFAULT_CONFIGS, link: Optional[str] = None, bucket_cap_mb: float = 25.0,
-              threads: int = 1, timeout: float = 1800.0, batch_size: Optional[int] = None) -> dict[str, Any]:
+def run_bench(
+    model: str = "mlp",
+    world_size: int = 2,
+    steps: int = 20,
+    warmup: int = 5,
+    configs: Sequence[str] = DEFAULT_CONFIGS,
+    link: Optional[str] = None,
+    bucket_cap_mb: float = 25.0,
+    threads: int = 1,
+    timeout: float = 1800.0,
+    batch_size: Optional[int] = None,
+) -> dict[str, Any]:
     """Run the benchmark and return ``{"summary", "recommendation", "link", "raw"}``."""
     unknown = [c for c in configs if c not in available_configs()]
     if unknown:
@@ -170,7 +210,9 @@ def run_bench(model: str = "mlp", world_size: int = 2, steps: int = 20, warmup: 
     if world_size < 2:
         raise ValueError(f"`world_size` must be >= 2, got {world_size}")
     if steps < 1 or warmup < 3:
-        raise ValueError(f"`steps` must be >= 1 and `warmup` >= 3 (compression starts at step 2), got {steps}, {warmup}")
+        raise ValueError(
+            f"`steps` must be >= 1 and `warmup` >= 3 (compression starts at step 2), got {steps}, {warmup}"
+        )
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
     note = "loopback (no link emulation requested)"
@@ -180,9 +222,18 @@ def run_bench(model: str = "mlp", world_size: int = 2, steps: int = 20, warmup: 
         emulate = ok
         note = f"emulated {link} per rank (netns + veth + tc tbf)" if ok else f"loopback: cannot emulate {link}: {why}"
     with tempfile.TemporaryDirectory(prefix="lgc-bench-") as out_dir:
-        spec = {"model": model, "world_size": world_size, "steps": steps, "warmup": warmup, "configs": list(configs),
-                "bucket_cap_mb": bucket_cap_mb, "threads": threads, "out_dir": out_dir, "batch_size": batch_size}
-        with (EmulatedLink(world_size, link) if emulate and link else nullcontext()) as emulated:
+        spec = {
+            "model": model,
+            "world_size": world_size,
+            "steps": steps,
+            "warmup": warmup,
+            "configs": list(configs),
+            "bucket_cap_mb": bucket_cap_mb,
+            "threads": threads,
+            "out_dir": out_dir,
+            "batch_size": batch_size,
+        }
+        with EmulatedLink(world_size, link) if emulate and link else nullcontext() as emulated:
             raw = _launch(spec, emulated, timeout)
     summary = summarise(raw)
     return {"link": note, "model": model, "summary": summary, "recommendation": recommend(summary), "raw": raw}
@@ -194,27 +245,53 @@ def print_report(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     summary = result["summary"]
-    table = Table(title=f"{result['model']} ({summary['params']:,} params), W={summary['world_size']}, {result['link']}")
-    for col in ("config", "step ms (p25-p75)", "samples/s", "scaling eff.", "wire KB/step", "iface KB/step",
-                "iface payload KB", "payload/wire", "hook ms", "thread ms", "peak RSS MB", "vs ddp"):
+    table = Table(
+        title=f"{result['model']} ({summary['params']:,} params), W={summary['world_size']}, {result['link']}"
+    )
+    for col in (
+        "config",
+        "step ms (p25-p75)",
+        "samples/s",
+        "scaling eff.",
+        "wire KB/step",
+        "iface KB/step",
+        "iface payload KB",
+        "payload/wire",
+        "hook ms",
+        "thread ms",
+        "peak RSS MB",
+        "vs ddp",
+    ):
         table.add_column(col, justify="left" if col == "config" else "right")
     for name, row in summary["configs"].items():
-        iface, payload, agree = (row["iface_tx_bytes_per_step"], row["iface_tx_payload_bytes_per_step"],
-                                 row["iface_payload_vs_ours"])
-        table.add_row(name, f"{row['step_time_median_s'] * 1e3:.1f} ({row['step_time_p25_s'] * 1e3:.1f}-"
-                            f"{row['step_time_p75_s'] * 1e3:.1f})",
-                      f"{row['throughput_samples_per_s']:.0f}", f"{row['scaling_efficiency']:.0%}",
-                      f"{row['wire_bytes_per_step'] / 1e3:,.1f}", "-" if iface is None else f"{iface / 1e3:,.1f}",
-                      "-" if payload is None else f"{payload / 1e3:,.1f}", "-" if agree is None else f"{agree:.3f}",
-                      f"{row['hook_ms_per_step']:.1f}", f"{row.get('thread_ms_per_step', 0.0):.1f}",
-                      f"{row['peak_rss_mb']:.0f}",
-                      f"{row.get('speedup_vs_ddp', float('nan')):.2f}x")
+        iface, payload, agree = (
+            row["iface_tx_bytes_per_step"],
+            row["iface_tx_payload_bytes_per_step"],
+            row["iface_payload_vs_ours"],
+        )
+        table.add_row(
+            name,
+            f"{row['step_time_median_s'] * 1e3:.1f} ({row['step_time_p25_s'] * 1e3:.1f}-"
+            f"{row['step_time_p75_s'] * 1e3:.1f})",
+            f"{row['throughput_samples_per_s']:.0f}",
+            f"{row['scaling_efficiency']:.0%}",
+            f"{row['wire_bytes_per_step'] / 1e3:,.1f}",
+            "-" if iface is None else f"{iface / 1e3:,.1f}",
+            "-" if payload is None else f"{payload / 1e3:,.1f}",
+            "-" if agree is None else f"{agree:.3f}",
+            f"{row['hook_ms_per_step']:.1f}",
+            f"{row.get('thread_ms_per_step', 0.0):.1f}",
+            f"{row['peak_rss_mb']:.0f}",
+            f"{row.get('speedup_vs_ddp', float('nan')):.2f}x",
+        )
     console = Console(width=max(Console().width, 150))
     console.print(table)
-    console.print(f"compute-only step: {summary['compute_only_step_s'] * 1e3:.1f} ms; iface payload = the veth's tx "
-                  "bytes minus one Ethernet/IPv4/TCP header per packet (the TCP payload gloo sent); hook ms = time "
-                  "the hook blocks the autograd thread; thread ms = our communication thread's time per step "
-                  "(compression plus its in-line waits; it overlaps backward)")
+    console.print(
+        f"compute-only step: {summary['compute_only_step_s'] * 1e3:.1f} ms; iface payload = the veth's tx "
+        "bytes minus one Ethernet/IPv4/TCP header per packet (the TCP payload gloo sent); hook ms = time "
+        "the hook blocks the autograd thread; thread ms = our communication thread's time per step "
+        "(compression plus its in-line waits; it overlaps backward)"
+    )
     refs = summary.get("references")
     if refs:
         overhead = Table(title="compression work per step against one pass over the gradient (same run, per rank)")
@@ -224,13 +301,16 @@ def print_report(result: dict[str, Any]) -> None:
         for name, row in summary["configs"].items():
             work = row["work_ms_per_step"]
             vs_fp16 = f"{work / fp16['work_ms_per_step']:.1f}x" if fp16 and fp16["work_ms_per_step"] > 0 else "-"
-            overhead.add_row(name, f"{work:.1f}", f"{row['work_vs_clone']:.1f}x", f"{row['work_vs_clone_rand']:.2f}x",
-                             vs_fp16)
+            overhead.add_row(
+                name, f"{work:.1f}", f"{row['work_vs_clone']:.1f}x", f"{row['work_vs_clone_rand']:.2f}x", vs_fp16
+            )
         console.print(overhead)
-        console.print(f"references: clone {refs['clone_ms']:.2f} ms, rand_like {refs['rand_like_ms']:.2f} ms, "
-                      f"fp16 cast {refs['half_ms']:.2f} ms, each into a buffer allocated once; work = our "
-                      "communication thread's time minus its blocking waits for collectives (compression, decoding, "
-                      "packing), or the hook's time for PyTorch's hooks")
+        console.print(
+            f"references: clone {refs['clone_ms']:.2f} ms, rand_like {refs['rand_like_ms']:.2f} ms, "
+            f"fp16 cast {refs['half_ms']:.2f} ms, each into a buffer allocated once; work = our "
+            "communication thread's time minus its blocking waits for collectives (compression, decoding, "
+            "packing), or the hook's time for PyTorch's hooks"
+        )
     console.print(f"[bold]recommendation:[/bold] {result['recommendation']}")
 
 
@@ -283,21 +363,38 @@ def plot_ladder(results: dict[str, dict[str, Any]], path: str) -> None:
 
 def add_arguments(parser: Any) -> None:
     """The ``bench`` subcommand's options."""
-    parser.add_argument("--model", default="mlp", help="built-in: mlp, mlp-small, mlp-large, cnn, transformer; "
-                                                       "or module.path:LightningModuleClass")
+    parser.add_argument(
+        "--model",
+        default="mlp",
+        help="built-in: mlp, mlp-small, mlp-large, cnn, transformer; or module.path:LightningModuleClass",
+    )
     parser.add_argument("--world-size", "-w", type=int, default=2, help="number of local ranks (default 2)")
     parser.add_argument("--steps", type=int, default=20, help="measured steps per configuration")
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps first (>= 3)")
-    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                        help="comma-separated: ddp, torch_fp16, torch_powersgd and any strategy preset name "
-                             "(`lightning-gradcomp list`)")
-    parser.add_argument("--link", default=None, help="emulate a link per rank, e.g. 100mbit or 1gbit (Linux, root); "
-                                                     "a comma-separated ladder such as loopback,1gbit,100mbit,10mbit "
-                                                     "runs every configuration on each link in turn")
-    parser.add_argument("--chart", default=None, help="with a link ladder: write a PNG of the scaling efficiency "
-                                                      "per configuration per link (needs matplotlib)")
-    parser.add_argument("--batch-size", type=int, default=None, help="samples per rank and step (built-in models; "
-                                                                     "default: the model's own)")
+    parser.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help="comma-separated: ddp, torch_fp16, torch_powersgd and any strategy preset name "
+        "(`lightning-gradcomp list`)",
+    )
+    parser.add_argument(
+        "--link",
+        default=None,
+        help="emulate a link per rank, e.g. 100mbit or 1gbit (Linux, root); "
+        "a comma-separated ladder such as loopback,1gbit,100mbit,10mbit "
+        "runs every configuration on each link in turn",
+    )
+    parser.add_argument(
+        "--chart",
+        default=None,
+        help="with a link ladder: write a PNG of the scaling efficiency per configuration per link (needs matplotlib)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="samples per rank and step (built-in models; default: the model's own)",
+    )
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json", default=None, help="also write the result (with raw per-rank data) to this file")
@@ -310,9 +407,17 @@ def run_command(args: Any) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     links = [link.strip() for link in (args.link or "").split(",") if link.strip()]
     if len(links) > 1 or getattr(args, "chart", None):
-        ladder = run_ladder(links or ["loopback"], model=args.model, world_size=args.world_size, steps=args.steps,
-                            warmup=args.warmup, configs=configs, bucket_cap_mb=args.bucket_cap_mb,
-                            threads=args.threads, batch_size=args.batch_size)
+        ladder = run_ladder(
+            links or ["loopback"],
+            model=args.model,
+            world_size=args.world_size,
+            steps=args.steps,
+            warmup=args.warmup,
+            configs=configs,
+            bucket_cap_mb=args.bucket_cap_mb,
+            threads=args.threads,
+            batch_size=args.batch_size,
+        )
         for result in ladder.values():
             print_report(result)
         print_ladder(ladder)
@@ -323,9 +428,17 @@ def run_command(args: Any) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(ladder, indent=1))
         return 0
-    result = run_bench(args.model, args.world_size, args.steps, args.warmup, configs,
-                       links[0] if links and links[0] != "loopback" else None, args.bucket_cap_mb,
-                       args.threads, batch_size=args.batch_size)
+    result = run_bench(
+        args.model,
+        args.world_size,
+        args.steps,
+        args.warmup,
+        configs,
+        links[0] if links and links[0] != "loopback" else None,
+        args.bucket_cap_mb,
+        args.threads,
+        batch_size=args.batch_size,
+    )
     print_report(result)
     public = {k: v for k, v in result.items() if k != "raw"}
     print(json.dumps(public, indent=1))

@@ -86,8 +86,10 @@ def _compute_only(spec: dict[str, Any]) -> dict[str, Any]:
 
     times = _run_steps(step, spec["warmup"], spec["steps"])
     workload().backward()
-    return {"step_times": times, "references": reference_times([p.grad for p in workload.parameters()
-                                                                if p.grad is not None])}
+    return {
+        "step_times": times,
+        "references": reference_times([p.grad for p in workload.parameters() if p.grad is not None]),
+    }
 
 
 def reference_times(grads: list[torch.Tensor], repeats: int = 5) -> dict[str, float]:
@@ -138,9 +140,14 @@ def _measure(name: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str,
 
     def snapshot() -> dict[str, float]:
         tx_bytes, tx_packets = _iface_tx(iface)
-        return {"wire": installed.wire_bytes(), "hook": installed.hook_seconds(),
-                "thread": installed.thread_seconds(), "wait": installed.wait_seconds(), "tx": tx_bytes,
-                "packets": tx_packets}
+        return {
+            "wire": installed.wire_bytes(),
+            "hook": installed.hook_seconds(),
+            "thread": installed.thread_seconds(),
+            "wait": installed.wait_seconds(),
+            "tx": tx_bytes,
+            "packets": tx_packets,
+        }
 
     _run_steps(step, spec["warmup"], 0)
     n = spec["steps"]
@@ -175,8 +182,12 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec.get("threads", 1))
     dist.init_process_group("gloo")
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
-    results = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "compute_only": _compute_only(spec),
-               "configs": {}}
+    results: dict[str, Any] = {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "compute_only": _compute_only(spec),
+        "configs": {},
+    }
     for name in spec["configs"]:
         results["configs"][name] = _measure(name, spec, iface)
     dist.barrier()

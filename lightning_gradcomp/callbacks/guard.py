@@ -41,17 +41,23 @@ def diagnose_strategy(strategy: Any) -> Optional[str]:
         A human explanation with a fix, or ``None`` when the strategy can compress.
     """
     if not isinstance(strategy, GradCompStrategy):
-        return (f"trainer.strategy is {type(strategy).__name__}, not GradCompStrategy, so gradients are "
-                f"reduced densely (or not communicated at all).\nFix: Trainer(strategy=GradCompStrategy("
-                f"compressor=...)) or a preset name such as strategy=\"gradcomp_topk\" (run "
-                f"`lightning-gradcomp list` for all names; `import lightning_gradcomp` registers them).")
+        return (
+            f"trainer.strategy is {type(strategy).__name__}, not GradCompStrategy, so gradients are "
+            f"reduced densely (or not communicated at all).\nFix: Trainer(strategy=GradCompStrategy("
+            f'compressor=...)) or a preset name such as strategy="gradcomp_topk" (run '
+            f"`lightning-gradcomp list` for all names; `import lightning_gradcomp` registers them)."
+        )
     if strategy.world_size < 2:
-        return ("only one process takes part (world size 1): there is no gradient communication to compress."
-                "\nFix: train on devices>=2 (or num_nodes>=2); compression only pays off across processes.")
+        return (
+            "only one process takes part (world size 1): there is no gradient communication to compress."
+            "\nFix: train on devices>=2 (or num_nodes>=2); compression only pays off across processes."
+        )
     if strategy.hook is None:
-        return ("GradCompStrategy has no communication hook: the model was not wrapped in "
-                "DistributedDataParallel, or a subclass overrode _register_ddp_hooks() without calling "
-                "super().\nFix: keep GradCompStrategy._register_ddp_hooks() in the call chain.")
+        return (
+            "GradCompStrategy has no communication hook: the model was not wrapped in "
+            "DistributedDataParallel, or a subclass overrode _register_ddp_hooks() without calling "
+            "super().\nFix: keep GradCompStrategy._register_ddp_hooks() in the call chain."
+        )
     return None
 
 
@@ -68,9 +74,11 @@ def diagnose_layout(hook: GradCompHook, policy: SlotPolicy, ratio: float, steps:
     compressor = type(hook.compressor).__name__
     slots = [slot for plan in hook.plans() for slot in plan.slots]
     if hook.stats.steps == 0 or not slots:
-        return (f"the communication hook never ran ({head})\nDDP did not call it: are all parameters frozen, "
-                f"or is every backward run under no_sync()?\nFix: check that gradients are produced and "
-                f"synchronised.")
+        return (
+            f"the communication hook never ran ({head})\nDDP did not call it: are all parameters frozen, "
+            f"or is every backward run under no_sync()?\nFix: check that gradients are produced and "
+            f"synchronised."
+        )
     compressed = [s for s in slots if s.compressed]
     if not compressed:
         one_d = [s for s in slots if len(s.shape) <= 1 and not policy.compress_1d]
@@ -82,20 +90,24 @@ def diagnose_layout(hook: GradCompHook, policy: SlotPolicy, ratio: float, steps:
             parts.append(f"{len(one_d)} are 1-D (compress_1d=False)")
         if vetoed:
             parts.append(f"{len(vetoed)} were declined by {compressor}.accepts()")
-        return (f"NO gradient tensor is compressed: {head}\nOf {len(slots)} gradient tensors, "
-                f"{'; '.join(parts)}. Everything goes through the dense all-reduce.\nThe largest tensor is "
-                f"{largest.name!r} with {largest.numel} elements.\nFix: lower GradCompStrategy(min_numel=...) to "
-                f"at most {largest.numel} (and set compress_1d=True to compress vectors too), or train a larger "
-                f"model.")
+        return (
+            f"NO gradient tensor is compressed: {head}\nOf {len(slots)} gradient tensors, "
+            f"{'; '.join(parts)}. Everything goes through the dense all-reduce.\nThe largest tensor is "
+            f"{largest.name!r} with {largest.numel} elements.\nFix: lower GradCompStrategy(min_numel=...) to "
+            f"at most {largest.numel} (and set compress_1d=True to compress vectors too), or train a larger "
+            f"model."
+        )
     total = sum(s.numel for s in slots)
     share = sum(s.numel for s in compressed) / total if total else 0.0
     params = sorted({str(hook.param_of(s.name)) for s in compressed})
     pname = hook.compressor.param_name or "parameter"
-    return (f"compression does not reduce traffic: {head}\nOnly {len(compressed)} of {len(slots)} tensors "
-            f"({100 * share:.1f}% of the gradient elements) are compressed by {compressor} "
-            f"({pname}: {', '.join(params)}); the dense remainder and the compressed payloads (which may grow with "
-            f"the world size, e.g. all-gathered sparse values plus indices) cost as much as a dense all-reduce.\n"
-            f"Fix: lower min_numel / set compress_1d=True to compress more tensors, or compress harder.")
+    return (
+        f"compression does not reduce traffic: {head}\nOnly {len(compressed)} of {len(slots)} tensors "
+        f"({100 * share:.1f}% of the gradient elements) are compressed by {compressor} "
+        f"({pname}: {', '.join(params)}); the dense remainder and the compressed payloads (which may grow with "
+        f"the world size, e.g. all-gathered sparse values plus indices) cost as much as a dense all-reduce.\n"
+        f"Fix: lower min_numel / set compress_1d=True to compress more tensors, or compress harder."
+    )
 
 
 class CompressionGuard(Callback):
@@ -121,16 +133,20 @@ class CompressionGuard(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the strategy itself."""
         self._done, self._baseline = False, None
-        problem = diagnose_strategy(trainer.strategy)
+        strategy = trainer.strategy
+        problem = diagnose_strategy(strategy)
         if problem is not None:
             self._warn("NOTHING IS BEING COMPRESSED.", problem)
-        elif trainer.strategy.compressor.dense:
+        elif isinstance(strategy, GradCompStrategy) and strategy.compressor.dense:  # no problem: a GradCompStrategy
             self._done = True
-            rank_zero_info(f"GradComp: {type(trainer.strategy.compressor).__name__} sends dense gradients "
-                           f"(reference configuration): compression ratio 1 by design.")
+            rank_zero_info(
+                f"GradComp: {type(strategy.compressor).__name__} sends dense gradients "
+                f"(reference configuration): compression ratio 1 by design."
+            )
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """Judge the ratio once ``warmup_steps`` compressed steps have been seen."""
         self.check(trainer, final=False)
 
@@ -142,7 +158,7 @@ class CompressionGuard(Callback):
         """Measure the ratio since the warm-up and warn (once) when it stays below ``min_ratio``."""
         if self._done:
             return
-        strategy = trainer.strategy
+        strategy: Any = trainer.strategy  # duck-typed: anything with hook, start_step and policy
         hook: Optional[GradCompHook] = getattr(strategy, "hook", None)
         if hook is None:
             return

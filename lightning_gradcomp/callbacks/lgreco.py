@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -50,6 +51,7 @@ __all__ = ["LGreCo", "layer_candidates", "layer_table"]
 
 log = logging.getLogger(__name__)
 
+
 # ---------------------------------------------------------------------------------------------- tables
 def layer_candidates(compressor: Compressor, shape: Sequence[int], candidates: Sequence[Any]) -> list[Any]:
     """The candidate values valid for a layer of ``shape`` (the default always included, sorted):
@@ -61,8 +63,9 @@ def layer_candidates(compressor: Compressor, shape: Sequence[int], candidates: S
     return compressor.layer_candidates(shape, candidates)
 
 
-def layer_table(compressor: Compressor, stat: Tensor, shape: Sequence[int],
-                candidates: Sequence[Any]) -> tuple[list[float], list[float]]:
+def layer_table(
+    compressor: Compressor, stat: Tensor, shape: Sequence[int], candidates: Sequence[Any]
+) -> tuple[list[float], list[float]]:
     """``(sizes in bytes, errors)`` of each candidate for one layer whose statistic is ``stat``:
     :meth:`Compressor.layer_costs <lightning_gradcomp.compressors.base.Compressor.layer_costs>`.
 
@@ -77,7 +80,7 @@ class _Collector:
     """Engine observer summing each compressed layer's statistic (raw gradient or compressor input) over the
     steps of the statistics window."""
 
-    def __init__(self, owner: "LGreCo") -> None:
+    def __init__(self, owner: LGreCo) -> None:
         self.owner = owner
         self.sums: dict[str, Tensor] = {}
         self.per_step: dict[str, list[Tensor]] = {}  # window="steps" (instead of sums): one copy per step
@@ -151,11 +154,22 @@ class LGreCo(Callback):
         log_layers: also log every layer's chosen value (``lgreco/<layer>``).
     """
 
-    def __init__(self, period: int = 1000, warmup_steps: int = 1000, accumulate_steps: int = 10,
-                 alpha: float = 1.0, candidates: Optional[Sequence[float]] = None, min_factor: float = 0.25,
-                 max_factor: float = 4.0, num_candidates: int = 9, resolution: int = 10_000,
-                 log_layers: bool = True, error: str = "norm", statistic: str = "gradient",
-                 window: str = "sum") -> None:
+    def __init__(
+        self,
+        period: int = 1000,
+        warmup_steps: int = 1000,
+        accumulate_steps: int = 10,
+        alpha: float = 1.0,
+        candidates: Optional[Sequence[float]] = None,
+        min_factor: float = 0.25,
+        max_factor: float = 4.0,
+        num_candidates: int = 9,
+        resolution: int = 10_000,
+        log_layers: bool = True,
+        error: str = "norm",
+        statistic: str = "gradient",
+        window: str = "sum",
+    ) -> None:
         inf = float("inf")
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 1)
@@ -205,11 +219,12 @@ class LGreCo(Callback):
         strategy = trainer.strategy
         hook = getattr(strategy, "hook", None)
         if hook is None or not hasattr(strategy, "set_layer_params"):
-            raise ValueError(f"LGreCo needs GradCompStrategy (with its hook installed), got "
-                             f"{type(strategy).__name__}")
+            raise ValueError(f"LGreCo needs GradCompStrategy (with its hook installed), got {type(strategy).__name__}")
         if not hook.compressor.tunable:
-            raise ValueError(f"LGreCo needs a tunable compressor (a per-layer parameter and its layer_costs); "
-                             f"{hook.compressor!r} is not tunable")
+            raise ValueError(
+                f"LGreCo needs a tunable compressor (a per-layer parameter and its layer_costs); "
+                f"{hook.compressor!r} is not tunable"
+            )
         self._hook = hook
         self._collector.reset()
         if self._collector not in hook.observers:
@@ -217,8 +232,9 @@ class LGreCo(Callback):
         if self.choice:
             strategy.set_layer_params(self.choice)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._hook is None:
             return
         step = self._hook.step
@@ -246,9 +262,11 @@ class LGreCo(Callback):
         collector = self._collector
         step = hook.step
         if not collector.shapes:
-            rank_zero_warn(f"LGreCo: no compressed-gradient statistics before step {step} (warmup_steps="
-                           f"{self.warmup_steps} must exceed the strategy's start_step + accumulate_steps); "
-                           f"parameters unchanged")
+            rank_zero_warn(
+                f"LGreCo: no compressed-gradient statistics before step {step} (warmup_steps="
+                f"{self.warmup_steps} must exceed the strategy's start_step + accumulate_steps); "
+                f"parameters unchanged"
+            )
             return None
         compressor = hook.compressor
         names = sorted(collector.shapes)
@@ -265,9 +283,16 @@ class LGreCo(Callback):
         uniform_error = sum(errors[i][c] for i, c in enumerate(defaults))
         uniform_size = sum(sizes[i][c] for i, c in enumerate(defaults))
         budget = self.alpha * uniform_error
-        entry: dict[str, Any] = {"step": step, "stat_steps": len(collector.steps), "statistic": self.statistic,
-                                 "window": self.window, "layers": names, "budget": budget,
-                                 "uniform_error": uniform_error, "uniform_bytes": uniform_size}
+        entry: dict[str, Any] = {
+            "step": step,
+            "stat_steps": len(collector.steps),
+            "statistic": self.statistic,
+            "window": self.window,
+            "layers": names,
+            "budget": budget,
+            "uniform_error": uniform_error,
+            "uniform_bytes": uniform_size,
+        }
         collector.reset()
         try:
             picks, fallback = solve_or_uniform(sizes, errors, defaults, budget, self.resolution)
@@ -280,18 +305,29 @@ class LGreCo(Callback):
         values = [grid[c] for grid, c in zip(grids, picks)]
         self.choice = dict(zip(names, values))
         strategy.set_layer_params(self.choice)
-        entry.update(feasible=True, values=values,
-                     error=sum(errors[i][c] for i, c in enumerate(picks)),
-                     bytes=sum(sizes[i][c] for i, c in enumerate(picks)),
-                     layer_errors=[errors[i][c] for i, c in enumerate(picks)],
-                     layer_uniform_errors=[errors[i][c] for i, c in enumerate(defaults)])
+        entry.update(
+            feasible=True,
+            values=values,
+            error=sum(errors[i][c] for i, c in enumerate(picks)),
+            bytes=sum(sizes[i][c] for i, c in enumerate(picks)),
+            layer_errors=[errors[i][c] for i, c in enumerate(picks)],
+            layer_uniform_errors=[errors[i][c] for i, c in enumerate(defaults)],
+        )
         self.history.append(entry)
-        log.info("LGreCo step %d: bytes %.0f -> %.0f (uniform -> chosen), error %.4g <= budget %.4g: %s", step,
-                 uniform_size, entry["bytes"], entry["error"], budget, self.choice)
+        log.info(
+            "LGreCo step %d: bytes %.0f -> %.0f (uniform -> chosen), error %.4g <= budget %.4g: %s",
+            step,
+            uniform_size,
+            entry["bytes"],
+            entry["error"],
+            budget,
+            self.choice,
+        )
         return entry
 
-    def _errors(self, compressor: Compressor, stat: Tensor, shape: Sequence[int],
-                grid: Sequence[Any]) -> tuple[list[float], list[float]]:
+    def _errors(
+        self, compressor: Compressor, stat: Tensor, shape: Sequence[int], grid: Sequence[Any]
+    ) -> tuple[list[float], list[float]]:
         """``(sizes, errors)`` of one layer's statistic, errors transformed as ``error`` asks."""
         sizes, errors = compressor.layer_costs(stat, shape, grid)
         if self.error == "feedback" and compressor.uses_error_feedback:
@@ -302,8 +338,11 @@ class LGreCo(Callback):
         """The candidate values of one layer of ``shape``: ``candidates``, or the compressor's
         :meth:`~lightning_gradcomp.compressors.base.Compressor.candidate_grid` around its default, filtered by its
         :meth:`~lightning_gradcomp.compressors.base.Compressor.layer_candidates`."""
-        base = self.candidates if self.candidates is not None else compressor.candidate_grid(
-            self.min_factor, self.max_factor, self.num_candidates)
+        base = (
+            self.candidates
+            if self.candidates is not None
+            else compressor.candidate_grid(self.min_factor, self.max_factor, self.num_candidates)
+        )
         return compressor.layer_candidates(shape, base)
 
     @staticmethod
@@ -312,7 +351,7 @@ class LGreCo(Callback):
         width = max(len(t) for t in tables)
         flat = torch.zeros(len(tables), width, dtype=torch.float64)
         for i, t in enumerate(tables):
-            flat[i, :len(t)] = torch.tensor(t, dtype=torch.float64)
+            flat[i, : len(t)] = torch.tensor(t, dtype=torch.float64)
         flat = torch.nan_to_num(flat, nan=math.inf)
         device = getattr(hook, "device", None)
         if device is not None and device.type != "cpu":
@@ -321,11 +360,14 @@ class LGreCo(Callback):
         if world > 1:
             hook.comm.all_reduce(flat)
         flat = flat.cpu() / world
-        return [flat[i, :len(t)].tolist() for i, t in enumerate(tables)]
+        return [flat[i, : len(t)].tolist() for i, t in enumerate(tables)]
 
     def _log(self, pl_module: pl.LightningModule, entry: dict[str, Any]) -> None:
-        metrics = {"lgreco/budget": float(entry["budget"]), "lgreco/uniform_bytes": float(entry["uniform_bytes"]),
-                   "lgreco/feasible": float(entry["feasible"])}
+        metrics = {
+            "lgreco/budget": float(entry["budget"]),
+            "lgreco/uniform_bytes": float(entry["uniform_bytes"]),
+            "lgreco/feasible": float(entry["feasible"]),
+        }
         if entry["feasible"]:
             metrics["lgreco/error"] = float(entry["error"])
             metrics["lgreco/bytes"] = float(entry["bytes"])
@@ -347,10 +389,15 @@ class LGreCo(Callback):
         self.history = list(state_dict.get("history", []))
 
     def __repr__(self) -> str:
-        return (f"LGreCo(period={self.period}, warmup_steps={self.warmup_steps}, "
-                f"accumulate_steps={self.accumulate_steps}, alpha={self.alpha}, statistic={self.statistic!r}, "
-                f"window={self.window!r})")
+        return (
+            f"LGreCo(period={self.period}, warmup_steps={self.warmup_steps}, "
+            f"accumulate_steps={self.accumulate_steps}, alpha={self.alpha}, statistic={self.statistic!r}, "
+            f"window={self.window!r})"
+        )
 
 
-register_preset("lgreco", "DDP + PowerSGD rank 4 with L-GreCo per-layer ranks (re-chosen every 1000 steps)",
-                lambda: {"compressor": PowerSGD(rank=4), "layerwise": LGreCo()})
+register_preset(
+    "lgreco",
+    "DDP + PowerSGD rank 4 with L-GreCo per-layer ranks (re-chosen every 1000 steps)",
+    lambda: {"compressor": PowerSGD(rank=4), "layerwise": LGreCo()},
+)

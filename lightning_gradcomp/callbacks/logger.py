@@ -26,8 +26,8 @@ from torchmetrics import MaxMetric, MeanMetric, SumMetric
 
 from lightning_gradcomp.callbacks.guard import CompressionGuard
 from lightning_gradcomp.callbacks.summary import print_summary
-from lightning_gradcomp.comm import CommStats, compression_ratio
 from lightning_gradcomp.checks import check_bool, check_int
+from lightning_gradcomp.comm import CommStats, compression_ratio
 from lightning_gradcomp.hook import BucketRecord, GradCompHook
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.strategy import GradCompStrategy
@@ -210,7 +210,7 @@ class _Snapshot:
     layers: dict[str, tuple[float, float]]
 
     @classmethod
-    def of(cls, stats: CommStats, per_layer: bool) -> "_Snapshot":
+    def of(cls, stats: CommStats, per_layer: bool) -> _Snapshot:
         layers = {n: (s.wire_bytes, s.dense_bytes) for n, s in stats.layers.items()} if per_layer else {}
         return cls(stats.steps, stats.wire_bytes, stats.dense_bytes, stats.hook_seconds, layers)
 
@@ -235,10 +235,10 @@ class CompressionLogger(Callback):
     :data:`PROG_BAR_EVERY_N_STEPS` steps), all ranks aggregate epoch figures with torchmetrics, a
     rich per-layer table is printed at the end of fit, and a
     :class:`~lightning_gradcomp.callbacks.guard.CompressionGuard` warns when nothing is compressed.
-    Metric names: :data:`METRICS` and :data:`LAYER_METRICS` (``docs/monitoring.md``). Costs: a few float operations per step and a ``pl_module.log`` every
-    :data:`PROG_BAR_EVERY_N_STEPS` steps; the memory norm (one pass over the memory) at log steps;
-    one copy of the compressor input plus two norms per layer at error-sampled steps; a few small
-    collectives at epoch ends.
+    Metric names: :data:`METRICS` and :data:`LAYER_METRICS` (``docs/monitoring.md``). Costs: a few float
+    operations per step and a ``pl_module.log`` every :data:`PROG_BAR_EVERY_N_STEPS` steps; the memory norm
+    (one pass over the memory) at log steps; one copy of the compressor input plus two norms per layer at
+    error-sampled steps; a few small collectives at epoch ends.
 
     Args:
         log_every_n_steps: logging period in optimizer steps (``None``: the Trainer's
@@ -251,8 +251,15 @@ class CompressionLogger(Callback):
         guard: warn loudly when nothing is being compressed.
     """
 
-    def __init__(self, log_every_n_steps: Optional[int] = None, error_every_n_steps: int = 50,
-                 per_layer: bool = False, prog_bar: bool = True, summary: bool = True, guard: bool = True) -> None:
+    def __init__(
+        self,
+        log_every_n_steps: Optional[int] = None,
+        error_every_n_steps: int = 50,
+        per_layer: bool = False,
+        prog_bar: bool = True,
+        summary: bool = True,
+        guard: bool = True,
+    ) -> None:
         if log_every_n_steps is not None:
             check_int("log_every_n_steps", log_every_n_steps, 1, 10**12)
         check_int("error_every_n_steps", error_every_n_steps, 0, 10**12)
@@ -276,9 +283,15 @@ class CompressionLogger(Callback):
     # ------------------------------------------------------------------ lifecycle
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve the logging period and create the epoch aggregators."""
-        self._every = self.log_every_n_steps or max(int(trainer.log_every_n_steps), 1)
-        self._epoch_metrics = {EPOCH_WIRE_BYTES: SumMetric(), EPOCH_DENSE_BYTES: SumMetric(),
-                               EPOCH_HOOK_MS: MeanMetric(), EPOCH_HOOK_MS_MAX: MaxMetric(), EPOCH_ERROR: MeanMetric()}
+        # Trainer.log_every_n_steps is set by Lightning's logger connector at run time, not declared on Trainer
+        self._every = self.log_every_n_steps or max(int(trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]
+        self._epoch_metrics = {
+            EPOCH_WIRE_BYTES: SumMetric(),
+            EPOCH_DENSE_BYTES: SumMetric(),
+            EPOCH_HOOK_MS: MeanMetric(),
+            EPOCH_HOOK_MS_MAX: MaxMetric(),
+            EPOCH_ERROR: MeanMetric(),
+        }
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Attach the error probe to the engine and take the first snapshots."""
@@ -297,8 +310,9 @@ class CompressionLogger(Callback):
         self._seen_steps = self._hook.stats.steps
         self._last_bin = trainer.global_step // self._every
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """Log when due; feed the progress bar and the guard."""
         if self.guard is not None:
             self.guard.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -307,8 +321,9 @@ class CompressionLogger(Callback):
             return  # no reduction in this batch (gradient accumulation)
         self._seen_steps = hook.stats.steps
         if self._show_bar and self._last is not None and hook.stats.steps % PROG_BAR_EVERY_N_STEPS == 0:
-            ratio = compression_ratio(hook.stats.dense_bytes - self._last.dense,
-                                      hook.stats.wire_bytes - self._last.wire)
+            ratio = compression_ratio(
+                hook.stats.dense_bytes - self._last.dense, hook.stats.wire_bytes - self._last.wire
+            )
             if math.isfinite(ratio):  # pl_module.log costs ~0.1-0.5 ms: not on every step
                 pl_module.log(RATIO, ratio, prog_bar=True, logger=False, on_step=True, on_epoch=False)
         metrics: dict[str, float] = {}
@@ -361,11 +376,13 @@ class CompressionLogger(Callback):
         self._detach()
         if self.summary and hook is not None and trainer.is_global_zero:
             probe = self.probe
-            print_summary(hook.stats, probe.layer_errors() if probe is not None else {},
-                          total_error=probe.total_error() if probe is not None else float("nan"),
-                          param_name=hook.compressor.param_name,
-                          title=f"GradComp summary: {hook.compressor!r}, world size {hook.comm.world_size} "
-                                f"(rank 0)")
+            print_summary(
+                hook.stats,
+                probe.layer_errors() if probe is not None else {},
+                total_error=probe.total_error() if probe is not None else float("nan"),
+                param_name=hook.compressor.param_name,
+                title=f"GradComp summary: {hook.compressor!r}, world size {hook.comm.world_size} (rank 0)",
+            )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Never leave the probe attached (e.g. after an exception)."""

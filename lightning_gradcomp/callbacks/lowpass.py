@@ -24,7 +24,8 @@ logs what the filter is meant to protect:
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -105,8 +106,14 @@ class LowPassMemoryFilter(Callback):
         seed: seed of the sketch's hash and signs.
     """
 
-    def __init__(self, beta: float = 0.1, schedule: Optional[Mapping[int, float]] = None,
-                 similarity_every_n_steps: int = 0, sketch_size: Optional[int] = 4096, seed: int = 0) -> None:
+    def __init__(
+        self,
+        beta: float = 0.1,
+        schedule: Optional[Mapping[int, float]] = None,
+        similarity_every_n_steps: int = 0,
+        sketch_size: Optional[int] = 4096,
+        seed: int = 0,
+    ) -> None:
         self.beta = validate_beta(beta)
         self.schedule = _check_schedule(schedule)
         self.similarity_every_n_steps = check_int("similarity_every_n_steps", similarity_every_n_steps, 0, 10**12)
@@ -133,19 +140,23 @@ class LowPassMemoryFilter(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Check that the strategy has an error-feedback memory to filter."""
         if not callable(getattr(trainer.strategy, "set_beta", None)):
-            raise TypeError(f"LowPassMemoryFilter needs a GradCompStrategy (with `set_beta`), got "
-                            f"{type(trainer.strategy).__name__}")
+            raise TypeError(
+                f"LowPassMemoryFilter needs a GradCompStrategy (with `set_beta`), got {type(trainer.strategy).__name__}"
+            )
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         """Apply the scheduled ``beta`` before this step's gradients are reduced."""
         beta = self.beta_at(trainer.global_step)
         if beta != self.current_beta:
-            trainer.strategy.set_beta(beta)
+            strategy: Any = trainer.strategy  # duck-typed: setup() checked that it has set_beta
+            strategy.set_beta(beta)
             self.current_beta = beta
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """Log beta and the memory norm; measure the similarity when due (all ranks)."""
         memory: Optional[ErrorFeedback] = getattr(trainer.strategy, "error_feedback", None)
         step = trainer.global_step  # already advanced by this batch's optimizer step
@@ -153,7 +164,8 @@ class LowPassMemoryFilter(Callback):
             return  # no optimizer step in this batch (gradient accumulation)
         self._seen_step = step
         metrics: dict[str, float] = {}
-        if memory is not None and memory.memories and step % max(int(trainer.log_every_n_steps), 1) == 0:
+        # Trainer.log_every_n_steps is set by Lightning's logger connector at run time, not declared on Trainer
+        if memory is not None and memory.memories and step % max(int(trainer.log_every_n_steps), 1) == 0:  # type: ignore[attr-defined]
             self.last_memory_norm = memory.norm()
             metrics = {BETA: float(self.current_beta or self.beta), MEMORY_NORM: self.last_memory_norm}
         every = self.similarity_every_n_steps
@@ -172,8 +184,8 @@ class LowPassMemoryFilter(Callback):
         flat = memory.flat(sorted(memory.memories))
         norm = torch.linalg.vector_norm(flat)
         unit = flat / norm if float(norm) > 0 else torch.zeros_like(flat)
-        exact = self.sketch_size is None or self.sketch_size >= unit.numel()
-        body = unit if exact else count_sketch(unit, self.sketch_size, self.seed)
+        size = self.sketch_size
+        body = unit if size is None or size >= unit.numel() else count_sketch(unit, size, self.seed)  # None: exact
         payload = torch.cat([body.to(torch.float32), unit.square().sum().reshape(1)])
         self._comm.all_reduce(payload)
         total = float(payload[:-1].double().square().sum())
@@ -182,8 +194,12 @@ class LowPassMemoryFilter(Callback):
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """Current beta, last measurements and the similarity's byte count (plain numbers)."""
-        return {"current_beta": self.current_beta, "last_memory_norm": self.last_memory_norm,
-                "last_similarity": self.last_similarity, "comm_stats": self.comm_stats.state_dict()}
+        return {
+            "current_beta": self.current_beta,
+            "last_memory_norm": self.last_memory_norm,
+            "last_similarity": self.last_similarity,
+            "comm_stats": self.comm_stats.state_dict(),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; beta is re-applied from the schedule at the next batch."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Optional
 
 from rich.console import Console
 from rich.table import Table
@@ -43,8 +44,9 @@ def _fmt(value: Optional[float], spec: str = ".3g") -> str:
     return "inf" if math.isinf(value) else format(value, spec)
 
 
-def summary_rows(stats: CommStats, errors: Mapping[str, float], total_error: float = float("nan")
-                 ) -> tuple[list[SummaryRow], SummaryRow]:
+def summary_rows(
+    stats: CommStats, errors: Mapping[str, float], total_error: float = float("nan")
+) -> tuple[list[SummaryRow], SummaryRow]:
     """Per-layer rows (in insertion order) and the totals row.
 
     Args:
@@ -53,15 +55,30 @@ def summary_rows(stats: CommStats, errors: Mapping[str, float], total_error: flo
         total_error: the error over all compressed layers.
     """
     steps = max(stats.steps, 1)
-    rows = [SummaryRow(name, s.numel, s.compressed, s.param, s.wire_bytes / steps, s.ratio,
-                       errors.get(name, float("nan"))) for name, s in stats.layers.items()]
-    total = SummaryRow("total", sum(r.numel for r in rows), any(r.compressed for r in rows), None,
-                       stats.wire_bytes / steps, stats.compression_ratio, total_error)
+    rows = [
+        SummaryRow(name, s.numel, s.compressed, s.param, s.wire_bytes / steps, s.ratio, errors.get(name, float("nan")))
+        for name, s in stats.layers.items()
+    ]
+    total = SummaryRow(
+        "total",
+        sum(r.numel for r in rows),
+        any(r.compressed for r in rows),
+        None,
+        stats.wire_bytes / steps,
+        stats.compression_ratio,
+        total_error,
+    )
     return rows, total
 
 
-def summary_table(rows: list[SummaryRow], total: SummaryRow, *, param_name: Optional[str] = None,
-                  title: str = "GradComp summary", caption: Optional[str] = None) -> Table:
+def summary_table(
+    rows: list[SummaryRow],
+    total: SummaryRow,
+    *,
+    param_name: Optional[str] = None,
+    title: str = "GradComp summary",
+    caption: Optional[str] = None,
+) -> Table:
     """A rich table: layer, numel, compressed?, parameter, bytes/step, ratio, error, plus totals."""
     table = Table(title=title, caption=caption, show_footer=True)
     n_comp = sum(r.compressed for r in rows)
@@ -74,14 +91,27 @@ def summary_table(rows: list[SummaryRow], total: SummaryRow, *, param_name: Opti
     table.add_column("dense/wire", justify="right", footer=_fmt(total.ratio, ".2f"))
     table.add_column("error", justify="right", footer=_fmt(total.error))
     for r in rows:
-        table.add_row(r.name, f"{r.numel:,}", "yes" if r.compressed else "no", _fmt(r.param),
-                      format_bytes(r.bytes_per_step), _fmt(r.ratio, ".2f"), _fmt(r.error))
+        table.add_row(
+            r.name,
+            f"{r.numel:,}",
+            "yes" if r.compressed else "no",
+            _fmt(r.param),
+            format_bytes(r.bytes_per_step),
+            _fmt(r.ratio, ".2f"),
+            _fmt(r.error),
+        )
     return table
 
 
-def print_summary(stats: CommStats, errors: Mapping[str, float], *, total_error: float = float("nan"),
-                  param_name: Optional[str] = None, title: str = "GradComp summary",
-                  console: Optional[Console] = None) -> Table:
+def print_summary(
+    stats: CommStats,
+    errors: Mapping[str, float],
+    *,
+    total_error: float = float("nan"),
+    param_name: Optional[str] = None,
+    title: str = "GradComp summary",
+    console: Optional[Console] = None,
+) -> Table:
     """Print the summary table of ``stats`` (call on rank 0 only) and return it.
 
     Args:
@@ -94,9 +124,11 @@ def print_summary(stats: CommStats, errors: Mapping[str, float], *, total_error:
             table is printed at its natural width.
     """
     rows, total = summary_rows(stats, errors, total_error)
-    caption = (f"{stats.steps} steps ({stats.compressed_steps} compressed), "
-               f"hook {1e3 * stats.hook_seconds / max(stats.steps, 1):.2f} ms/step, "
-               f"{stats.nonfinite_steps} non-finite buckets")
+    caption = (
+        f"{stats.steps} steps ({stats.compressed_steps} compressed), "
+        f"hook {1e3 * stats.hook_seconds / max(stats.steps, 1):.2f} ms/step, "
+        f"{stats.nonfinite_steps} non-finite buckets"
+    )
     table = summary_table(rows, total, param_name=param_name, title=title, caption=caption)
     console = console or Console()
     if not console.is_terminal:  # a log file or a pipe: never fold or crop, use the table's natural width

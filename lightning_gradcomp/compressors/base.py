@@ -23,8 +23,9 @@ import copy
 import hashlib
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Optional, Sequence, Union
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 from torch import Tensor
@@ -100,7 +101,7 @@ class Reduction:
 
     averaged: Future
     residuals: Optional[list[Tensor]] = None
-    local: Optional[list[Tensor]] = None
+    local: Optional[Sequence[Tensor]] = None
 
 
 class Compressor(ABC):
@@ -149,8 +150,9 @@ class Compressor(ABC):
         """Raise ``ValueError`` naming ``argument`` (a strategy argument that sets the compression parameter)
         when this compressor has no per-layer parameter."""
         if self.param_name is None:
-            raise ValueError(f"`{argument}` needs a compressor with a compression parameter (ratio, rank or bits); "
-                             f"{self!r} has none")
+            raise ValueError(
+                f"`{argument}` needs a compressor with a compression parameter (ratio, rank or bits); {self!r} has none"
+            )
 
     # ------------------------------------------------------------------ costs (L-GreCo)
     @property
@@ -187,8 +189,9 @@ class Compressor(ABC):
                 continue
         return sorted(out)
 
-    def layer_costs(self, stat: Tensor, shape: Sequence[int],
-                    candidates: Sequence[Any]) -> tuple[list[float], list[float]]:
+    def layer_costs(
+        self, stat: Tensor, shape: Sequence[int], candidates: Sequence[Any]
+    ) -> tuple[list[float], list[float]]:
         """``(sizes, errors)`` of each candidate value for one layer: what L-GreCo trades off.
 
         Args:
@@ -209,15 +212,18 @@ class Compressor(ABC):
 
     def _not_tunable(self) -> ValueError:
         """The error for a compressor that is not :attr:`tunable`, naming it and saying why."""
-        reason = ("it has no per-layer parameter (param_name is None)" if self.param_name is None else
-                  f"it does not implement layer_costs for its per-layer parameter {self.param_name!r}")
+        reason = (
+            "it has no per-layer parameter (param_name is None)"
+            if self.param_name is None
+            else f"it does not implement layer_costs for its per-layer parameter {self.param_name!r}"
+        )
         return ValueError(f"{type(self).__name__} is not tunable: {reason}")
 
     def accepts(self, slot: LayerSlot) -> bool:
         """Whether this compressor wants to compress ``slot`` (after the size policy agreed)."""
         return True
 
-    def prepare(self) -> None:
+    def prepare(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Get ready to reduce: called once per rank before training (build native kernels, warm caches).
 
         Runs in the strategy's setup, never during backward, so nothing slow happens while other ranks
@@ -232,10 +238,10 @@ class Compressor(ABC):
         """Per-rank persistent state (tensors, numbers, strings only)."""
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - stateless by default, like state_dict
         """Restore :meth:`state_dict`."""
 
-    def reset_state(self) -> None:
+    def reset_state(self) -> None:  # noqa: B027 - stateless by default
         """Forget per-rank persistent state (world-size change policy)."""
 
     def commit_state(self, names: Optional[Iterable[str]] = None) -> None:
@@ -261,7 +267,7 @@ class Compressor(ABC):
     def _staged_stores(self) -> list[StagedState]:
         return [value for value in vars(self).values() if isinstance(value, StagedState)]
 
-    def clone(self) -> "Compressor":
+    def clone(self) -> Compressor:
         """A fresh deep copy (strategies never share compressor state)."""
         return copy.deepcopy(self)
 

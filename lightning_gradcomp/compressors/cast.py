@@ -29,7 +29,7 @@ class Cast(Compressor):
 
     borrows_inputs = True  # one torch.cat reads them
 
-    def __init__(self, dtype: "torch.dtype | str" = torch.float16) -> None:
+    def __init__(self, dtype: torch.dtype | str = torch.float16) -> None:
         self.dtype: torch.dtype = check_dtype("dtype", dtype, _ALLOWED)
 
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:

@@ -94,9 +94,14 @@ class CLTK(SparseCompressor):
             resume-exact with several buckets). Default: the paper's ``step mod W``.
     """
 
-    def __init__(self, ratio: float = 0.01, selection: Literal["exact", "approx"] = "exact",
-                 value_dtype: "torch.dtype | str" = torch.float32,
-                 index_coding: Literal["int32", "delta16"] = "int32", spread_leaders: bool = False) -> None:
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        selection: Literal["exact", "approx"] = "exact",
+        value_dtype: torch.dtype | str = torch.float32,
+        index_coding: Literal["int32", "delta16"] = "int32",
+        spread_leaders: bool = False,
+    ) -> None:
         super().__init__(ratio, value_dtype)
         if selection not in ("exact", "approx"):
             raise ValueError(f"`selection` must be 'exact' or 'approx', got {selection!r}")
@@ -142,19 +147,19 @@ class CLTK(SparseCompressor):
         world = ctx.world_size
         values = torch.zeros(sum(ks), dtype=torch.float32, device=device)
         for t, idx, v in zip(tensors, indices, split_flat(values, ks)):
-            v[:idx.numel()] = t[idx]
+            v[: idx.numel()] = t[idx]
         if self.value_dtype == torch.float32:
             sent, local, divisor = values, values, world
         else:  # pre-divided by W (no 16-bit overflow); the cast's rounding stays in the residual
             sent, divisor = values.div(world).to(self.value_dtype), 1
             local = sent.to(torch.float32).mul_(world)  # this rank's contribution c as the wire carries it
         for t, idx, v, c in zip(tensors, indices, split_flat(values, ks), split_flat(local, ks)):
-            t[idx] = v[:idx.numel()] - c[:idx.numel()]  # residual p - c, in p's storage
+            t[idx] = v[: idx.numel()] - c[: idx.numel()]  # residual p - c, in p's storage
         fut = ctx.comm.all_reduce(sent, async_op=True, shares=ctx.shares(ks))
 
         def decode(f: torch.futures.Future) -> list[Tensor]:
             mean = f.value().to(torch.float32).div_(divisor)
-            return [scatter_dense(n, idx, v[:idx.numel()]) for n, idx, v in zip(numels, indices, split_flat(mean, ks))]
+            return [scatter_dense(n, idx, v[: idx.numel()]) for n, idx, v in zip(numels, indices, split_flat(mean, ks))]
 
         return Reduction(averaged=then_same_numerics(fut, decode), residuals=tensors)
 
@@ -170,7 +175,7 @@ class CLTK(SparseCompressor):
         if self.index_coding == "delta16":
             return encode_delta16(indices, slots)
         out = torch.full((slots,), -1, dtype=torch.int32, device=indices.device)
-        out[:indices.numel()] = indices.to(torch.int32)
+        out[: indices.numel()] = indices.to(torch.int32)
         return out
 
     def _decode(self, codes: Tensor) -> Tensor:
@@ -184,9 +189,13 @@ class CLTK(SparseCompressor):
         return super().extra_repr() + extra
 
 
-register_preset("scalecom", "DDP + ScaleCom CLT-k 1% with error feedback (leader broadcast + all-reduce)",
-                lambda: {"compressor": CLTK(ratio=0.01)})
-register_preset("scalecom_compact", "DDP + CLT-k 1%, approximate selection, fp16 values, delta16 indices (133x fewer "
-                "bytes than dense)",
-                lambda: {"compressor": CLTK(ratio=0.01, selection="approx", value_dtype=torch.float16,
-                                            index_coding="delta16")})
+register_preset(
+    "scalecom",
+    "DDP + ScaleCom CLT-k 1% with error feedback (leader broadcast + all-reduce)",
+    lambda: {"compressor": CLTK(ratio=0.01)},
+)
+register_preset(
+    "scalecom_compact",
+    "DDP + CLT-k 1%, approximate selection, fp16 values, delta16 indices (133x fewer bytes than dense)",
+    lambda: {"compressor": CLTK(ratio=0.01, selection="approx", value_dtype=torch.float16, index_coding="delta16")},
+)

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.checks import check_bucket_size, is_number
-from lightning_gradcomp.compressors.base import ReduceContext, Reduction
+from lightning_gradcomp.compressors.base import ReduceContext
 from lightning_gradcomp.compressors.quantized import (
     QuantizedCompressor,
     Segment,
@@ -77,10 +78,10 @@ class BlockQuantizer:
     @property
     def codec(self) -> SlotCodec:
         """The wire encoding (2-bit ternary codes, fp32 block norms)."""
-        return SlotCodec(1, self.block_size, self.p)
+        return SlotCodec(1, self.block_size, cast(float, self.p))  # a float since __post_init__
 
     @classmethod
-    def parse(cls, spec: Union["BlockQuantizer", str, Mapping[str, Any]]) -> "BlockQuantizer":
+    def parse(cls, spec: Union[BlockQuantizer, str, Mapping[str, Any]]) -> BlockQuantizer:
         """Build from an instance, a string (``"linf"``, ``"l2:64"``) or a mapping ``{p:, block_size:}``."""
         if isinstance(spec, cls):
             return spec
@@ -94,8 +95,9 @@ class BlockQuantizer:
             try:
                 size = int(block) if block else cls.block_size
             except ValueError:
-                raise ValueError(f"`quantizer` string must look like 'linf', 'l2' or 'linf:128', "
-                                 f"got {spec!r}") from None
+                raise ValueError(
+                    f"`quantizer` string must look like 'linf', 'l2' or 'linf:128', got {spec!r}"
+                ) from None
             try:
                 return cls(norm, size)
             except ValueError as err:  # name the argument the user set
@@ -119,16 +121,22 @@ class DIANA(QuantizedCompressor):
             aggregation; bytes grow with W).
     """
 
-    def __init__(self, quantizer: Union[BlockQuantizer, str, Mapping[str, Any]] = "linf:128",
-                 alpha: Optional[float] = None, aggregation: str = "alltoall") -> None:
+    def __init__(
+        self,
+        quantizer: Union[BlockQuantizer, str, Mapping[str, Any]] = "linf:128",
+        alpha: Optional[float] = None,
+        aggregation: str = "alltoall",
+    ) -> None:
         super().__init__(aggregation)
         self.quantizer: BlockQuantizer = BlockQuantizer.parse(quantizer)
         limit = self.quantizer.alpha_max
         if alpha is None:
             alpha = limit / 2
         if not is_number(alpha) or not 0.0 <= alpha <= limit:
-            raise ValueError(f"`alpha` must be a number in [0, alpha_p = {limit:.6g}] for quantizer {self.quantizer} "
-                             f"(alpha_p(d) = 1/sqrt(d) for l2, 2/(1+sqrt(d)) for linf); got {alpha!r}")
+            raise ValueError(
+                f"`alpha` must be a number in [0, alpha_p = {limit:.6g}] for quantizer {self.quantizer} "
+                f"(alpha_p(d) = 1/sqrt(d) for l2, 2/(1+sqrt(d)) for linf); got {alpha!r}"
+            )
         self.alpha: float = float(alpha)
         self._local = StagedState()
         self._shift = StagedState()
@@ -153,14 +161,16 @@ class DIANA(QuantizedCompressor):
             self._tensor(self._shift, slot.name, g)
         return [g.sub_(self._tensor(self._local, slot.name, g)) for slot, g in zip(ctx.slots, tensors)]
 
-    def _after_encode(self, tensors: list[Tensor], decoded: list[Tensor], ctx: ReduceContext) -> Reduction:
+    def _after_encode(
+        self, tensors: list[Tensor], decoded: Sequence[Tensor], ctx: ReduceContext
+    ) -> tuple[Optional[list[Tensor]], Optional[Sequence[Tensor]]]:
         """``local = h_i + Q(g_i - h_i)`` (this rank's gradient estimate), then ``h_i += alpha Q(...)``."""
         local = []
         for slot, q in zip(ctx.slots, decoded):
             h = self._local[slot.name]
             local.append(h + q)
             h.add_(q, alpha=self.alpha)
-        return Reduction(averaged=None, local=local)  # type: ignore[arg-type]
+        return None, local
 
     def _exact_mean(self, ctx: ReduceContext, slot: int, mean: Tensor) -> Tensor:
         h = self._shift[ctx.slots[slot].name]
@@ -172,14 +182,16 @@ class DIANA(QuantizedCompressor):
         name = ctx.slots[seg.slot].name
         entry = self._owned.get(name)
         if entry is not None and (int(entry["start"]) != seg.start or entry["value"].numel() != seg.numel):
-            warnings.warn(f"DIANA: the chunk of {name!r} owned by this rank moved; its master shift restarts at 0")
+            warnings.warn(
+                f"DIANA: the chunk of {name!r} owned by this rank moved; its master shift restarts at 0", stacklevel=2
+            )
         own = owned_state(self._owned, name, seg, mean.device)
         g_hat = own + mean
         own.add_(mean, alpha=self.alpha)
-        return g_hat.sub_(self._shift[name][seg.start:seg.end])
+        return g_hat.sub_(self._shift[name][seg.start : seg.end])
 
     def _received(self, ctx: ReduceContext, seg: Segment, decoded: Tensor) -> Tensor:
-        shift = self._shift[ctx.slots[seg.slot].name][seg.start:seg.end]
+        shift = self._shift[ctx.slots[seg.slot].name][seg.start : seg.end]
         out = shift + decoded
         shift.add_(decoded, alpha=self.alpha)
         return out
@@ -187,13 +199,19 @@ class DIANA(QuantizedCompressor):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """``local`` (h_i), ``shift`` (h or H, identical on all ranks) and ``owned`` (h_own) per layer."""
-        return {"aggregation": self.aggregation, "local": state_copy(self._local),
-                "shift": state_copy(self._shift), "owned": state_copy(self._owned)}
+        return {
+            "aggregation": self.aggregation,
+            "local": state_copy(self._local),
+            "shift": state_copy(self._shift),
+            "owned": state_copy(self._owned),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state and state.get("aggregation", self.aggregation) != self.aggregation:
-            raise ValueError(f"DIANA state was saved with aggregation={state['aggregation']!r}, "
-                             f"this compressor uses {self.aggregation!r}")
+            raise ValueError(
+                f"DIANA state was saved with aggregation={state['aggregation']!r}, "
+                f"this compressor uses {self.aggregation!r}"
+            )
         self._local.load(state_copy(state.get("local", {})))
         self._shift.load(state_copy(state.get("shift", {})))
         self._owned.load(state_copy(state.get("owned", {})))
@@ -207,5 +225,8 @@ class DIANA(QuantizedCompressor):
         return f"quantizer='{self.quantizer}', alpha={self.alpha:.6g}" + (f", {extra}" if extra else "")
 
 
-register_preset("diana", "DDP + DIANA (l-inf blocks of 128, alpha = alpha_p/2) over the quantized all-reduce",
-                lambda: {"compressor": DIANA()})
+register_preset(
+    "diana",
+    "DDP + DIANA (l-inf blocks of 128, alpha = alpha_p/2) over the quantized all-reduce",
+    lambda: {"compressor": DIANA()},
+)

@@ -15,20 +15,27 @@ Wire bytes per rank and bucket: ``2 (W-1)/W * 4 * sum_l (n_l + m_l) r_l`` over t
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.checks import check_bool, check_int, check_number
+from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional.layerwise import lowrank_errors, lowrank_sizes
-from lightning_gradcomp.functional.lowrank import (adapt_factor, effective_rank, lowrank_saves, matrix_shape,
-                                                   orthogonalize, random_factor)
+from lightning_gradcomp.functional.lowrank import (
+    adapt_factor,
+    effective_rank,
+    lowrank_saves,
+    matrix_shape,
+    orthogonalize,
+    random_factor,
+)
 from lightning_gradcomp.plan import LayerSlot
 from lightning_gradcomp.presets import register_preset
 
@@ -59,8 +66,9 @@ class PowerSGD(Compressor):
     def __init__(self, rank: int = 4, warm_start: bool = True, min_compression_rate: float = 2.0) -> None:
         self.rank: int = check_int("rank", rank, 1)
         self.warm_start = check_bool("warm_start", warm_start)
-        self.min_compression_rate = float(check_number("min_compression_rate", min_compression_rate, 1.0,
-                                                       float("inf"), low_open=False))
+        self.min_compression_rate = float(
+            check_number("min_compression_rate", min_compression_rate, 1.0, float("inf"), low_open=False)
+        )
         self._factors = StagedState()
 
     # ------------------------------------------------------------------ contract
@@ -77,8 +85,9 @@ class PowerSGD(Compressor):
         n, m = matrix_shape(shape)
         return [r for r in super().layer_candidates(shape, candidates) if r == self.rank or lowrank_saves(n, m, r)]
 
-    def layer_costs(self, stat: Tensor, shape: Sequence[int],
-                    candidates: Sequence[Any]) -> tuple[list[float], list[float]]:
+    def layer_costs(
+        self, stat: Tensor, shape: Sequence[int], candidates: Sequence[Any]
+    ) -> tuple[list[float], list[float]]:
         """Factor bytes ``4 (n + m) r`` and best rank-``r`` errors ``sqrt(sum_{i>r} sigma_i^2)`` of ``stat``
         viewed as ``n x m`` (see :meth:`Compressor.layer_costs`)."""
         return lowrank_sizes(shape, candidates), lowrank_errors(stat.reshape(matrix_shape(shape)), candidates)
@@ -159,5 +168,6 @@ class PowerSGD(Compressor):
         return f"rank={self.rank}{extra}"
 
 
-register_preset("powersgd_gc", "DDP + PowerSGD rank 4 with error feedback and warm start",
-                lambda: {"compressor": PowerSGD(rank=4)})
+register_preset(
+    "powersgd_gc", "DDP + PowerSGD rank 4 with error feedback and warm start", lambda: {"compressor": PowerSGD(rank=4)}
+)

@@ -41,8 +41,9 @@ class QSGD(QuantizedCompressor):
 
     param_name = "bits"
 
-    def __init__(self, bits: int = 4, bucket_size: int = 512, p: Union[int, float, str] = "inf",
-                 aggregation: str = "alltoall") -> None:
+    def __init__(
+        self, bits: int = 4, bucket_size: int = 512, p: Union[int, float, str] = "inf", aggregation: str = "alltoall"
+    ) -> None:
         super().__init__(aggregation)
         self.bits: int = check_bits(bits)
         self.bucket_size: int = check_bucket_size(bucket_size)
@@ -60,5 +61,6 @@ class QSGD(QuantizedCompressor):
         return f"bits={self.bits}, bucket_size={self.bucket_size}, p={self.p}" + (f", {extra}" if extra else "")
 
 
-register_preset("qsgd", "DDP + 4-bit QSGD (bucket 512) over the quantized all-reduce",
-                lambda: {"compressor": QSGD(bits=4)})
+register_preset(
+    "qsgd", "DDP + 4-bit QSGD (bucket 512) over the quantized all-reduce", lambda: {"compressor": QSGD(bits=4)}
+)

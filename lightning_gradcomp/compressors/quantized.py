@@ -28,14 +28,16 @@ waited in ``reduce()`` and the returned Future is already complete.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.comm import completed_future
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
+from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional import _native
 from lightning_gradcomp.functional.layerwise import quantization_errors, quantized_sizes
 from lightning_gradcomp.functional.packing import pack_bits, packed_nbytes, unpack_bits
@@ -156,8 +158,9 @@ class WireLayout:
         """Padded size of one chunk's payload (the largest chunk)."""
         return max((c.nbytes for c in self.chunks), default=0)
 
-    def pack(self, index: int, pieces: Sequence[Quantized], device: torch.device, *,
-             whole_slots: bool = False) -> Tensor:
+    def pack(
+        self, index: int, pieces: Sequence[Quantized], device: torch.device, *, whole_slots: bool = False
+    ) -> Tensor:
         """Serialize chunk ``index`` into ``payload_nbytes`` bytes on ``device``.
 
         Args:
@@ -168,8 +171,15 @@ class WireLayout:
         """
         chunk = self.chunks[index]
         if whole_slots:
-            pieces = [Quantized(pieces[s.slot].codes[s.start:s.end], pieces[s.slot].scales[s.group_start:s.group_end],
-                                pieces[s.slot].levels, pieces[s.slot].group_size) for s in chunk.segments]
+            pieces = [
+                Quantized(
+                    pieces[s.slot].codes[s.start : s.end],
+                    pieces[s.slot].scales[s.group_start : s.group_end],
+                    pieces[s.slot].levels,
+                    pieces[s.slot].group_size,
+                )
+                for s in chunk.segments
+            ]
         parts = []
         for bits, first, last, _, _ in chunk.runs:
             codes = torch.cat([pieces[k].codes for k in range(first, last)])
@@ -190,17 +200,20 @@ class WireLayout:
         # of 4, or an empty chunk), so byte views of the payload cannot be reinterpreted as fp32: copy the
         # bytes into fresh fp32 storage instead.
         scales = payload.new_empty((*lead, chunk.num_scales), dtype=torch.float32)
-        scales.view(torch.uint8).copy_(payload[..., start:start + _SCALE_BYTES * chunk.num_scales])
+        scales.view(torch.uint8).copy_(payload[..., start : start + _SCALE_BYTES * chunk.num_scales])
         out: list[Quantized] = []
         g = 0
         for bits, first, last, offset, numel in chunk.runs:
-            codes = unpack_bits(payload[..., offset:offset + packed_nbytes(numel, bits)], bits, numel)
+            codes = unpack_bits(payload[..., offset : offset + packed_nbytes(numel, bits)], bits, numel)
             pos = 0
             for seg in chunk.segments[first:last]:
                 codec = self.codecs[seg.slot]
                 ng = seg.group_end - seg.group_start
-                out.append(Quantized(codes[..., pos:pos + seg.numel], scales[..., g:g + ng],
-                                     codec.levels, codec.group_size))
+                out.append(
+                    Quantized(
+                        codes[..., pos : pos + seg.numel], scales[..., g : g + ng], codec.levels, codec.group_size
+                    )
+                )
                 pos += seg.numel
                 g += ng
         return out
@@ -220,8 +233,9 @@ def split_groups(groups: int, parts: int, rotation: int) -> list[int]:
     return sizes
 
 
-def build_layout(numels: Sequence[int], codecs: Sequence[SlotCodec], parts: int,
-                 names: Optional[Sequence[str]] = None) -> WireLayout:
+def build_layout(
+    numels: Sequence[int], codecs: Sequence[SlotCodec], parts: int, names: Optional[Sequence[str]] = None
+) -> WireLayout:
     """Cut every layer into ``parts`` contiguous pieces of whole groups; chunk ``j`` holds piece ``j`` of each.
 
     A layer's pieces depend only on its size, codec, name and ``parts``, never on the other layers of
@@ -259,8 +273,13 @@ def _chunk(segments: list[Segment], codecs: Sequence[SlotCodec]) -> ChunkLayout:
     return ChunkLayout(tuple(segments), tuple(runs), offset, sum(s.group_end - s.group_start for s in segments))
 
 
-def wire_bytes(numels: Sequence[int], codecs: Sequence[SlotCodec], world_size: int, aggregation: str,
-               names: Optional[Sequence[str]] = None) -> float:
+def wire_bytes(
+    numels: Sequence[int],
+    codecs: Sequence[SlotCodec],
+    world_size: int,
+    aggregation: str,
+    names: Optional[Sequence[str]] = None,
+) -> float:
     """Exact bytes one rank sends for one reduction (what :class:`~lightning_gradcomp.comm.Comm` counts).
 
     ``alltoall``: ``2 (W - 1) P`` with ``P`` the padded chunk payload; ``allgather``: ``(W - 1) P_1`` with
@@ -272,7 +291,9 @@ def wire_bytes(numels: Sequence[int], codecs: Sequence[SlotCodec], world_size: i
     return float((world_size - 1) * payload * (2 if aggregation == "alltoall" else 1))
 
 
-def owned_state(store: dict[str, dict[str, Any]], name: str, seg: Segment, device: torch.device) -> Tensor:
+def owned_state(
+    store: Union[StagedState, dict[str, dict[str, Any]]], name: str, seg: Segment, device: torch.device
+) -> Tensor:
     """The fp32 state of the piece ``seg`` of layer ``name`` that this rank owns (zeros when new or moved).
 
     ``store[name]`` is ``{"start": first element, "value": tensor}``; a different range replaces it.
@@ -286,10 +307,12 @@ def owned_state(store: dict[str, dict[str, Any]], name: str, seg: Segment, devic
     return entry["value"]
 
 
-def state_copy(store: dict[str, Any]) -> dict[str, Any]:
+def state_copy(store: Union[StagedState, dict[str, Any]]) -> dict[str, Any]:
     """A CPU, ``weights_only``-loadable deep copy of a nested dict of tensors and numbers."""
-    return {k: state_copy(v) if isinstance(v, dict) else v.detach().cpu().clone() if isinstance(v, Tensor) else v
-            for k, v in store.items()}
+    return {
+        k: state_copy(v) if isinstance(v, dict) else v.detach().cpu().clone() if isinstance(v, Tensor) else v
+        for k, v in store.items()
+    }
 
 
 def _generator(ctx: ReduceContext, codec: SlotCodec, device: torch.device, salt: str) -> Optional[torch.Generator]:
@@ -351,8 +374,9 @@ class QuantizedCompressor(Compressor):
         """The encoding of a slot whose per-layer parameter is ``param``."""
         raise NotImplementedError
 
-    def layer_costs(self, stat: Tensor, shape: Sequence[int],
-                    candidates: Sequence[Any]) -> tuple[list[float], list[float]]:
+    def layer_costs(
+        self, stat: Tensor, shape: Sequence[int], candidates: Sequence[Any]
+    ) -> tuple[list[float], list[float]]:
         """Bytes ``ceil(n b / 8) + 4 ceil(n / group_size)`` and exact expected stochastic-rounding errors of the
         :meth:`codec` of each candidate (``b`` its bits; stochastic codecs with ``L = 2**(b-1) - 1`` levels, as
         QSGD's), for subclasses with a per-layer parameter (see :meth:`Compressor.layer_costs`).
@@ -373,11 +397,13 @@ class QuantizedCompressor(Compressor):
         """What is quantized at stage 1 (default: the tensors themselves)."""
         return tensors
 
-    def _after_encode(self, tensors: list[Tensor], decoded: Sequence[Tensor], ctx: ReduceContext) -> Reduction:
-        """Fill ``residuals``/``local`` of the result from this rank's decoded messages (``averaged`` is replaced).
+    def _after_encode(
+        self, tensors: list[Tensor], decoded: Sequence[Tensor], ctx: ReduceContext
+    ) -> tuple[Optional[list[Tensor]], Optional[Sequence[Tensor]]]:
+        """``(residuals, local)`` of the result, from this rank's decoded messages (see :class:`Reduction`).
 
         ``decoded`` decodes each message on first access (:class:`DecodedMessages`)."""
-        return Reduction(averaged=None, local=decoded)  # type: ignore[arg-type] - set by reduce(); decoded lazily
+        return None, decoded  # decoded lazily, only if an observer reads ``local``
 
     def _owner_message(self, ctx: ReduceContext, seg: Segment, mean: Tensor) -> Tensor:
         """What the owner re-quantizes for ``seg`` given the exact average of the W messages."""
@@ -408,8 +434,7 @@ class QuantizedCompressor(Compressor):
         """
         _native.load()
 
-    def layout(self, ctx: ReduceContext, numels: Sequence[int], codecs: Sequence[SlotCodec],
-               parts: int) -> WireLayout:
+    def layout(self, ctx: ReduceContext, numels: Sequence[int], codecs: Sequence[SlotCodec], parts: int) -> WireLayout:
         """The (cached) wire layout of a bucket."""
         names = tuple(slot.name for slot in ctx.slots)
         key = (names, tuple(numels), tuple(codecs), parts)
@@ -422,29 +447,41 @@ class QuantizedCompressor(Compressor):
         codecs = [self.codec(p) for p in ctx.params]
         numels = [t.numel() for t in tensors]
         inputs = self._encode_inputs(tensors, ctx)
-        messages = [c.quantize(x, _generator(ctx, c, x.device, slot.name))
-                    for x, c, slot in zip(inputs, codecs, ctx.slots)]
-        result = self._after_encode(tensors, DecodedMessages(messages), ctx)
+        messages = [
+            c.quantize(x, _generator(ctx, c, x.device, slot.name)) for x, c, slot in zip(inputs, codecs, ctx.slots)
+        ]
+        residuals, local = self._after_encode(tensors, DecodedMessages(messages), ctx)
         shares = ctx.shares([n * c.bits + 32 * num_groups(n, c.group_size) for n, c in zip(numels, codecs)])
         if self.aggregation == "allgather" or ctx.world_size == 1:
             averaged = self._reduce_allgather(messages, numels, codecs, ctx, shares)
         else:
             averaged = self._reduce_alltoall(messages, numels, codecs, ctx, shares)
-        result.averaged = completed_future(averaged)
-        return result
+        return Reduction(averaged=completed_future(averaged), residuals=residuals, local=local)
 
-    def _reduce_allgather(self, messages: list[Quantized], numels: list[int], codecs: list[SlotCodec],
-                          ctx: ReduceContext, shares: list[tuple[str, int]]) -> list[Tensor]:
+    def _reduce_allgather(
+        self,
+        messages: list[Quantized],
+        numels: list[int],
+        codecs: list[SlotCodec],
+        ctx: ReduceContext,
+        shares: list[tuple[str, int]],
+    ) -> list[Tensor]:
         layout = self.layout(ctx, numels, codecs, 1)
         device = messages[0].codes.device
         gathered = ctx.comm.all_gather(layout.pack(0, messages, device, whole_slots=True), shares=shares)
         out = [messages[i].codes.new_empty(n, dtype=torch.float32) for i, n in enumerate(numels)]
         for seg, piece in zip(layout.chunks[0].segments, layout.unpack(0, gathered)):
-            out[seg.slot][seg.start:seg.end] = self._exact_mean(ctx, seg.slot, _rank_ordered_mean(piece.decode()))
+            out[seg.slot][seg.start : seg.end] = self._exact_mean(ctx, seg.slot, _rank_ordered_mean(piece.decode()))
         return out
 
-    def _reduce_alltoall(self, messages: list[Quantized], numels: list[int], codecs: list[SlotCodec],
-                         ctx: ReduceContext, shares: list[tuple[str, int]]) -> list[Tensor]:
+    def _reduce_alltoall(
+        self,
+        messages: list[Quantized],
+        numels: list[int],
+        codecs: list[SlotCodec],
+        ctx: ReduceContext,
+        shares: list[tuple[str, int]],
+    ) -> list[Tensor]:
         world, rank = ctx.world_size, ctx.rank
         layout = self.layout(ctx, numels, codecs, world)
         size = layout.payload_nbytes
@@ -466,7 +503,7 @@ class QuantizedCompressor(Compressor):
         out = [send.new_empty(n, dtype=torch.float32) for n in numels]
         for j in range(world):
             for seg, piece in zip(layout.chunks[j].segments, layout.unpack(j, gathered[j])):
-                out[seg.slot][seg.start:seg.end] = self._received(ctx, seg, piece.decode())
+                out[seg.slot][seg.start : seg.end] = self._received(ctx, seg, piece.decode())
         return out
 
     def extra_repr(self) -> str:

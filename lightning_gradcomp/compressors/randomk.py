@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,8 +39,9 @@ class RandomK(SparseCompressor):
         value_dtype: wire dtype of the values (fp32, fp16 or bf16).
     """
 
-    def __init__(self, ratio: float = 0.01, unbiased: bool = False,
-                 value_dtype: "torch.dtype | str" = torch.float32) -> None:
+    def __init__(
+        self, ratio: float = 0.01, unbiased: bool = False, value_dtype: torch.dtype | str = torch.float32
+    ) -> None:
         super().__init__(ratio, value_dtype)
         self.unbiased = check_bool("unbiased", unbiased)
 
@@ -47,8 +49,9 @@ class RandomK(SparseCompressor):
     def uses_error_feedback(self) -> bool:
         return not self.unbiased
 
-    def layer_costs(self, stat: Tensor, shape: Sequence[int],
-                    candidates: Sequence[Any]) -> tuple[list[float], list[float]]:
+    def layer_costs(
+        self, stat: Tensor, shape: Sequence[int], candidates: Sequence[Any]
+    ) -> tuple[list[float], list[float]]:
         """Bytes ``k * value bytes`` (no indices travel) and expected unscaled random-``k`` errors
         ``sqrt(1 - k/n) ||A||`` (see :meth:`Compressor.layer_costs`)."""
         ks = [kept_count(stat.numel(), r) for r in candidates]
@@ -58,8 +61,10 @@ class RandomK(SparseCompressor):
         """Shared indices, one all-reduce of the concatenated values."""
         ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
         device = tensors[0].device
-        picks = [stratified_indices(t.numel(), k, ctx.generator(device, shared=True, salt=slot.name), device)
-                 for slot, t, k in zip(ctx.slots, tensors, ks)]
+        picks = [
+            stratified_indices(t.numel(), k, ctx.generator(device, shared=True, salt=slot.name), device)
+            for slot, t, k in zip(ctx.slots, tensors, ks)
+        ]
         indices = [i for i, _ in picks]
         values = [t[i] for t, i in zip(tensors, indices)]
         if self.unbiased:
@@ -87,5 +92,6 @@ class RandomK(SparseCompressor):
         return super().extra_repr() + (", unbiased=True" if self.unbiased else "")
 
 
-register_preset("gradcomp_randomk", "DDP + shared random-1% with error feedback",
-                lambda: {"compressor": RandomK(ratio=0.01)})
+register_preset(
+    "gradcomp_randomk", "DDP + shared random-1% with error feedback", lambda: {"compressor": RandomK(ratio=0.01)}
+)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import builtins
 import warnings
-from typing import Any, Callable, TypeVar, Union
+from collections.abc import Callable
+from typing import Any, TypeVar, Union
 
 from lightning_gradcomp.compressors.base import Compressor
 
@@ -24,7 +25,7 @@ def register(name: str) -> Callable[[F], F]:
     def wrap(factory: F) -> F:
         key = name.lower()
         if key in _FACTORIES and _FACTORIES[key] is not factory:
-            warnings.warn(f"compressor name {name!r} re-registered; the previous entry is replaced")
+            warnings.warn(f"compressor name {name!r} re-registered; the previous entry is replaced", stacklevel=2)
         _FACTORIES[key] = factory
         return factory
 
@@ -69,10 +70,13 @@ def as_compressor(compressor: Union[Compressor, str, None]) -> Compressor:
         return NoCompression()
     if isinstance(compressor, str):
         if compressor.lower() not in list():
-            raise _UnknownCompressorError(f"unknown compressor {compressor!r}: `compressor` must be a Compressor "
-                                          f"instance or a registered name ({', '.join(list())})")
+            raise _UnknownCompressorError(
+                f"unknown compressor {compressor!r}: `compressor` must be a Compressor "
+                f"instance or a registered name ({', '.join(list())})"
+            )
         return create(compressor)
     if not isinstance(compressor, Compressor):
-        raise TypeError(f"`compressor` must be a Compressor instance or a registered name ({', '.join(list())}), "
-                        f"got {compressor!r}")
+        raise TypeError(
+            f"`compressor` must be a Compressor instance or a registered name ({', '.join(list())}), got {compressor!r}"
+        )
     return compressor

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from torch import Tensor
 
 from lightning_gradcomp.checks import check_bucket_size
-from lightning_gradcomp.compressors.base import ReduceContext, Reduction
+from lightning_gradcomp.compressors.base import ReduceContext
 from lightning_gradcomp.compressors.quantized import QuantizedCompressor, Segment, SlotCodec, owned_state, state_copy
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
@@ -44,9 +45,11 @@ class SignSGD(QuantizedCompressor):
     def codec(self, param: Any) -> SlotCodec:
         return SlotCodec(0, self.bucket_size)
 
-    def _after_encode(self, tensors: list[Tensor], decoded: list[Tensor], ctx: ReduceContext) -> Reduction:
+    def _after_encode(
+        self, tensors: list[Tensor], decoded: Sequence[Tensor], ctx: ReduceContext
+    ) -> tuple[Optional[list[Tensor]], Optional[Sequence[Tensor]]]:
         residuals = [p.sub_(c) for p, c in zip(tensors, decoded)]  # p - c, in the engine's storage
-        return Reduction(averaged=None, residuals=residuals)  # type: ignore[arg-type] - set by reduce()
+        return residuals, None
 
     def _owner_message(self, ctx: ReduceContext, seg: Segment, mean: Tensor) -> Tensor:
         return mean + owned_state(self._server, ctx.slots[seg.slot].name, seg, mean.device)
@@ -68,5 +71,6 @@ class SignSGD(QuantizedCompressor):
         return f"bucket_size={self.bucket_size}" + (f", {extra}" if extra else "")
 
 
-register_preset("signsgd", "DDP + scaled SignSGD (1 bit, bucket 512) with error feedback",
-                lambda: {"compressor": SignSGD()})
+register_preset(
+    "signsgd", "DDP + scaled SignSGD (1 bit, bucket 512) with error feedback", lambda: {"compressor": SignSGD()}
+)

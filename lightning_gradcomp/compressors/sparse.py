@@ -3,7 +3,8 @@ packing."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,7 +19,7 @@ __all__ = ["SparseCompressor", "check_value_dtype", "pack_bytes", "unpack_bytes"
 _VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_value_dtype(value_dtype: "torch.dtype | str") -> torch.dtype:
+def check_value_dtype(value_dtype: torch.dtype | str) -> torch.dtype:
     """Validate the wire dtype of sparse values (fp32, fp16 or bf16; strings such as ``"float16"`` accepted)."""
     return check_dtype("value_dtype", value_dtype, _VALUE_DTYPES)
 
@@ -33,7 +34,7 @@ def unpack_bytes(raw: Tensor, specs: Sequence[tuple[torch.dtype, int]]) -> list[
     out, pos = [], 0
     for dtype, numel in specs:
         size = torch.empty((), dtype=dtype).element_size()
-        piece = raw[pos:pos + numel * size]
+        piece = raw[pos : pos + numel * size]
         out.append((piece if piece.storage_offset() % size == 0 else piece.clone()).view(dtype))  # aligned views only
         pos += numel * size
     return out
@@ -48,7 +49,7 @@ class SparseCompressor(Compressor):
 
     param_name = "ratio"
 
-    def __init__(self, ratio: float, value_dtype: "torch.dtype | str" = torch.float32) -> None:
+    def __init__(self, ratio: float, value_dtype: torch.dtype | str = torch.float32) -> None:
         self.ratio: float = float(check_number("ratio", ratio, 0.0, 1.0))
         self.value_dtype: torch.dtype = check_value_dtype(value_dtype)
 
@@ -65,8 +66,9 @@ class SparseCompressor(Compressor):
         d, low, high = self.ratio, min_factor, max_factor
         return [d * (low * (high / low) ** (i / (num - 1))) if num > 1 else d for i in range(num)]
 
-    def layer_costs(self, stat: Tensor, shape: Sequence[int],
-                    candidates: Sequence[Any]) -> tuple[list[float], list[float]]:
+    def layer_costs(
+        self, stat: Tensor, shape: Sequence[int], candidates: Sequence[Any]
+    ) -> tuple[list[float], list[float]]:
         """Bytes ``k (value bytes + 4)`` and top-``k`` errors (the norm outside the ``k`` largest ``|A_i|``), ``k``
         the kept count of each ratio (see :meth:`Compressor.layer_costs`)."""
         ks = [kept_count(stat.numel(), r) for r in candidates]

@@ -16,7 +16,8 @@ Cost: one copy of each entry that a reduction reads, the first time it reads it.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional
 
 from torch import Tensor
 

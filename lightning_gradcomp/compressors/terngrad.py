@@ -39,5 +39,6 @@ class TernGrad(QuantizedCompressor):
         return f"bucket_size={self.bucket_size}" + (f", {extra}" if extra else "")
 
 
-register_preset("terngrad", "DDP + TernGrad (2-bit, bucket 512) over the quantized all-reduce",
-                lambda: {"compressor": TernGrad()})
+register_preset(
+    "terngrad", "DDP + TernGrad (2-bit, bucket 512) over the quantized all-reduce", lambda: {"compressor": TernGrad()}
+)

@@ -31,7 +31,7 @@ class TopK(SparseCompressor):
         value_dtype: wire dtype of the kept values (fp32, fp16 or bf16).
     """
 
-    def __init__(self, ratio: float = 0.01, value_dtype: "torch.dtype | str" = torch.float32) -> None:
+    def __init__(self, ratio: float = 0.01, value_dtype: torch.dtype | str = torch.float32) -> None:
         super().__init__(ratio, value_dtype)
 
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
@@ -46,7 +46,7 @@ class TopK(SparseCompressor):
         residuals = []
         pos = 0
         for t, idx, k in zip(tensors, indices, ks):
-            t[idx] = values[pos:pos + k] - sent[pos:pos + k].to(torch.float32)  # p - c, in place
+            t[idx] = values[pos : pos + k] - sent[pos : pos + k].to(torch.float32)  # p - c, in place
             residuals.append(t)
             pos += k
 
@@ -57,12 +57,13 @@ class TopK(SparseCompressor):
             vals, idx = vals.to(torch.float32), idx.long()
             pos = 0
             for out, k in zip(averaged, ks):
-                out.index_add_(0, idx[pos:pos + k], vals[pos:pos + k])
+                out.index_add_(0, idx[pos : pos + k], vals[pos : pos + k])
                 pos += k
         for out in averaged:
             out.div_(ctx.world_size)
         return Reduction(averaged=completed_future(averaged), residuals=residuals)
 
 
-register_preset("gradcomp_topk", "DDP + local top-1% with error feedback (all-gather)",
-                lambda: {"compressor": TopK(ratio=0.01)})
+register_preset(
+    "gradcomp_topk", "DDP + local top-1% with error feedback (all-gather)", lambda: {"compressor": TopK(ratio=0.01)}
+)

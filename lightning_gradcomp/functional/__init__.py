@@ -17,7 +17,27 @@ from lightning_gradcomp.functional.quantize import (
 from lightning_gradcomp.functional.selection import approx_topk_indices, exact_topk_indices
 from lightning_gradcomp.functional.sparsify import kept_count, scatter_dense, stratified_indices, topk_indices
 
-__all__ = ["approx_topk_indices", "exact_topk_indices", "kept_count", "lattice_checksum", "lattice_decode",
-           "lattice_index", "orthogonalize", "stratified_indices", "scatter_dense", "solve_layerwise", "topk_indices",
-           "Quantized", "alpha_p", "block_quantize", "dequantize", "pack_bits", "packed_nbytes", "qsgd_quantize",
-           "sign_quantize", "stochastic_quantize", "terngrad_quantize", "unpack_bits"]
+__all__ = [
+    "approx_topk_indices",
+    "exact_topk_indices",
+    "kept_count",
+    "lattice_checksum",
+    "lattice_decode",
+    "lattice_index",
+    "orthogonalize",
+    "stratified_indices",
+    "scatter_dense",
+    "solve_layerwise",
+    "topk_indices",
+    "Quantized",
+    "alpha_p",
+    "block_quantize",
+    "dequantize",
+    "pack_bits",
+    "packed_nbytes",
+    "qsgd_quantize",
+    "sign_quantize",
+    "stochastic_quantize",
+    "terngrad_quantize",
+    "unpack_bits",
+]

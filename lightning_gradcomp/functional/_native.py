@@ -63,8 +63,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["DISABLE_ENV", "DONE", "MAX_NUMEL", "NONE", "SOURCE_FILE", "TIES", "approx", "at_least", "exact", "load",
-           "source"]
+__all__ = [
+    "DISABLE_ENV",
+    "DONE",
+    "MAX_NUMEL",
+    "NONE",
+    "SOURCE_FILE",
+    "TIES",
+    "approx",
+    "at_least",
+    "exact",
+    "load",
+    "source",
+]
 
 DISABLE_ENV = "LIGHTNING_GRADCOMP_NO_NATIVE"
 """Set this environment variable to ``1`` to use the NumPy path instead of the compiled kernel."""
@@ -122,19 +133,24 @@ def load() -> ModuleType | None:
             except Exception as err:  # noqa: BLE001 - any build or load failure means: use the NumPy path
                 _FAILED = True
                 lines = str(err).strip().splitlines()
-                warnings.warn(f"lightning_gradcomp: the compiled CPU kernel is unavailable "
-                              f"({type(err).__name__}: {lines[0] if lines else 'no message'}); the selections "
-                              f"use NumPy and the quantizers torch instead (same results, slower). Set "
-                              f"{DISABLE_ENV}=1 to skip building it.",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"lightning_gradcomp: the compiled CPU kernel is unavailable "
+                    f"({type(err).__name__}: {lines[0] if lines else 'no message'}); the selections "
+                    f"use NumPy and the quantizers torch instead (same results, slower). Set "
+                    f"{DISABLE_ENV}=1 to skip building it.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
     return _MODULE
 
 
 def _build() -> ModuleType:
     """Import the cached kernel, compiling it first when this machine has none (see the module docstring)."""
     text = source()
-    name = "lightning_gradcomp_native_" + hashlib.sha256(
-        f"{text}|{torch.__version__}|{_SUFFIX}|{_FLAGS}".encode()).hexdigest()[:12]
+    name = (
+        "lightning_gradcomp_native_"
+        + hashlib.sha256(f"{text}|{torch.__version__}|{_SUFFIX}|{_FLAGS}".encode()).hexdigest()[:12]
+    )
     build_dir = os.path.join(_cache_root(), name)
     library = os.path.join(build_dir, name + _SUFFIX)
     if not os.path.exists(library):
@@ -205,8 +221,18 @@ def _compile(name: str, text: str, work: str) -> str:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     out = os.path.join(work, name + _SUFFIX)
-    command = [*compiler, *_FLAGS, f"-DLGC_MODULE_NAME={name}", "-isystem", pybind11, "-isystem", python, path,
-               "-o", out]
+    command = [
+        *compiler,
+        *_FLAGS,
+        f"-DLGC_MODULE_NAME={name}",
+        "-isystem",
+        pybind11,
+        "-isystem",
+        python,
+        path,
+        "-o",
+        out,
+    ]
     if sys.platform == "darwin":
         command += ["-undefined", "dynamic_lookup"]  # Python's symbols resolve when the module is imported
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -243,8 +269,9 @@ def _level(kernel: ModuleType, level: int | None) -> int:
     return kernel.level if level is None else min(level, kernel.level)
 
 
-def at_least(kernel: ModuleType, x: Tensor, threshold: float, capacity: int, *,
-             level: int | None = None) -> tuple[np.ndarray, int]:
+def at_least(
+    kernel: ModuleType, x: Tensor, threshold: float, capacity: int, *, level: int | None = None
+) -> tuple[np.ndarray, int]:
     """Sorted int64 indices of the entries with ``x_i >= t`` or ``x_i <= -t``, in one pass.
 
     ``t`` is ``threshold`` rounded to ``x``'s dtype (as NumPy compares).
@@ -265,13 +292,29 @@ def at_least(kernel: ModuleType, x: Tensor, threshold: float, capacity: int, *,
     if capacity < 0:
         raise ValueError(f"`capacity` must be >= 0, got {capacity}")
     out = torch.empty(capacity, dtype=torch.int64)
-    count = kernel.at_least(x.data_ptr(), x.numel(), x.dtype == torch.float64, float(threshold), out.data_ptr(),
-                            capacity, _level(kernel, level))
-    return out.numpy()[:min(count, capacity)], count
+    count = kernel.at_least(
+        x.data_ptr(),
+        x.numel(),
+        x.dtype == torch.float64,
+        float(threshold),
+        out.data_ptr(),
+        capacity,
+        _level(kernel, level),
+    )
+    return out.numpy()[: min(count, capacity)], count
 
 
-def approx(kernel: ModuleType, x: Tensor, offset: int, stride: int, aims: tuple[float, float], k: int,
-           limits: tuple[int, int], *, level: int | None = None) -> tuple[int, np.ndarray]:
+def approx(
+    kernel: ModuleType,
+    x: Tensor,
+    offset: int,
+    stride: int,
+    aims: tuple[float, float],
+    k: int,
+    limits: tuple[int, int],
+    *,
+    level: int | None = None,
+) -> tuple[int, np.ndarray]:
     """The CPU steps of the approximate selection in one call (see ``selection._approx_numpy``).
 
     The sample ``|x[offset::stride]|``; for each aim in turn, its ``rank``-th largest value ``t``
@@ -298,10 +341,23 @@ def approx(kernel: ModuleType, x: Tensor, offset: int, stride: int, aims: tuple[
     n = x.numel()
     lo, hi = limits
     if not (0 <= offset < stride and offset < n and 1 <= k <= hi and 1 <= lo <= hi and n < MAX_NUMEL):
-        raise ValueError(f"need 0 <= offset < min(stride, n), 1 <= k <= hi, 1 <= lo <= hi and n < 2**32, got "
-                         f"offset={offset}, stride={stride}, n={n}, k={k}, limits={limits}")
-    status, idx = kernel.approx(x.data_ptr(), n, x.dtype == torch.float64, offset, stride, float(aims[0]),
-                                float(aims[1]), k, lo, hi, _level(kernel, level))
+        raise ValueError(
+            f"need 0 <= offset < min(stride, n), 1 <= k <= hi, 1 <= lo <= hi and n < 2**32, got "
+            f"offset={offset}, stride={stride}, n={n}, k={k}, limits={limits}"
+        )
+    status, idx = kernel.approx(
+        x.data_ptr(),
+        n,
+        x.dtype == torch.float64,
+        offset,
+        stride,
+        float(aims[0]),
+        float(aims[1]),
+        k,
+        lo,
+        hi,
+        _level(kernel, level),
+    )
     return status, idx
 
 

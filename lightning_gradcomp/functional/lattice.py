@@ -148,8 +148,9 @@ def lattice_codes(index: Tensor, bits: int) -> Tensor:
     return codes.to(torch.uint8) if bits <= 8 else codes
 
 
-def lattice_decode(codes: Tensor, reference: Tensor, side: Tensor, bits: int,
-                   dither: Optional[Tensor] = None) -> Tensor:
+def lattice_decode(
+    codes: Tensor, reference: Tensor, side: Tensor, bits: int, dither: Optional[Tensor] = None
+) -> Tensor:
     """Recover lattice indices (int32) from ``codes`` using the receiver's ``reference``.
 
     Exact when ``|index - reference / side| < 2**bits / 2`` for every coordinate; otherwise the wrong
@@ -235,8 +236,9 @@ def lattice_checksum(index: Tensor) -> Tensor:
     return (total ^ (total >> 32)) & 0x7FFFFFFF
 
 
-def pair_decodable(value_a: Tensor, value_b: Tensor, side_a: Tensor, side_b: Tensor, bits: int,
-                   valid: Optional[Tensor] = None) -> Tensor:
+def pair_decodable(
+    value_a: Tensor, value_b: Tensor, side_a: Tensor, side_b: Tensor, bits: int, valid: Optional[Tensor] = None
+) -> Tensor:
     """Per block, whether each end of a pair surely decoded the other's codes exactly (symmetric in a, b).
 
     ``value_a = side_a * index_a`` is a's lattice point and ``x_a`` lies within
@@ -267,6 +269,7 @@ def pair_decodable(value_a: Tensor, value_b: Tensor, side_a: Tensor, side_b: Ten
         gap = torch.where(valid, gap, torch.zeros((), dtype=gap.dtype, device=gap.device))
     dist = gap.amax(dim=-1, keepdim=True).double()
     sa, sb = side_a.double(), side_b.double()
-    ok = (dist + lattice_error_bound(side_b).double() <= _SAFETY * half * sa) & \
-        (dist + lattice_error_bound(side_a).double() <= _SAFETY * half * sb)
+    ok = (dist + lattice_error_bound(side_b).double() <= _SAFETY * half * sa) & (
+        dist + lattice_error_bound(side_a).double() <= _SAFETY * half * sb
+    )
     return ok.reshape(ok.shape[:-1])

@@ -24,8 +24,8 @@ Error tables (one statistic tensor ``A`` per layer, no process group):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -78,8 +78,9 @@ def error_units(errors: Sequence[float], max_error: float, resolution: int) -> l
     return out
 
 
-def _validate(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], max_error: float,
-              resolution: int) -> None:
+def _validate(
+    sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], max_error: float, resolution: int
+) -> None:
     if not is_int(resolution) or resolution < 1:
         raise ValueError(f"`resolution` must be an integer >= 1, got {resolution!r}")
     if not is_number(max_error) or math.isnan(max_error):
@@ -88,18 +89,23 @@ def _validate(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[float]
         raise ValueError(f"`sizes` and `errors` must list the same layers, got {len(sizes)} and {len(errors)}")
     for layer, (s, e) in enumerate(zip(sizes, errors)):
         if len(s) != len(e) or len(s) == 0:
-            raise ValueError(f"layer {layer}: `sizes` and `errors` need the same, non-zero number of candidates, "
-                             f"got {len(s)} and {len(e)}")
+            raise ValueError(
+                f"layer {layer}: `sizes` and `errors` need the same, non-zero number of candidates, "
+                f"got {len(s)} and {len(e)}"
+            )
         if any(math.isnan(float(x)) or float(x) < 0 for x in s):
-            raise ValueError(f"layer {layer}: `sizes` must be >= 0 (inf marks a candidate never to pick), "
-                             f"got {list(s)}")
+            raise ValueError(
+                f"layer {layer}: `sizes` must be >= 0 (inf marks a candidate never to pick), got {list(s)}"
+            )
         if any(float(x) < 0 for x in e):
-            raise ValueError(f"layer {layer}: `errors` must be >= 0 (NaN/inf mark a candidate never to pick), "
-                             f"got {list(e)}")
+            raise ValueError(
+                f"layer {layer}: `errors` must be >= 0 (NaN/inf mark a candidate never to pick), got {list(e)}"
+            )
 
 
-def solve_layerwise(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], max_error: float,
-                    resolution: int = 10_000) -> list[int]:
+def solve_layerwise(
+    sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], max_error: float, resolution: int = 10_000
+) -> list[int]:
     """One candidate per layer minimising the total size subject to the total error ``<= max_error``.
 
     Dynamic programming over error units (``O(layers * candidates * resolution)``): each error is discretised
@@ -142,15 +148,16 @@ def solve_layerwise(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[
             if u > budget or not math.isfinite(float(size)):
                 continue
             cand = torch.full((budget + 1,), math.inf, dtype=torch.float64)
-            cand[u:] = best[:budget + 1 - u] + float(size)
+            cand[u:] = best[: budget + 1 - u] + float(size)
             better = cand < new
             new = torch.where(better, cand, new)
             pick = torch.where(better, torch.full_like(pick, c), pick)
         best = new
         picks.append(pick)
     if not math.isfinite(float(best[budget])):
-        raise ValueError(f"no assignment of the {len(sizes)} layers fits the error budget {max_error!r} "
-                         f"(at resolution {resolution})")
+        raise ValueError(
+            f"no assignment of the {len(sizes)} layers fits the error budget {max_error!r} (at resolution {resolution})"
+        )
     choice = [0] * len(sizes)
     b = budget
     for layer in range(len(sizes) - 1, -1, -1):
@@ -160,8 +167,13 @@ def solve_layerwise(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[
     return choice
 
 
-def solve_or_uniform(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], uniform: Sequence[int],
-                     max_error: float, resolution: int = 10_000) -> tuple[list[int], bool]:
+def solve_or_uniform(
+    sizes: Sequence[Sequence[float]],
+    errors: Sequence[Sequence[float]],
+    uniform: Sequence[int],
+    max_error: float,
+    resolution: int = 10_000,
+) -> tuple[list[int], bool]:
     """:func:`solve_layerwise`, or the ``uniform`` assignment whenever it truly fits and the solver's is dearer or
     missing: ``(choice, whether it is the uniform fallback)``.
 
@@ -317,5 +329,4 @@ def quantization_errors(x: Tensor, bits: Sequence[int], bucket_size: int, p: PNo
         [0.5, 0.0039]
     """
     flat = x.detach().reshape(-1)
-    return [math.sqrt(float(quantization_variance(flat, levels_for_bits(int(b)), bucket_size, p).sum()))
-            for b in bits]
+    return [math.sqrt(float(quantization_variance(flat, levels_for_bits(int(b)), bucket_size, p).sum())) for b in bits]

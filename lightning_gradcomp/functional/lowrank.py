@@ -7,7 +7,7 @@ A gradient of shape ``(d0, d1, ...)`` is viewed as an ``n x m`` matrix with ``n 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

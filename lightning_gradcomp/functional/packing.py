@@ -60,8 +60,7 @@ def _rows(x: Tensor, bits: int) -> Optional[tuple[int, int]]:
 def _pack_divisor(codes: Tensor, bits: int) -> Tensor:
     per = 8 // bits
     rows = _rows(codes, bits)
-    kernel = _native.load() if rows is not None else None
-    if kernel is not None:
+    if rows is not None and (kernel := _native.load()) is not None:
         n = codes.shape[-1]
         out = torch.empty(*codes.shape[:-1], -(-n // per), dtype=torch.uint8)
         kernel.pack(codes.data_ptr(), rows[0], n, rows[1], bits, out.data_ptr())
@@ -79,14 +78,13 @@ def _pack_divisor(codes: Tensor, bits: int) -> Tensor:
 def _unpack_divisor(packed: Tensor, bits: int, numel: int) -> Tensor:
     per = 8 // bits
     rows = _rows(packed, bits)
-    kernel = _native.load() if rows is not None else None
-    if kernel is not None:
+    if rows is not None and (kernel := _native.load()) is not None:
         out = torch.empty(*packed.shape[:-1], numel, dtype=torch.uint8)
         kernel.unpack(packed.data_ptr(), rows[0], rows[1], bits, numel, out.data_ptr())
         return out
     if bits == 1 and packed.device.type == "cpu":
-        codes = np.unpackbits(packed.contiguous().numpy(), axis=-1, count=numel, bitorder="little")
-        return torch.from_numpy(codes)
+        unpacked = np.unpackbits(packed.contiguous().numpy(), axis=-1, count=numel, bitorder="little")
+        return torch.from_numpy(unpacked)
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     mask = (1 << bits) - 1
     codes = (packed.unsqueeze(-1) >> shifts) & mask

@@ -245,8 +245,15 @@ def _native_for(x: Tensor) -> Optional[ModuleType]:
     return _native.load()
 
 
-def _stochastic_native(kernel: ModuleType, x: Tensor, levels: int, group_size: int, p: float,
-                       generator: torch.Generator, level: Optional[int] = None) -> Quantized:
+def _stochastic_native(
+    kernel: ModuleType,
+    x: Tensor,
+    levels: int,
+    group_size: int,
+    p: float,
+    generator: torch.Generator,
+    level: Optional[int] = None,
+) -> Quantized:
     """:func:`stochastic_quantize` of a contiguous fp32 CPU tensor: torch's draws, then one kernel call.
 
     The kernel takes the max-norm itself; other norms are torch's sums (its summation order), whose
@@ -259,11 +266,21 @@ def _stochastic_native(kernel: ModuleType, x: Tensor, levels: int, group_size: i
     else:
         grouped = _grouped(x, group_size)
         scales = grouped.square().sum(dim=-1).sqrt_() if p == 2.0 else grouped.abs().sum(dim=-1)
-    draws = torch.rand((num_groups(n, group_size), group_size), generator=generator, dtype=torch.float32,
-                       device=x.device)  # the torch path's draws: same shape, same stream
+    draws = torch.rand(
+        (num_groups(n, group_size), group_size), generator=generator, dtype=torch.float32, device=x.device
+    )  # the torch path's draws: same shape, same stream
     codes = torch.empty(n, dtype=torch.uint8)
-    kernel.stochastic_round(x.data_ptr(), n, draws.data_ptr(), group_size, levels, p != math.inf,
-                            scales.data_ptr(), codes.data_ptr(), _level(kernel, level))
+    kernel.stochastic_round(
+        x.data_ptr(),
+        n,
+        draws.data_ptr(),
+        group_size,
+        levels,
+        p != math.inf,
+        scales.data_ptr(),
+        codes.data_ptr(),
+        _level(kernel, level),
+    )
     return Quantized(codes, scales, int(levels), int(group_size))
 
 
@@ -321,8 +338,9 @@ def sign_quantize(x: Tensor, bucket_size: int) -> Quantized:
     return Quantized((x >= 0).to(torch.uint8), scales, 0, int(bucket_size))
 
 
-def dequantize(codes: Tensor, scales: Tensor, levels: int, group_size: int,
-               dtype: torch.dtype = torch.float32) -> Tensor:
+def dequantize(
+    codes: Tensor, scales: Tensor, levels: int, group_size: int, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """Decode codes ``(..., n)`` with per-group scales ``(..., G)`` into values ``(..., n)`` of ``dtype``.
 
     Example::
@@ -351,21 +369,39 @@ def _level(kernel: ModuleType, level: Optional[int]) -> int:
 
 def _native_codes(codes: Tensor, scales: Tensor, group_size: int) -> bool:
     """Whether the kernel can decode ``codes``: 1-D or 2-D ``uint8`` rows (unit stride) with matching fp32 scales."""
-    return (codes.device.type == "cpu" and scales.device.type == "cpu" and codes.dtype is torch.uint8
-            and scales.dtype is torch.float32 and 1 <= codes.dim() <= 2 and codes.shape[:-1] == scales.shape[:-1]
-            and scales.shape[-1] == num_groups(codes.shape[-1], group_size)
-            and (codes.shape[-1] <= 1 or codes.stride(-1) == 1) and (scales.shape[-1] <= 1 or scales.stride(-1) == 1))
+    return (
+        codes.device.type == "cpu"
+        and scales.device.type == "cpu"
+        and codes.dtype is torch.uint8
+        and scales.dtype is torch.float32
+        and 1 <= codes.dim() <= 2
+        and codes.shape[:-1] == scales.shape[:-1]
+        and scales.shape[-1] == num_groups(codes.shape[-1], group_size)
+        and (codes.shape[-1] <= 1 or codes.stride(-1) == 1)
+        and (scales.shape[-1] <= 1 or scales.stride(-1) == 1)
+    )
 
 
-def _dequantize_native(kernel: ModuleType, codes: Tensor, scales: Tensor, levels: int, group_size: int,
-                       level: Optional[int] = None) -> Tensor:
+def _dequantize_native(
+    kernel: ModuleType, codes: Tensor, scales: Tensor, levels: int, group_size: int, level: Optional[int] = None
+) -> Tensor:
     """:func:`dequantize` of ``uint8`` codes into fp32 in one kernel call: ``(code - L) * (scale / L)``."""
     out = torch.empty(codes.shape, dtype=torch.float32)
     rows = codes.shape[0] if codes.dim() == 2 else 1
     code_stride = codes.stride(0) if codes.dim() == 2 else 0
     scale_stride = scales.stride(0) if scales.dim() == 2 else 0
-    kernel.dequantize(codes.data_ptr(), rows, codes.shape[-1], code_stride, scales.data_ptr(), scale_stride,
-                      group_size, levels, out.data_ptr(), _level(kernel, level))
+    kernel.dequantize(
+        codes.data_ptr(),
+        rows,
+        codes.shape[-1],
+        code_stride,
+        scales.data_ptr(),
+        scale_stride,
+        group_size,
+        levels,
+        out.data_ptr(),
+        _level(kernel, level),
+    )
     return out
 
 

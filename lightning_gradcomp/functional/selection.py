@@ -57,8 +57,15 @@ from torch import Tensor
 from lightning_gradcomp.functional import _native
 from lightning_gradcomp.functional.sparsify import topk_indices
 
-__all__ = ["APPROX_BAND", "approx_topk_indices", "band_limits", "exact_topk_indices", "prepare_native",
-           "sampled_threshold", "systematic_stride"]
+__all__ = [
+    "APPROX_BAND",
+    "approx_topk_indices",
+    "band_limits",
+    "exact_topk_indices",
+    "prepare_native",
+    "sampled_threshold",
+    "systematic_stride",
+]
 
 APPROX_BAND: tuple[float, float] = (0.9, 1.1)
 """Default ``(lo, hi)`` band of the approximate selection's count, as fractions of ``k``."""
@@ -147,8 +154,15 @@ def systematic_stride(n: int, sample_size: int) -> int:
     return next(d for d in range(limit, 0, -1) if math.gcd(d, modulus) == 1)
 
 
-def approx_topk_indices(x: Tensor, k: int, generator: torch.Generator, *, band: tuple[float, float] = APPROX_BAND,
-                        hits: int = 64, oversample: float = 1.25) -> Tensor:
+def approx_topk_indices(
+    x: Tensor,
+    k: int,
+    generator: torch.Generator,
+    *,
+    band: tuple[float, float] = APPROX_BAND,
+    hits: int = 64,
+    oversample: float = 1.25,
+) -> Tensor:
     """Sorted int64 indices of an exact top-``c`` set of ``|x|`` with ``c`` in the band around ``k``.
 
     Args:
@@ -196,15 +210,27 @@ def _plan(n: int, k: int, band: tuple[float, float], hits: int) -> tuple[int, in
 
 
 # ------------------------------------------------------------------------------------------------ CPU (kernel)
-def _approx_native(kernel: ModuleType, x: Tensor, k: int, lo: int, hi: int, generator: torch.Generator,
-                   stride: int, oversample: float) -> Tensor:
+def _approx_native(
+    kernel: ModuleType, x: Tensor, k: int, lo: int, hi: int, generator: torch.Generator, stride: int, oversample: float
+) -> Tensor:
     """:func:`_approx_numpy` in one call of the compiled kernel (``x`` contiguous): the same result.
 
     Calls the kernel directly (the checks of :func:`._native.approx` hold by construction here).
     """
     offset = _draw_offset(stride, generator)
-    status, idx = kernel.approx(x.data_ptr(), x.numel(), x.dtype is torch.float64, offset, stride, oversample * k,
-                                4.0 * oversample * k, k, lo, hi, kernel.level)
+    status, idx = kernel.approx(
+        x.data_ptr(),
+        x.numel(),
+        x.dtype is torch.float64,
+        offset,
+        stride,
+        oversample * k,
+        4.0 * oversample * k,
+        k,
+        lo,
+        hi,
+        kernel.level,
+    )
     if status == _native.DONE:
         return torch.from_numpy(idx)
     if status == _native.TIES:  # more than hi tie at the cut: NumPy's argpartition decides, as on its path
@@ -227,11 +253,12 @@ def _draw_offset(stride: int, generator: torch.Generator) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ CPU (NumPy)
-def _approx_numpy(xn: np.ndarray, k: int, lo: int, hi: int, generator: torch.Generator, stride: int,
-                  oversample: float) -> np.ndarray | None:
+def _approx_numpy(
+    xn: np.ndarray, k: int, lo: int, hi: int, generator: torch.Generator, stride: int, oversample: float
+) -> np.ndarray | None:
     """:func:`approx_topk_indices` on a NumPy view; ``None`` when both thresholds keep fewer than ``lo``."""
     n = xn.size
-    sample = np.abs(xn[_draw_offset(stride, generator)::stride])
+    sample = np.abs(xn[_draw_offset(stride, generator) :: stride])
     for aim in (oversample * k, 4.0 * oversample * k):  # second pass: the correction for too few
         rank = min(sample.size, max(1, math.ceil(aim * sample.size / n)))
         sample.partition(sample.size - rank)
@@ -253,8 +280,9 @@ def _at_least_numpy(xn: np.ndarray, threshold: float) -> np.ndarray:
         stop = min(start + _BLOCK, body)
         np.greater_equal(xn[start:stop], threshold, out=pos[start:stop])
         np.less_equal(xn[start:stop], -threshold, out=neg[start:stop])
-        np.logical_or(pos_words[start // 8:stop // 8], neg_words[start // 8:stop // 8],
-                      out=flags[start // 8:stop // 8])  # one flag per 8 entries
+        np.logical_or(
+            pos_words[start // 8 : stop // 8], neg_words[start // 8 : stop // 8], out=flags[start // 8 : stop // 8]
+        )  # one flag per 8 entries
     word = _flat_nonzero(flags, body // 8)
     bits = pos_words[word]
     bits |= neg_words[word]
@@ -279,8 +307,8 @@ def _flat_nonzero(flags: np.ndarray, size: int) -> np.ndarray:
     """
     hits = int(np.count_nonzero(flags[:size]))
     pad = 0 if not 0.025 * size < hits <= 0.1 * size else math.ceil((0.1 * size - hits) / 0.9) + 1
-    flags[size:size + pad] = True
-    found = np.flatnonzero(flags[:size + pad])
+    flags[size : size + pad] = True
+    found = np.flatnonzero(flags[: size + pad])
     return found[:hits]
 
 
@@ -305,7 +333,7 @@ def _trim_numpy(xn: np.ndarray, idx: np.ndarray, k: int, hi: int) -> np.ndarray:
     cut = np.partition(values, idx.size - k)[idx.size - k]  # the k-th largest candidate
     keep = np.compress(values >= cut, idx)
     if keep.size > hi:  # many ties at the cut
-        chosen = np.argpartition(values, idx.size - k)[idx.size - k:]
+        chosen = np.argpartition(values, idx.size - k)[idx.size - k :]
         chosen.sort()
         keep = idx[chosen]
     return keep
@@ -325,14 +353,15 @@ def _exact_small(x: Tensor, k: int) -> Tensor:
     cut = np.partition(magnitudes, n - k)[n - k]
     idx = np.flatnonzero(magnitudes >= cut)
     if idx.size != k:  # ties at the cut (or a NaN cut)
-        idx = np.argpartition(magnitudes, n - k)[n - k:]
+        idx = np.argpartition(magnitudes, n - k)[n - k :]
         idx.sort()
     return torch.from_numpy(idx.astype(np.int64, copy=False))
 
 
 # ------------------------------------------------------------------------------------------------ other devices
-def _approx_torch(x: Tensor, k: int, lo: int, hi: int, generator: torch.Generator, sample_size: int,
-                  oversample: float) -> Tensor:
+def _approx_torch(
+    x: Tensor, k: int, lo: int, hi: int, generator: torch.Generator, sample_size: int, oversample: float
+) -> Tensor:
     """:func:`approx_topk_indices` in torch (uniform sample with replacement)."""
     magnitudes = x.abs()
     for aim in (oversample * k, 4.0 * oversample * k):

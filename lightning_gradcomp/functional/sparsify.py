@@ -48,7 +48,7 @@ def topk_indices(x: Tensor, k: int) -> Tensor:
     magnitudes = x.abs()
     if n < FILTER_MIN_NUMEL or 8 * k > n:
         return torch.topk(magnitudes, k, sorted=False).indices
-    sample = magnitudes[::max(1, n // 4096)]
+    sample = magnitudes[:: max(1, n // 4096)]
     rank = min(sample.numel(), math.ceil(1.5 * k * sample.numel() / n) + 8)
     threshold = torch.topk(sample, rank, sorted=False).values.min()
     candidates = (magnitudes >= threshold).nonzero().squeeze(1)
@@ -58,8 +58,7 @@ def topk_indices(x: Tensor, k: int) -> Tensor:
     return candidates.index_select(0, chosen)
 
 
-def stratified_indices(numel: int, k: int, generator: torch.Generator,
-                       device: torch.device) -> tuple[Tensor, Tensor]:
+def stratified_indices(numel: int, k: int, generator: torch.Generator, device: torch.device) -> tuple[Tensor, Tensor]:
     """One uniform index in each of ``k`` near-equal blocks of ``[0, numel)``: O(k) work, not O(numel).
 
     Every element of a block of size ``b`` is chosen with probability ``1/b`` (``= k/numel`` when ``k``
@@ -79,8 +78,11 @@ def stratified_indices(numel: int, k: int, generator: torch.Generator,
     k = min(k, numel)
     bounds = torch.div(torch.arange(k + 1, dtype=torch.int64) * numel, k, rounding_mode="floor")
     sizes = bounds[1:] - bounds[:-1]
-    offsets = (torch.rand(k, generator=generator, device=generator.device, dtype=torch.float64).cpu()
-               * sizes).long().clamp_max_(sizes - 1)
+    offsets = (
+        (torch.rand(k, generator=generator, device=generator.device, dtype=torch.float64).cpu() * sizes)
+        .long()
+        .clamp_max_(sizes - 1)
+    )
     return (bounds[:-1] + offsets).to(device), sizes.to(device)
 
 

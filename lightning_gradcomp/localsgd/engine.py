@@ -59,8 +59,9 @@ def split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
     Returns the tensor indices of each group. Raises ``ValueError`` if there are fewer tensors than groups.
     """
     if fragments > len(numels):
-        raise ValueError(f"`fragments` must be at most the number of trainable parameter tensors "
-                         f"({len(numels)}), got {fragments}")
+        raise ValueError(
+            f"`fragments` must be at most the number of trainable parameter tensors ({len(numels)}), got {fragments}"
+        )
     total = sum(numels)
     groups: list[list[int]] = [[] for _ in range(fragments)]
     done, g = 0, 0
@@ -79,8 +80,8 @@ class _Exchange:
     """One fragment exchange: what was issued, and (once done) its averaged result."""
 
     indices: list[int]
-    step: int                                   # sync index (ReduceContext.step)
-    apply_at: int                               # optimizer step at which the result is applied
+    step: int  # sync index (ReduceContext.step)
+    apply_at: int  # optimizer step at which the result is applied
     deltas: dict[str, Tensor] = field(default_factory=dict)
     buffer_values: dict[str, Tensor] = field(default_factory=dict)
     averaged: Optional[dict[str, Tensor]] = None
@@ -113,10 +114,23 @@ class OuterSync:
     start_step = 0
     """The first sync that is compressed (every sync is): for ``CompressionLogger``."""
 
-    def __init__(self, compressor: Compressor, comm: Comm, params: list[tuple[str, nn.Parameter]],
-                 buffers: list[tuple[str, Tensor]], *, fragments: int = 1, policy: Optional[SlotPolicy] = None,
-                 outer: str = "nesterov", outer_lr: float = 0.7, outer_momentum: float = 0.9, seed: int = 0,
-                 beta: float = 1.0, overlap: int = 0, async_comm: Optional[Comm] = None) -> None:
+    def __init__(
+        self,
+        compressor: Compressor,
+        comm: Comm,
+        params: list[tuple[str, nn.Parameter]],
+        buffers: list[tuple[str, Tensor]],
+        *,
+        fragments: int = 1,
+        policy: Optional[SlotPolicy] = None,
+        outer: str = "nesterov",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        seed: int = 0,
+        beta: float = 1.0,
+        overlap: int = 0,
+        async_comm: Optional[Comm] = None,
+    ) -> None:
         if overlap and async_comm is None:
             raise ValueError("`overlap > 0` needs `async_comm` (collectives on a dedicated process group)")
         self.compressor = compressor
@@ -136,14 +150,15 @@ class OuterSync:
         accepts = (lambda slot: False) if compressor.dense else compressor.accepts
         self.fragments: list[BucketPlan] = [
             build_plan(f, [tensors[i] for i in group], names, self.policy, accepts)
-            for f, group in enumerate(split_fragments([p.numel() for p in tensors], fragments))]
+            for f, group in enumerate(split_fragments([p.numel() for p in tensors], fragments))
+        ]
         with torch.no_grad():
             self.theta = {n: p.detach().to(torch.float32, copy=True) for n, p in params}
             self.theta_buffers = {n: b.detach().clone() for n, b in buffers}
         self.momentum: dict[str, Tensor] = {}
-        self.step = 0          # syncs done (identical on all ranks)
-        self.local_steps = 0   # optimizer steps done
-        self.cursor = 0        # the fragment synced next
+        self.step = 0  # syncs done (identical on all ranks)
+        self.local_steps = 0  # optimizer steps done
+        self.cursor = 0  # the fragment synced next
         self._step_dense = sum(all_reduce_bytes(p.numel() * p.element_size(), comm.world_size) for p in tensors)
 
     # ------------------------------------------------------------------ GradCompHook-like surface
@@ -203,8 +218,9 @@ class OuterSync:
         start = time.perf_counter()
         job = self._prepare(indices, self.local_steps + self.overlap)
         assert self.async_comm is not None
-        job.thread = threading.Thread(target=self._run, args=(job, self.async_comm), daemon=True,
-                                      name=f"localsgd-sync-{job.step}")
+        job.thread = threading.Thread(
+            target=self._run, args=(job, self.async_comm), daemon=True, name=f"localsgd-sync-{job.step}"
+        )
         self._inflight = job
         job.thread.start()
         self.stats.hook_seconds += time.perf_counter() - start
@@ -251,8 +267,9 @@ class OuterSync:
                 for slot in self.fragments[i].slots:
                     job.deltas[slot.name] = self.theta[slot.name] - self.params[slot.name].detach().to(torch.float32)
             if last:
-                job.buffer_values = {n: b.detach().reshape(-1).to(torch.float32, copy=True)
-                                     for n, b in self.buffers.items()}
+                job.buffer_values = {
+                    n: b.detach().reshape(-1).to(torch.float32, copy=True) for n, b in self.buffers.items()
+                }
         self.step += 1
         self.stats.compressed_steps += int(not self.compressor.dense)
         return job
@@ -296,18 +313,21 @@ class OuterSync:
             pieces = torch.split(flat, [s.numel for s in dense] + [job.buffer_values[n].numel() for n in names])
             for slot, piece in zip(dense, pieces):
                 out[slot.name] = piece.view(slot.shape)
-            for name, piece in zip(names, pieces[len(dense):]):
+            for name, piece in zip(names, pieces[len(dense) :]):
                 buffers[name] = piece.to(self.buffers[name].dtype)
         if not comp:
             return out, buffers
         use_ef = self.compressor.uses_error_feedback
-        tensors = [self.memory.compensate(s.name, deltas[s.name].reshape(-1)) if use_ef
-                   else deltas[s.name].reshape(-1).clone() for s in comp]
+        tensors = [
+            self.memory.compensate(s.name, deltas[s.name].reshape(-1)) if use_ef else deltas[s.name].reshape(-1).clone()
+            for s in comp
+        ]
         watchers = [obs for obs in self.observers if obs.wants(job.step)]
         inputs = [t.clone() for t in tensors] if watchers else []
         ctx = ReduceContext(comm, job.step, plans[0].index, comp, [self.param_of(s.name) for s in comp], self.seed)
-        reduction = reduce_with_feedback(self.compressor, self.memory if use_ef else None, tensors, ctx,
-                                         watchers, inputs)
+        reduction = reduce_with_feedback(
+            self.compressor, self.memory if use_ef else None, tensors, ctx, watchers, inputs
+        )
         for slot, avg in zip(comp, reduction.averaged.wait()):
             out[slot.name] = avg.reshape(slot.shape).to(torch.float32)
         return out, buffers
@@ -359,14 +379,26 @@ class OuterSync:
         """The replicated state (identical on all ranks): global model, outer momentum, counters."""
         self.drain()
         job = self._inflight
-        pending = None if job is None else {
-            "indices": list(job.indices), "step": job.step, "apply_at": job.apply_at,
-            "averaged": {k: v.clone() for k, v in (job.averaged or {}).items()},
-            "buffers": {k: v.clone() for k, v in (job.buffers or {}).items()}}
-        return {"theta": {k: v.clone() for k, v in self.theta.items()},
-                "theta_buffers": {k: v.clone() for k, v in self.theta_buffers.items()},
-                "momentum": {k: v.clone() for k, v in self.momentum.items()},
-                "step": self.step, "local_steps": self.local_steps, "cursor": self.cursor, "pending": pending}
+        pending = (
+            None
+            if job is None
+            else {
+                "indices": list(job.indices),
+                "step": job.step,
+                "apply_at": job.apply_at,
+                "averaged": {k: v.clone() for k, v in (job.averaged or {}).items()},
+                "buffers": {k: v.clone() for k, v in (job.buffers or {}).items()},
+            }
+        )
+        return {
+            "theta": {k: v.clone() for k, v in self.theta.items()},
+            "theta_buffers": {k: v.clone() for k, v in self.theta_buffers.items()},
+            "momentum": {k: v.clone() for k, v in self.momentum.items()},
+            "step": self.step,
+            "local_steps": self.local_steps,
+            "cursor": self.cursor,
+            "pending": pending,
+        }
 
     def load_shared_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`shared_state` (tensors go to the parameters' device)."""
@@ -374,23 +406,32 @@ class OuterSync:
         device.update({n: b.device for n, b in self.buffers.items()})
         self.theta = {k: v.to(device=device.get(k), dtype=torch.float32, copy=True) for k, v in state["theta"].items()}
         self.theta_buffers = {k: v.to(device=device.get(k), copy=True) for k, v in state["theta_buffers"].items()}
-        self.momentum = {k: v.to(device=device.get(k), dtype=torch.float32, copy=True)
-                         for k, v in state["momentum"].items()}
+        self.momentum = {
+            k: v.to(device=device.get(k), dtype=torch.float32, copy=True) for k, v in state["momentum"].items()
+        }
         self.step, self.local_steps, self.cursor = int(state["step"]), int(state["local_steps"]), int(state["cursor"])
         pending = state.get("pending")
         self._inflight = None
         if pending is not None:  # an exchange that was complete but not yet applied when the checkpoint was taken
             self._inflight = _Exchange(
-                list(pending["indices"]), int(pending["step"]), int(pending["apply_at"]),
-                averaged={k: v.to(device=device.get(k), dtype=torch.float32, copy=True)
-                          for k, v in pending["averaged"].items()},
-                buffers={k: v.to(device=device.get(k), copy=True) for k, v in pending["buffers"].items()})
+                list(pending["indices"]),
+                int(pending["step"]),
+                int(pending["apply_at"]),
+                averaged={
+                    k: v.to(device=device.get(k), dtype=torch.float32, copy=True)
+                    for k, v in pending["averaged"].items()
+                },
+                buffers={k: v.to(device=device.get(k), copy=True) for k, v in pending["buffers"].items()},
+            )
 
     def rank_state(self) -> dict[str, Any]:
         """This rank's own state: error-feedback memories, compressor state, stats."""
         self.drain()
-        return {"memory": self.memory.state_dict(), "compressor": self.compressor.state_dict(),
-                "stats": self.stats.state_dict()}
+        return {
+            "memory": self.memory.state_dict(),
+            "compressor": self.compressor.state_dict(),
+            "stats": self.stats.state_dict(),
+        }
 
     def load_rank_state(self, state: Optional[dict[str, Any]]) -> None:
         """Restore :meth:`rank_state`; ``None`` resets memories and compressor state (world-size change)."""

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -57,8 +58,10 @@ _CHECKPOINT_VERSION = 1
 """Version of the old single-file entry (every rank's local state inline); still loaded, no longer written."""
 _SETTINGS = ("outer", "local_steps", "fragments", "overlap", "shared")
 """Keys of a sharded entry besides the manifest's: settings checked on resume, and the shared state."""
-_SHARD_WORDS = {"what": "local-state",
-                "contents": "local model, inner optimizer states, error-feedback memory and compressor state"}
+_SHARD_WORDS = {
+    "what": "local-state",
+    "contents": "local model, inner optimizer states, error-feedback memory and compressor state",
+}
 _REJECTED = (DIANA,)
 
 
@@ -90,8 +93,8 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
     Tuning (DiLoCo paper): ``outer_lr=0.7``, ``outer_momentum=0.9`` with AdamW inner steps and ``local_steps``
     in the tens to hundreds; Local SGD (``"average"``) tolerates smaller H only. With a sparsifying compressor
     keep error feedback on (it is, for biased compressors) and expect to need a somewhat larger ratio than for
-    per-step gradients: pseudo-gradients are denser. With few outer steps, a 1-bit compressor that delivers every coordinate
-    beats sparsification at the same bytes: on the Transformer LM of docs/localsgd.md,
+    per-step gradients: pseudo-gradients are denser. With few outer steps, a 1-bit compressor that delivers every
+    coordinate beats sparsification at the same bytes: on the Transformer LM of docs/localsgd.md,
     ``local_steps=24, outer_lr=1.0, outer_momentum=0.5, compressor=SignSGD(bucket_size=256)`` sent 600x fewer
     bytes than per-step DDP within 1.4 points of its accuracy, where CLT-k at 4-8 % lost 4-6 points.
 
@@ -127,52 +130,77 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
     strategy_name = "localsgd"
     _name_in_messages = "LocalSGDStrategy"
 
-    def __init__(self, local_steps: int = 20, outer: Literal["average", "nesterov"] = "nesterov",
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 compressor: Union[Compressor, str, None] = None, fragments: int = 1, min_numel: int = 1024,
-                 compress_1d: bool = False, beta: float = 1.0, seed: int = 0, sync_at_end: bool = True,
-                 overlap: int = 0,
-                 accelerator: Optional["pl.accelerators.Accelerator"] = None,
-                 parallel_devices: Optional[list[torch.device]] = None,
-                 cluster_environment: Optional[ClusterEnvironment] = None,
-                 checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None,
-                 process_group_backend: Optional[str] = None,
-                 timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
-                 start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen") -> None:
+    def __init__(
+        self,
+        local_steps: int = 20,
+        outer: Literal["average", "nesterov"] = "nesterov",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        compressor: Union[Compressor, str, None] = None,
+        fragments: int = 1,
+        min_numel: int = 1024,
+        compress_1d: bool = False,
+        beta: float = 1.0,
+        seed: int = 0,
+        sync_at_end: bool = True,
+        overlap: int = 0,
+        accelerator: Optional[pl.accelerators.Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
         self.local_steps = check_int("local_steps", local_steps, 1)
         if outer not in OUTERS:
             raise ValueError(f"`outer` must be one of {OUTERS}, got {outer!r}")
         self.outer = outer
         self.outer_lr = float(check_number("outer_lr", outer_lr, 0.0, float("inf")))
-        self.outer_momentum = float(check_number("outer_momentum", outer_momentum, 0, 1, low_open=False,
-                                                 high_open=True))
+        self.outer_momentum = float(
+            check_number("outer_momentum", outer_momentum, 0, 1, low_open=False, high_open=True)
+        )
         self.compressor = as_compressor(compressor)
         if isinstance(self.compressor, _REJECTED):
-            raise ValueError(f"`compressor` {type(self.compressor).__name__} cannot reduce pseudo-gradients: its "
-                             f"shifts assume stationary per-step gradients; use an unbiased quantizer (QSGD, "
-                             f"TernGrad) or a compressor with error feedback (CLTK, TopK, PowerSGD, SignSGD)")
+            raise ValueError(
+                f"`compressor` {type(self.compressor).__name__} cannot reduce pseudo-gradients: its "
+                f"shifts assume stationary per-step gradients; use an unbiased quantizer (QSGD, "
+                f"TernGrad) or a compressor with error feedback (CLTK, TopK, PowerSGD, SignSGD)"
+            )
         self.fragments = check_int("fragments", fragments, 1)
         if self.local_steps % self.fragments:
-            raise ValueError(f"`fragments` must divide `local_steps` ({self.local_steps}): one fragment is synced "
-                             f"every local_steps / fragments steps; got fragments={self.fragments}")
+            raise ValueError(
+                f"`fragments` must divide `local_steps` ({self.local_steps}): one fragment is synced "
+                f"every local_steps / fragments steps; got fragments={self.fragments}"
+            )
         self.overlap = check_int("overlap", overlap, 0)
         if self.overlap > self.local_steps // self.fragments:
-            raise ValueError(f"`overlap` must be at most local_steps / fragments ({self.local_steps // self.fragments}"
-                             f"): one fragment exchange is in flight at a time; got overlap={self.overlap}")
-        self.policy = SlotPolicy(min_numel=check_int("min_numel", min_numel, 1),
-                                 compress_1d=check_bool("compress_1d", compress_1d))
+            raise ValueError(
+                f"`overlap` must be at most local_steps / fragments ({self.local_steps // self.fragments}"
+                f"): one fragment exchange is in flight at a time; got overlap={self.overlap}"
+            )
+        self.policy = SlotPolicy(
+            min_numel=check_int("min_numel", min_numel, 1), compress_1d=check_bool("compress_1d", compress_1d)
+        )
         self.beta = validate_beta(beta)
         self.seed = check_int("seed", seed, 0, 2**63 - 1)
         self.sync_at_end = check_bool("sync_at_end", sync_at_end)
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         timeout=check_timeout(timeout), start_method=start_method)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=check_timeout(timeout),
+            start_method=start_method,
+        )
         self._comm_stats = CommStats()
         self._aux_stats = CommStats()
         self._engine: Optional[OuterSync] = None
         self._eval_backup: Optional[dict[str, Tensor]] = None
-        self._restored: Optional[dict[str, Any]] = None       # this rank's entry (same world size)
+        self._restored: Optional[dict[str, Any]] = None  # this rank's entry (same world size)
         self._restored_shared: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------ public state
@@ -209,10 +237,12 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
 
     # ------------------------------------------------------------------ setup
     @override
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         if self._layer_sync is not None:
-            raise ValueError("LocalSGDStrategy does not support `sync_batchnorm=True`: ranks train alone between "
-                             "syncs (BatchNorm statistics are averaged at every sync)")
+            raise ValueError(
+                "LocalSGDStrategy does not support `sync_batchnorm=True`: ranks train alone between "
+                "syncs (BatchNorm statistics are averaged at every sync)"
+            )
         super().setup(trainer)
 
     @override
@@ -235,9 +265,21 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             if dist.is_available() and dist.is_initialized() and self.world_size > 1:
                 group = dist.new_group(backend="gloo", timeout=self._timeout)
             async_comm = Comm(group, self._comm_stats)
-        self._engine = OuterSync(compressor, comm, params, buffers, fragments=self.fragments, policy=self.policy,
-                                 outer=self.outer, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
-                                 seed=self.seed, beta=self.beta, overlap=self.overlap, async_comm=async_comm)
+        self._engine = OuterSync(
+            compressor,
+            comm,
+            params,
+            buffers,
+            fragments=self.fragments,
+            policy=self.policy,
+            outer=self.outer,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            seed=self.seed,
+            beta=self.beta,
+            overlap=self.overlap,
+            async_comm=async_comm,
+        )
         if self._restored_shared is not None:
             self._engine.load_shared_state(self._restored_shared)
             self._engine.load_rank_state(self._restored)
@@ -260,13 +302,18 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
                 aux.broadcast(flat, 0)
                 offset = 0
                 for t in group:
-                    t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
 
     # ------------------------------------------------------------------ training
     @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
-                       model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[pl.LightningModule, torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
         """The local step; then, every ``local_steps / fragments`` steps, a sync (first optimizer only)."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._engine is not None and self._is_first_optimizer(optimizer):
@@ -335,13 +382,25 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         shards (:mod:`lightning_gradcomp.sharded_checkpoints`); every rank gets the same error if one cannot write.
         """
         engine = self._engine
-        local = {"model": self._local_model_state(),
-                 "optimizers": [copy.deepcopy(self.optimizer_state(o)) for o in self.optimizers],
-                 **(engine.rank_state() if engine is not None else {})}
-        self._save_with_shards(checkpoint, filepath, storage_options, CHECKPOINT_KEY, local,
-                               type(self.compressor).__name__, {}, outer=self.outer, local_steps=self.local_steps,
-                               fragments=self.fragments, overlap=self.overlap,
-                               shared=engine.shared_state() if engine is not None else None)
+        local = {
+            "model": self._local_model_state(),
+            "optimizers": [copy.deepcopy(self.optimizer_state(o)) for o in self.optimizers],
+            **(engine.rank_state() if engine is not None else {}),
+        }
+        self._save_with_shards(
+            checkpoint,
+            filepath,
+            storage_options,
+            CHECKPOINT_KEY,
+            local,
+            type(self.compressor).__name__,
+            {},
+            outer=self.outer,
+            local_steps=self.local_steps,
+            fragments=self.fragments,
+            overlap=self.overlap,
+            shared=engine.shared_state() if engine is not None else None,
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -354,8 +413,10 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
                 manifest (every rank raises; the message names the file).
             ValueError: the entry is malformed, or the settings differ from this strategy's.
         """
-        checkpoint = load_verified(lambda: super(LocalSGDStrategy, self).load_checkpoint(
-            checkpoint_path, weights_only=weights_only), checkpoint_path)
+        checkpoint = load_verified(
+            lambda: super(LocalSGDStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
+            checkpoint_path,
+        )
         saved = checkpoint.get(CHECKPOINT_KEY)
         self._restored = self._restored_shared = None
         if saved is None:
@@ -366,22 +427,33 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         except ValueError as err:
             raise ValueError(f"cannot resume from '{checkpoint_path}': {err}") from None
         mine = (type(self.compressor).__name__, self.outer, self.local_steps, self.fragments, self.overlap)
-        theirs = (saved["compressor"], saved["outer"], saved["local_steps"], saved["fragments"],
-                  saved.get("overlap", 0))
+        theirs = (
+            saved["compressor"],
+            saved["outer"],
+            saved["local_steps"],
+            saved["fragments"],
+            saved.get("overlap", 0),
+        )
         if mine != theirs:
-            raise ValueError(f"cannot resume from '{checkpoint_path}': it was written with (compressor, outer, "
-                             f"local_steps, fragments, overlap) = {theirs}, this strategy uses {mine}; resume with the "
-                             f"same settings")
+            raise ValueError(
+                f"cannot resume from '{checkpoint_path}': it was written with (compressor, outer, "
+                f"local_steps, fragments, overlap) = {theirs}, this strategy uses {mine}; resume with the "
+                f"same settings"
+            )
         self._restored_shared = saved["shared"]
         if saved["world_size"] == self.world_size:
-            self._restored = (self._load_own_shard(checkpoint_path, saved, weights_only, self.root_device,
-                                                   **_SHARD_WORDS) if sharded
-                              else saved["per_rank"][self.global_rank])
+            self._restored = (
+                self._load_own_shard(checkpoint_path, saved, weights_only, self.root_device, **_SHARD_WORDS)
+                if sharded
+                else saved["per_rank"][self.global_rank]
+            )
         else:
-            rank_zero_warn(f"LocalSGDStrategy: checkpoint was written by {saved['world_size']} ranks, resuming on "
-                           f"{self.world_size}: every rank starts from the global model with rank 0's inner "
-                           f"optimizer state; error-feedback memories and compressor state are reset; the global "
-                           f"model, outer momentum, step counter and fragment cursor are kept")
+            rank_zero_warn(
+                f"LocalSGDStrategy: checkpoint was written by {saved['world_size']} ranks, resuming on "
+                f"{self.world_size}: every rank starts from the global model with rank 0's inner "
+                f"optimizer state; error-feedback memories and compressor state are reset; the global "
+                f"model, outer momentum, step counter and fragment cursor are kept"
+            )
         return checkpoint
 
     # ------------------------------------------------------------------ registry
@@ -395,10 +467,21 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         register_presets(strategy_registry, cls)
 
 
-register_preset("localsgd", "Local SGD: 20 local steps, then model averaging", lambda: {"outer": "average"},
-                strategy=LocalSGDStrategy)
-register_preset("diloco",
-                "DiLoCo: 20 local steps, then outer Nesterov (lr 0.7, momentum 0.9) on dense pseudo-gradients",
-                lambda: {"outer": "nesterov", "compressor": NoCompression()}, strategy=LocalSGDStrategy)
-register_preset("diloco_cltk", "DiLoCo with CLT-k 1% pseudo-gradients and error feedback",
-                lambda: {"outer": "nesterov", "compressor": CLTK(ratio=0.01)}, strategy=LocalSGDStrategy)
+register_preset(
+    "localsgd",
+    "Local SGD: 20 local steps, then model averaging",
+    lambda: {"outer": "average"},
+    strategy=LocalSGDStrategy,
+)
+register_preset(
+    "diloco",
+    "DiLoCo: 20 local steps, then outer Nesterov (lr 0.7, momentum 0.9) on dense pseudo-gradients",
+    lambda: {"outer": "nesterov", "compressor": NoCompression()},
+    strategy=LocalSGDStrategy,
+)
+register_preset(
+    "diloco_cltk",
+    "DiLoCo with CLT-k 1% pseudo-gradients and error feedback",
+    lambda: {"outer": "nesterov", "compressor": CLTK(ratio=0.01)},
+    strategy=LocalSGDStrategy,
+)

@@ -5,5 +5,14 @@ from lightning_gradcomp.swarm.exchange import LatticeCodec, PairwiseGossip, Swar
 from lightning_gradcomp.swarm.pairing import TOPOLOGIES, matching, topology_edges
 from lightning_gradcomp.swarm.strategy import SwarmStrategy
 
-__all__ = ["TOPOLOGIES", "AsyncGossip", "LatticeCodec", "StoreMatchmaker", "PairwiseGossip", "SwarmStats", "SwarmStrategy", "matching",
-           "topology_edges"]
+__all__ = [
+    "TOPOLOGIES",
+    "AsyncGossip",
+    "LatticeCodec",
+    "StoreMatchmaker",
+    "PairwiseGossip",
+    "SwarmStats",
+    "SwarmStrategy",
+    "matching",
+    "topology_edges",
+]

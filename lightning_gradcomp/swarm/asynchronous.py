@@ -47,9 +47,10 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -170,8 +171,16 @@ class AsyncGossip:
         replay: this rank's pairing log to reproduce (see the module docstring).
     """
 
-    def __init__(self, engine: PairwiseGossip, matchmaker: Optional[StoreMatchmaker], local_steps: int,
-                 geometric: bool, seed: int, timeout: float, replay: Optional[Sequence[Sequence[int]]] = None) -> None:
+    def __init__(
+        self,
+        engine: PairwiseGossip,
+        matchmaker: Optional[StoreMatchmaker],
+        local_steps: int,
+        geometric: bool,
+        seed: int,
+        timeout: float,
+        replay: Optional[Sequence[Sequence[int]]] = None,
+    ) -> None:
         self.engine = engine
         self.matchmaker = matchmaker
         self.local_steps = local_steps
@@ -183,7 +192,7 @@ class AsyncGossip:
         self.attempts = 0
         self.next_attempt = self._draw()
         self._job: Optional[_Job] = None
-        self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self._queue: queue.Queue[Optional[_Job]] = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._threads = torch.get_num_threads()
 
@@ -279,15 +288,19 @@ class AsyncGossip:
 
     def _wait(self, job: _Job) -> None:
         if not job.done.wait(self.timeout):
-            raise RuntimeError(f"SwarmSGD rank {self.engine.comm.rank}: the exchange with rank {job.peer} "
-                               f"(ticket {job.ticket}) did not finish within {self.timeout:.0f} s; the partner "
-                               f"is presumed dead")
+            raise RuntimeError(
+                f"SwarmSGD rank {self.engine.comm.rank}: the exchange with rank {job.peer} "
+                f"(ticket {job.ticket}) did not finish within {self.timeout:.0f} s; the partner "
+                f"is presumed dead"
+            )
 
     def _apply(self, job: _Job, step: int, x_now: Tensor, drained: bool = False) -> Tensor:
         self._job = None
         if job.error is not None:
-            raise RuntimeError(f"SwarmSGD rank {self.engine.comm.rank}: exchange with rank {job.peer} (ticket "
-                               f"{job.ticket}) failed; the partner is presumed dead or stopped") from job.error
+            raise RuntimeError(
+                f"SwarmSGD rank {self.engine.comm.rank}: exchange with rank {job.peer} (ticket "
+                f"{job.ticket}) failed; the partner is presumed dead or stopped"
+            ) from job.error
         assert job.average is not None
         self.engine.stats.exchanges += 1
         self.log.append((job.pub_step, job.peer, job.peer_step, job.ticket, step, int(drained)))
@@ -305,8 +318,17 @@ class AsyncGossip:
             pub_step, peer, peer_step, ticket, apply_step, drained = self.replay[index]
             self.engine.stats.rounds += 1
             x = out if out is not None else current()
-            self._submit(_Job(x_pub=x.detach().float().clone(), pub_step=pub_step, peer=peer, peer_step=peer_step,
-                              ticket=ticket, apply_step=apply_step, drained=bool(drained)))
+            self._submit(
+                _Job(
+                    x_pub=x.detach().float().clone(),
+                    pub_step=pub_step,
+                    peer=peer,
+                    peer_step=peer_step,
+                    ticket=ticket,
+                    apply_step=apply_step,
+                    drained=bool(drained),
+                )
+            )
         return out
 
     def _draw(self) -> int:
@@ -351,7 +373,7 @@ class AsyncGossip:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`."""
-        self.log = [tuple(int(v) for v in r) for r in state.get("log", [])]
+        self.log = [cast(PairingRecord, tuple(int(v) for v in r)) for r in state.get("log", [])]
         self.attempts = int(state.get("attempts", 0))
         self.next_attempt = int(state.get("next_attempt", self.next_attempt))
 

@@ -52,8 +52,16 @@ from lightning_gradcomp.functional.lattice import (
 from lightning_gradcomp.functional.packing import pack_bits, packed_nbytes, unpack_bits
 from lightning_gradcomp.swarm.pairing import round_generator
 
-__all__ = ["Decoded", "Encoded", "LatticeCodec", "PairwiseGossip", "PendingExchange", "SwarmStats",
-           "average_pair", "blockwise_absmax"]
+__all__ = [
+    "Decoded",
+    "Encoded",
+    "LatticeCodec",
+    "PairwiseGossip",
+    "PendingExchange",
+    "SwarmStats",
+    "average_pair",
+    "blockwise_absmax",
+]
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +168,9 @@ class LatticeCodec:
         """Decode a partner's ``message`` against this end's flat ``reference`` model."""
         numel, blocks = reference.numel(), self.blocks(reference.numel())
         side = message[: 4 * blocks].clone().view(torch.float32)
-        checksum = message[4 * blocks: 8 * blocks].clone().view(torch.int32).long()
-        codes = _padded(unpack_bits(message[8 * blocks:], self.bits, numel), self.block_size)
-        index = lattice_decode(codes, _padded(reference.float(), self.block_size), side.view(-1, 1), self.bits,
-                               dither)
+        checksum = message[4 * blocks : 8 * blocks].clone().view(torch.int32).long()
+        codes = _padded(unpack_bits(message[8 * blocks :], self.bits, numel), self.block_size)
+        index = lattice_decode(codes, _padded(reference.float(), self.block_size), side.view(-1, 1), self.bits, dither)
         return Decoded(index=index, side=side, checksum_ok=lattice_checksum(index) == checksum, dither=dither)
 
 
@@ -208,9 +215,16 @@ class SwarmStats:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain, ``weights_only``-loadable representation."""
-        return {"rounds": self.rounds, "exchanges": self.exchanges, "sat_out": self.sat_out,
-                "fallbacks": self.fallbacks, "fallback_blocks": self.fallback_blocks, "consensus": self.consensus,
-                "nonfinite_steps": self.nonfinite_steps, "consensus_history": list(self.consensus_history)}
+        return {
+            "rounds": self.rounds,
+            "exchanges": self.exchanges,
+            "sat_out": self.sat_out,
+            "fallbacks": self.fallbacks,
+            "fallback_blocks": self.fallback_blocks,
+            "consensus": self.consensus,
+            "nonfinite_steps": self.nonfinite_steps,
+            "consensus_history": list(self.consensus_history),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`."""
@@ -250,8 +264,13 @@ class PendingExchange:
     def state_dict(self) -> dict[str, Any]:
         """Completed exchange as plain tensors (waits for the data first)."""
         self.wait()
-        return {"round_index": self.round_index, "peer": self.peer, "x_old": self.x_old.clone(),
-                "sent": self.sent.clone(), "received": self.received.clone()}
+        return {
+            "round_index": self.round_index,
+            "peer": self.peer,
+            "x_old": self.x_old.clone(),
+            "sent": self.sent.clone(),
+            "received": self.received.clone(),
+        }
 
 
 class PairwiseGossip:
@@ -265,8 +284,9 @@ class PairwiseGossip:
         seed: shared seed of the dither offsets (``rounding="dithered"``).
     """
 
-    def __init__(self, comm: Comm, numel: int, codec: Optional[LatticeCodec],
-                 stats: Optional[SwarmStats] = None, seed: int = 0) -> None:
+    def __init__(
+        self, comm: Comm, numel: int, codec: Optional[LatticeCodec], stats: Optional[SwarmStats] = None, seed: int = 0
+    ) -> None:
         self.comm = comm
         self.seed = int(seed)
         self.numel = int(numel)
@@ -330,10 +350,12 @@ class PairwiseGossip:
         self.stats.fallback_blocks += rejected.numel()
         count = self.stats.fallbacks
         if count & (count - 1) == 0:
-            log.warning(f"SwarmSGD rank {self.comm.rank}: lattice decode with rank {pending.peer} in round "
-                        f"{pending.round_index} wrapped around (or could have) in {rejected.numel()} of "
-                        f"{accepted.numel()} blocks; those were exchanged in fp32 ({count} such exchange(s) "
-                        f"so far on this rank)")
+            log.warning(
+                f"SwarmSGD rank {self.comm.rank}: lattice decode with rank {pending.peer} in round "
+                f"{pending.round_index} wrapped around (or could have) in {rejected.numel()} of "
+                f"{accepted.numel()} blocks; those were exchanged in fp32 ({count} such exchange(s) "
+                f"so far on this rank)"
+            )
         mask = (~accepted).repeat_interleave(block)[: self.numel]
         mine = pending.x_old[mask].contiguous()
         theirs = torch.empty_like(mine)
@@ -370,8 +392,12 @@ class PairwiseGossip:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Distance estimate (spread, anchor, drift) and stats (``weights_only``-loadable)."""
-        return {"spread": _clone(self.spread), "anchor": _clone(self.anchor), "drift": _clone(self.drift),
-                "stats": self.stats.state_dict()}
+        return {
+            "spread": _clone(self.spread),
+            "anchor": _clone(self.anchor),
+            "drift": _clone(self.drift),
+            "stats": self.stats.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`."""
@@ -382,5 +408,6 @@ class PairwiseGossip:
 
     def restore_pending(self, state: dict[str, Any]) -> PendingExchange:
         """Rebuild a completed-but-unapplied exchange from :meth:`PendingExchange.state_dict`."""
-        return PendingExchange(int(state["round_index"]), int(state["peer"]), state["x_old"].float(),
-                               state["sent"], state["received"])
+        return PendingExchange(
+            int(state["round_index"]), int(state["peer"]), state["x_old"].float(), state["sent"], state["received"]
+        )

@@ -141,8 +141,13 @@ def topology_edges(topology: Topology, world_size: int, shape: Optional[tuple[in
         if topology == "complete":
             return [(i, j) for i in range(world_size) for j in range(i + 1, world_size)]
         if topology == "ring":
-            return sorted({(min(i, (i + 1) % world_size), max(i, (i + 1) % world_size))
-                           for i in range(world_size) if world_size > 1})
+            return sorted(
+                {
+                    (min(i, (i + 1) % world_size), max(i, (i + 1) % world_size))
+                    for i in range(world_size)
+                    if world_size > 1
+                }
+            )
         if topology == "torus":
             rows, cols = _checked_shape(shape, world_size)
             return _torus_edges(rows, cols)
@@ -194,8 +199,11 @@ def _torus(rows: int, cols: int, gen: torch.Generator) -> list[int]:
                     partners[r * cols + c], partners[other] = other, r * cols + c
         return partners
     dr, dc = (int(v) for v in torch.randint(world_size, (2,), generator=gen))
-    snake = [((r + dr) % rows) * cols + (c + dc) % cols
-             for r in range(rows) for c in (range(cols) if r % 2 == 0 else reversed(range(cols)))]
+    snake = [
+        ((r + dr) % rows) * cols + (c + dc) % cols
+        for r in range(rows)
+        for c in (range(cols) if r % 2 == 0 else reversed(range(cols)))
+    ]
     skip = 2 * int(torch.randint((world_size + 1) // 2, (), generator=gen))
     _pair_up(partners, snake, skip=skip)
     return partners
@@ -216,8 +224,14 @@ def _greedy(world_size: int, edges: Edges, gen: torch.Generator) -> list[int]:
     return best
 
 
-def matching(topology: Topology, world_size: int, seed: int, round_index: int,
-             shape: Optional[tuple[int, int]] = None, edges: Optional[Edges] = None) -> list[int]:
+def matching(
+    topology: Topology,
+    world_size: int,
+    seed: int,
+    round_index: int,
+    shape: Optional[tuple[int, int]] = None,
+    edges: Optional[Edges] = None,
+) -> list[int]:
     """Partners of every rank in round ``round_index`` (``-1``: sits out); identical on all ranks.
 
     Args:

@@ -16,10 +16,11 @@ runs the shared-seed matching rounds (the reproducible baseline).
 from __future__ import annotations
 
 import copy
-import time
 import logging
+import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -125,20 +126,34 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
     strategy_name = "swarmsgd"
     _name_in_messages = "SwarmStrategy"
 
-    def __init__(self, local_steps: int = 1, geometric_local_steps: bool = False, topology: Topology = "complete",
-                 torus_shape: Optional[tuple[int, int]] = None, bits: Optional[int] = 8, block_size: int = 1024,
-                 lattice_margin: float = 4.0, non_blocking: bool = True,
-                 eval_model: Literal["mean", "rank0", "local"] = "mean", average_at_end: bool = True,
-                 monitor_every: int = 0, seed: int = 0, mode: Literal["async", "lockstep"] = "async",
-                 replay: Optional[Any] = None, rounding: Literal["nearest", "dithered"] = "nearest",
-                 gossip_buffers: bool = True, exchange_timeout: float = 120.0,
-                 accelerator: Optional["pl.accelerators.Accelerator"] = None,
-                 parallel_devices: Optional[list[torch.device]] = None,
-                 cluster_environment: Optional[ClusterEnvironment] = None,
-                 checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None,
-                 process_group_backend: Optional[str] = None,
-                 timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
-                 start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen") -> None:
+    def __init__(
+        self,
+        local_steps: int = 1,
+        geometric_local_steps: bool = False,
+        topology: Topology = "complete",
+        torus_shape: Optional[tuple[int, int]] = None,
+        bits: Optional[int] = 8,
+        block_size: int = 1024,
+        lattice_margin: float = 4.0,
+        non_blocking: bool = True,
+        eval_model: Literal["mean", "rank0", "local"] = "mean",
+        average_at_end: bool = True,
+        monitor_every: int = 0,
+        seed: int = 0,
+        mode: Literal["async", "lockstep"] = "async",
+        replay: Optional[Any] = None,
+        rounding: Literal["nearest", "dithered"] = "nearest",
+        gossip_buffers: bool = True,
+        exchange_timeout: float = 120.0,
+        accelerator: Optional[pl.accelerators.Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
         self.local_steps = check_int("local_steps", local_steps, 1)
         self.geometric_local_steps = check_bool("geometric_local_steps", geometric_local_steps)
         self.topology = _check_topology(topology)
@@ -146,8 +161,11 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         if rounding not in ROUNDINGS:
             raise ValueError(f"`rounding` must be one of {ROUNDINGS}, got {rounding!r}")
         self.rounding = rounding
-        self.codec = None if bits is None else LatticeCodec(bits=bits, block_size=block_size,
-                                                           margin=lattice_margin, rounding=rounding)
+        self.codec = (
+            None
+            if bits is None
+            else LatticeCodec(bits=bits, block_size=block_size, margin=lattice_margin, rounding=rounding)
+        )
         self.bits = bits
         self.non_blocking = check_bool("non_blocking", non_blocking)
         if eval_model not in _EVAL_MODELS:
@@ -160,17 +178,25 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
         self.mode = mode
         if mode == "async" and self.monitor_every:
-            raise ValueError("`monitor_every` needs mode='lockstep': measuring the consensus distance is a global "
-                             "collective, which would put the asynchronous ranks back in lock-step")
+            raise ValueError(
+                "`monitor_every` needs mode='lockstep': measuring the consensus distance is a global "
+                "collective, which would put the asynchronous ranks back in lock-step"
+            )
         if replay is not None and mode != "async":
             raise ValueError("`replay` reproduces an asynchronous run: it needs mode='async'")
         self.replay = _check_replay(replay)
         self.gossip_buffers = check_bool("gossip_buffers", gossip_buffers)
         self.exchange_timeout = float(check_number("exchange_timeout", exchange_timeout, 0, float("inf")))
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         timeout=check_timeout(timeout), start_method=start_method)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=check_timeout(timeout),
+            start_method=start_method,
+        )
         self._swarm_stats = SwarmStats()
         self._comm_stats = CommStats()
         self._aux_stats = CommStats()
@@ -226,15 +252,18 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
 
     def partners(self, round_index: int) -> list[int]:
         """Partner of every rank in ``round_index`` (``-1``: sits out)."""
-        return matching(self.topology, self.world_size, self.seed, round_index, shape=self.torus_shape,
-                        edges=self._edges)
+        return matching(
+            self.topology, self.world_size, self.seed, round_index, shape=self.torus_shape, edges=self._edges
+        )
 
     # ------------------------------------------------------------------ setup
     @override
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         if self._layer_sync is not None:
-            raise ValueError("SwarmStrategy does not support `sync_batchnorm=True`: ranks train separate models "
-                             "(BatchNorm statistics stay local and are averaged for evaluation)")
+            raise ValueError(
+                "SwarmStrategy does not support `sync_batchnorm=True`: ranks train separate models "
+                "(BatchNorm statistics stay local and are averaged for evaluation)"
+            )
         super().setup(trainer)
         self._ensure_comms()
 
@@ -248,7 +277,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             self._edges = topology_edges(self.topology, self.world_size)
         elif isinstance(self.topology, str):
             topology_edges(self.topology, self.world_size, self.torus_shape)  # validates torus_shape
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        named: list[tuple[str, Tensor]] = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._param_numel = sum(p.numel() for _, p in named)
         if self.gossip_buffers:
             named += [(n, b) for n, b in self.model.named_buffers() if b.is_floating_point()]
@@ -279,8 +308,9 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
     def _setup_async(self, restored: Optional[dict[str, Any]]) -> None:
         """Match-making store (fresh prefix per setup), the background exchange engine, restored counters."""
         assert self._engine is not None
-        edges = self._edges if self._edges is not None else topology_edges(self.topology, self.world_size,
-                                                                           self.torus_shape)
+        edges = (
+            self._edges if self._edges is not None else topology_edges(self.topology, self.world_size, self.torus_shape)
+        )
         rank = self.global_rank
         neighbours = sorted({j for i, j in edges if i == rank} | {i for i, j in edges if j == rank})
         default = dist.distributed_c10d._get_default_store()
@@ -292,8 +322,15 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         else:
             matchmaker = StoreMatchmaker(self._store, rank, neighbours, self.seed)
             matchmaker.reset()
-        self._async = AsyncGossip(self._engine, matchmaker, self.local_steps, self.geometric_local_steps, self.seed,
-                                  self.exchange_timeout, replay=replay)
+        self._async = AsyncGossip(
+            self._engine,
+            matchmaker,
+            self.local_steps,
+            self.geometric_local_steps,
+            self.seed,
+            self.exchange_timeout,
+            replay=replay,
+        )
         if restored is not None and restored.get("async") is not None:
             self._async.load_state_dict(restored["async"])
         dist.barrier(group=self._engine.comm.group)  # every state key exists before anybody claims
@@ -321,9 +358,11 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
                 if r not in seen or seen[r][0] != beat:
                     seen[r] = (beat, now)
                 elif now - seen[r][1] > patience:
-                    raise RuntimeError(f"SwarmStrategy (rank {rank}): rank {r} has completed no batch for "
-                                       f"{patience:.0f} s while this rank waits for every rank to finish training: "
-                                       f"presumed dead or hung")
+                    raise RuntimeError(
+                        f"SwarmStrategy (rank {rank}): rank {r} has completed no batch for "
+                        f"{patience:.0f} s while this rank waits for every rank to finish training: "
+                        f"presumed dead or hung"
+                    )
             time.sleep(poll)
 
     @override
@@ -345,6 +384,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         loop = getattr(getattr(self.lightning_module.trainer, "fit_loop", None), "epoch_loop", None)
         if loop is None or not hasattr(loop, "_broadcast_sigterm_tensor"):
             return
+        assert self._store is not None
         store, trainer, beat = self._store, self.lightning_module.trainer, f"beat/{self.global_rank}"
 
         def check_sigterm() -> None:
@@ -374,8 +414,13 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
 
     # ------------------------------------------------------------------ training
     @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
-                       model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[pl.LightningModule, torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
         """Run the local step, then a gossip round every ``local_steps`` steps (first optimizer only).
 
         A gradient holding NaN/Inf is zeroed before the update (counted in ``swarm_stats.nonfinite_steps``),
@@ -422,8 +467,9 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         self._gossip_round()
         self._steps_in_round = 0
         self._round_index += 1
-        self._round_length = round_local_steps(self.local_steps, self.geometric_local_steps, self.seed,
-                                               self._round_index)
+        self._round_length = round_local_steps(
+            self.local_steps, self.geometric_local_steps, self.seed, self._round_index
+        )
 
     def _gossip_round(self) -> None:
         assert self._engine is not None
@@ -483,6 +529,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         """
         self.flush(final=True)
         if self._async is not None:
+            assert self._engine is not None  # _setup_async ran with it
             self._await_peers()
             dist.barrier(group=self._engine.comm.group)
         if self.average_at_end and self._aux is not None and self.world_size > 1:
@@ -507,7 +554,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         out, offset = {}, 0
         for n in names:
             t = tensors[n]
-            out[n] = flat[offset: offset + t.numel()].view_as(t).to(t.dtype)
+            out[n] = flat[offset : offset + t.numel()].view_as(t).to(t.dtype)
             offset += t.numel()
         return out
 
@@ -524,7 +571,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             self._aux.broadcast(flat, 0)
             out, offset = {}, 0
             for n, t in tensors.items():
-                out[n] = flat[offset: offset + t.numel()].view_as(t).to(t.dtype)
+                out[n] = flat[offset : offset + t.numel()].view_as(t).to(t.dtype)
                 offset += t.numel()
             _write_named(self.lightning_module, out)
 
@@ -558,8 +605,11 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             "async": self._async.state_dict() if self._async is not None else None,
             "model": self._local_model_state(),
             "optimizers": [copy.deepcopy(self.optimizer_state(o)) for o in self.optimizers],
-            "counters": {"round_index": self._round_index, "steps_in_round": self._steps_in_round,
-                         "round_length": self._round_length},
+            "counters": {
+                "round_index": self._round_index,
+                "steps_in_round": self._steps_in_round,
+                "round_length": self._round_length,
+            },
             "gossip": self._engine.state_dict() if self._engine is not None else None,
             "pending": self._pending.state_dict() if self._pending is not None else None,
             "comm_stats": self._comm_stats.state_dict(),
@@ -574,8 +624,17 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         """
         local = self._rank_state()
         codec = type(self.codec).__name__ if self.codec is not None else "NoCompression"
-        self._save_with_shards(checkpoint, filepath, storage_options, CHECKPOINT_KEY, local, codec, {},
-                               bits=self.bits, counters=local["counters"])  # rank 0's counters: rank 0 writes
+        self._save_with_shards(
+            checkpoint,
+            filepath,
+            storage_options,
+            CHECKPOINT_KEY,
+            local,
+            codec,
+            {},
+            bits=self.bits,
+            counters=local["counters"],
+        )  # rank 0's counters: rank 0 writes
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -588,8 +647,10 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
                 manifest (every rank raises; the message names the file).
             ValueError: the entry is malformed, or ``bits`` differs from this strategy's.
         """
-        checkpoint = load_verified(lambda: super(SwarmStrategy, self).load_checkpoint(
-            checkpoint_path, weights_only=weights_only), checkpoint_path)
+        checkpoint = load_verified(
+            lambda: super(SwarmStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
+            checkpoint_path,
+        )
         saved = checkpoint.get(CHECKPOINT_KEY)
         self._restored = self._restored_counters = None
         if saved is None:
@@ -597,17 +658,23 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         sharded = checkpoint_shards.is_sharded(saved)
         checkpoint_shards.check_entry(saved, sharded, CHECKPOINT_KEY, ("bits", "counters"), _CHECKPOINT_VERSION)
         if saved["bits"] != self.bits:
-            raise ValueError(f"checkpoint was written with bits={saved['bits']}, this strategy uses "
-                             f"bits={self.bits}; resume with the same setting")
+            raise ValueError(
+                f"checkpoint was written with bits={saved['bits']}, this strategy uses "
+                f"bits={self.bits}; resume with the same setting"
+            )
         self._restored_counters = saved["counters"] if sharded else saved["per_rank"][0]["counters"]
         if saved["world_size"] == self.world_size:
-            self._restored = (self._load_own_shard(checkpoint_path, saved, weights_only, self.root_device,
-                                                   **_SHARD_WORDS) if sharded
-                              else saved["per_rank"][self.global_rank])
+            self._restored = (
+                self._load_own_shard(checkpoint_path, saved, weights_only, self.root_device, **_SHARD_WORDS)
+                if sharded
+                else saved["per_rank"][self.global_rank]
+            )
         else:
-            rank_zero_warn(f"SwarmStrategy: checkpoint was written by {saved['world_size']} ranks, resuming on "
-                           f"{self.world_size}: every rank starts from the mean model with rank 0's optimizer "
-                           f"state; the round counter is kept, the in-flight exchange is dropped")
+            rank_zero_warn(
+                f"SwarmStrategy: checkpoint was written by {saved['world_size']} ranks, resuming on "
+                f"{self.world_size}: every rank starts from the mean model with rank 0's optimizer "
+                f"state; the round counter is kept, the in-flight exchange is dropped"
+            )
         return checkpoint
 
     @override
@@ -645,12 +712,12 @@ def _write_flat(tensors: list[Tensor], flat: Tensor) -> None:
     offset = 0
     with torch.no_grad():
         for t in tensors:
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
 
 
 def _write_named(module: torch.nn.Module, values: dict[str, Tensor]) -> None:
-    live = dict(module.named_parameters())
+    live: dict[str, Tensor] = dict(module.named_parameters())
     live.update(dict(module.named_buffers()))
     with torch.no_grad():
         for name, value in values.items():
@@ -667,10 +734,15 @@ def _check_replay(replay: Any) -> Any:
     for entries in logs:
         for entry in entries:
             if len(entry) != 6:
-                raise ValueError("`replay` entries must be (pub_step, partner, partner_pub_step, ticket, apply_step, "
-                                 f"drained), got {entry!r}")
-    return {int(k): [tuple(int(v) for v in e) for e in logs_] for k, logs_ in replay.items()} \
-        if isinstance(replay, dict) else [[tuple(int(v) for v in e) for e in entries] for entries in replay]
+                raise ValueError(
+                    "`replay` entries must be (pub_step, partner, partner_pub_step, ticket, apply_step, "
+                    f"drained), got {entry!r}"
+                )
+    return (
+        {int(k): [tuple(int(v) for v in e) for e in logs_] for k, logs_ in replay.items()}
+        if isinstance(replay, dict)
+        else [[tuple(int(v) for v in e) for e in entries] for entries in replay]
+    )
 
 
 def _check_topology(topology: Any) -> Topology:
@@ -704,5 +776,9 @@ def _check_shape(shape: Any) -> tuple[int, int]:
 
 
 # the defaults: H=1, 8 bits, non-blocking
-register_preset("swarmsgd", "SwarmSGD: local steps + random pairwise gossip of 8-bit lattice-coded models", dict,
-                strategy=SwarmStrategy)
+register_preset(
+    "swarmsgd",
+    "SwarmSGD: local steps + random pairwise gossip of 8-bit lattice-coded models",
+    dict,
+    strategy=SwarmStrategy,
+)
