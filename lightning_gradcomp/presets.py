@@ -86,14 +86,18 @@ def preset_class(name: str) -> type[Strategy]:
     return _resolve(_CLASSES.get(key))
 
 
-def register_presets(strategy_registry: Any, strategy: type[Strategy]) -> None:
+def register_presets(
+    strategy_registry: Any, strategy: type[Strategy], declared_for: Optional[type[Strategy]] = None
+) -> None:
     """Register the presets that build ``strategy`` (+ variants) in ``strategy_registry``, replacing their entries.
 
     Declaring a preset already registers it with Lightning's ``StrategyRegistry``; this is what the classes'
     ``register_strategies`` hook does, for another registry or to restore removed names. Idempotent.
+    ``declared_for`` registers the presets declared for that class instead, built with ``strategy``.
     """
+    source = declared_for or strategy
     for key, (description, factory) in PRESETS.items():
-        if preset_class(key) is strategy:
+        if preset_class(key) is source:
             _register(strategy_registry, key, description, _Builder(factory, strategy))
 
 

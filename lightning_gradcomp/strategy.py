@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -25,7 +26,7 @@ from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, HierarchySp
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta
 from lightning_gradcomp.plan import SlotPolicy
-from lightning_gradcomp.presets import register_presets
+from lightning_gradcomp.presets import PRESETS, preset_class, register_presets
 from lightning_gradcomp.schedule import CompressionSchedule, as_schedule
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 
@@ -418,8 +419,20 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Re-register this class's presets (+ ``_spawn``/``_fork``); declaring one already registers it.
 
-        Idempotent; see :mod:`lightning_gradcomp.presets`.
+        Idempotent; see :mod:`lightning_gradcomp.presets`. On a subclass that declares no preset of its own this
+        keeps the old behaviour (every ``GradCompStrategy`` preset re-registered to build the subclass), with a
+        ``DeprecationWarning``: declare the subclass's names with ``register_preset(..., strategy=Subclass)``.
         """
+        if cls is not GradCompStrategy and not any(preset_class(name) is cls for name in PRESETS):
+            warnings.warn(
+                f"{cls.__name__}.register_strategies() re-registers every GradCompStrategy preset to build "
+                f"{cls.__name__}; this is deprecated: declare its names with "
+                f"register_preset(name, description, factory, strategy={cls.__name__})",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            register_presets(strategy_registry, cls, declared_for=GradCompStrategy)
+            return
         register_presets(strategy_registry, cls)
 
 

@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_gradcomp  # noqa: F401 - declares the package's presets
 from lightning_gradcomp import GradCompStrategy, LocalSGDStrategy, SwarmStrategy, presets
 from lightning_gradcomp.cli import main
-from lightning_gradcomp.compressors import TopK
+from lightning_gradcomp.compressors import CLTK, TopK
 from lightning_gradcomp.presets import PRESETS, preset_class, register_preset
 
 VARIANTS = {"": "popen", "_spawn": "spawn", "_fork": "fork"}
@@ -80,6 +80,21 @@ def test_register_strategies_reregisters_the_presets_of_its_class() -> None:
     assert type(registry.get("swarmsgd_fork")) is SwarmStrategy and type(registry.get("diloco")) is LocalSGDStrategy
     GradCompStrategy.register_strategies(StrategyRegistry)  # the global registry: same names, still fresh builds
     assert StrategyRegistry.get("gradcomp_topk").compressor is not StrategyRegistry.get("gradcomp_topk").compressor
+
+
+def test_a_subclass_without_presets_keeps_the_old_registration_with_a_deprecation_warning(name: str) -> None:
+    class MyStrategy(GradCompStrategy):
+        pass
+
+    registry = _StrategyRegistry()
+    with pytest.warns(DeprecationWarning, match=r"register_preset\(name, description, factory, strategy=MyStrategy\)"):
+        MyStrategy.register_strategies(registry)
+    assert type(registry.get("gradcomp_topk")) is MyStrategy and isinstance(registry.get("scalecom").compressor, CLTK)
+    assert "swarmsgd" not in registry
+    register_preset(name, "unit test", lambda: {"compressor": TopK(0.1)}, strategy=MyStrategy)
+    registry = _StrategyRegistry()
+    MyStrategy.register_strategies(registry)  # declares its own now: only those, no warning
+    assert set(registry) == {name + suffix for suffix in VARIANTS} and type(registry.get(name)) is MyStrategy
 
 
 def test_redeclaring_warns_and_lightning_names_are_refused(name: str) -> None:
