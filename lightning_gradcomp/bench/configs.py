@@ -21,6 +21,7 @@ A measured step is ``ddp().backward()``, ``optimizer.step()``, ``zero_grad()``, 
 the end.
 """
 
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -122,8 +123,8 @@ class LayerwiseDriver:
 @dataclass
 class Installed:
     """A wrapped model plus counters: ``wire_bytes()``, ``hook_seconds()`` (time the hook blocks the autograd
-    thread), ``thread_seconds()`` (our communication thread's time; 0 for PyTorch's hooks) and ``wait_seconds()``
-    (the part of it blocked in collectives) are cumulative.
+    thread), ``thread_seconds()`` (our communication thread's time; for PyTorch's hooks, their body plus their
+    Future callbacks) and ``wait_seconds()`` (the part of it blocked in collectives) are cumulative.
 
     ``hook`` is our hook engine (presets only), ``layerwise`` the driver of the preset's layerwise callback.
     """
@@ -164,17 +165,95 @@ def available_configs() -> list[str]:
 
 
 class _TimedHook:
-    """Wraps a PyTorch hook, timing its body (what runs before it returns the Future)."""
+    """Wraps a PyTorch hook: times its body (what runs before it returns the Future, ``seconds``) and, through
+    :class:`_TimedDist`, its Future callbacks (``callback_seconds``, with ``wait_seconds`` the part of them
+    blocked in collectives), so that its work compares with ours, which includes everything.
 
-    def __init__(self, hook: Callable[..., Any]) -> None:
+    PyTorch's hooks run part of their work in ``Future.then`` callbacks (``powerSGD_hook``: the Q step,
+    decompression and error feedback; ``fp16_compress_hook``: the copy back into the bucket), on the thread that
+    completes the collective. A callback that runs inline inside the body counts once, as callback time.
+    """
+
+    def __init__(self, hook: Callable[..., Any], module: Any) -> None:
         self.hook = hook
         self.seconds = 0.0
+        self.callback_seconds = 0.0
+        self.wait_seconds = 0.0
+        self._local = threading.local()
+        module.dist = _TimedDist(self)  # the hook's module reaches torch.distributed through this global
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        self._local.inline = 0.0
         start = time.perf_counter()
         fut = self.hook(state, bucket)
-        self.seconds += time.perf_counter() - start
-        return fut
+        self.seconds += time.perf_counter() - start - self._local.inline
+        return fut.future if isinstance(fut, _TimedFuture) else fut
+
+    def work_seconds(self) -> float:
+        """Body plus callbacks (waits included: ``wait_seconds`` is the part to subtract)."""
+        return self.seconds + self.callback_seconds
+
+    def timed(self, callback: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``callback``, adding its time to ``callback_seconds`` (and to the body's inline time on this thread)."""
+
+        def run(fut: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return callback(fut)
+            finally:
+                elapsed = time.perf_counter() - start
+                self.callback_seconds += elapsed
+                self._local.inline = getattr(self._local, "inline", 0.0) + elapsed
+
+        return run
+
+    def waited(self, wait: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            return wait()
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+
+class _TimedDist:
+    """``torch.distributed`` as a PyTorch hook module sees it: ``all_reduce`` hands out timed works and futures."""
+
+    def __init__(self, timer: _TimedHook) -> None:
+        self._timer = timer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def all_reduce(self, *args: Any, **kwargs: Any) -> Any:
+        work = dist.all_reduce(*args, **kwargs)
+        return None if work is None else _TimedWork(work, self._timer)
+
+
+class _TimedWork:
+    def __init__(self, work: Any, timer: _TimedHook) -> None:
+        self.work, self._timer = work, timer
+
+    def get_future(self) -> "_TimedFuture":
+        return _TimedFuture(self.work.get_future(), self._timer)
+
+    def wait(self) -> Any:
+        return self._timer.waited(self.work.wait)
+
+
+class _TimedFuture:
+    """A Future whose ``then`` callbacks are timed and whose ``wait`` counts as a wait; ``future`` is the real one."""
+
+    def __init__(self, future: torch.futures.Future, timer: _TimedHook) -> None:
+        self.future, self._timer = future, timer
+
+    def then(self, callback: Callable[[Any], Any]) -> "_TimedFuture":
+        return _TimedFuture(self.future.then(self._timer.timed(callback)), self._timer)
+
+    def wait(self) -> Any:
+        return self._timer.waited(self.future.wait)
+
+    def value(self) -> Any:
+        return self.future.value()
 
 
 def _timed_hook_fn(timed: _TimedHook) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
@@ -204,15 +283,22 @@ def install(name: str, model: nn.Module, bucket_cap_mb: float = 25.0) -> Install
         return Installed(ddp, counted(4), lambda: 0.0, {"steps": steps})
     if name == "torch_fp16":
         ddp = _wrap(model, bucket_cap_mb)
-        timed = _TimedHook(default_hooks.fp16_compress_hook)
+        timed = _TimedHook(default_hooks.fp16_compress_hook, default_hooks)
         ddp.register_comm_hook(None, _timed_hook_fn(timed))
-        return Installed(ddp, counted(2), lambda: timed.seconds, {"steps": steps})
+        return Installed(
+            ddp,
+            counted(2),
+            lambda: timed.seconds,
+            {"steps": steps},
+            thread_seconds=timed.work_seconds,
+            wait_seconds=lambda: timed.wait_seconds,
+        )
     if name == "torch_powersgd":
         ddp = _wrap(model, _SINGLE_BUCKET_MB)
         state = psgd.PowerSGDState(
             None, matrix_approximation_rank=4, start_powerSGD_iter=2, min_compression_rate=2, random_seed=0
         )
-        timed = _TimedHook(psgd.powerSGD_hook)
+        timed = _TimedHook(psgd.powerSGD_hook, psgd)
         ddp.register_comm_hook(state, _timed_hook_fn(timed))
         # PyTorch counts the elements it all-reduces (P, Q and uncompressed tensors), all in fp32
         return Installed(
@@ -220,6 +306,8 @@ def install(name: str, model: nn.Module, bucket_cap_mb: float = 25.0) -> Install
             lambda: all_reduce_bytes(4 * state.total_numel_after_compression, world),
             lambda: timed.seconds,
             {"state": state},
+            thread_seconds=timed.work_seconds,
+            wait_seconds=lambda: timed.wait_seconds,
         )
     if name not in available_configs():
         raise ValueError(f"unknown benchmark configuration {name!r}; available: {', '.join(available_configs())}")

@@ -89,8 +89,9 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def work_ms_of(row: dict[str, Any]) -> float:
-    """Compression work per step (ms): our communication thread's time minus its blocking waits for collectives,
-    or, for PyTorch's hooks (no thread), the hook's time on the autograd thread (they never wait in the hook)."""
+    """Compression work per step (ms): our communication thread's time minus its blocking waits for collectives;
+    for PyTorch's hooks, their body plus their Future callbacks minus the callbacks' waits (older results without
+    a thread time: the hook's time on the autograd thread)."""
     thread = row.get("thread_ms_per_step", 0.0)
     return thread - row.get("wait_ms_per_step", 0.0) if thread > 0 else row["hook_ms_per_step"]
 
@@ -309,7 +310,7 @@ def print_report(result: dict[str, Any]) -> None:
             f"references: clone {refs['clone_ms']:.2f} ms, rand_like {refs['rand_like_ms']:.2f} ms, "
             f"fp16 cast {refs['half_ms']:.2f} ms, each into a buffer allocated once; work = our "
             "communication thread's time minus its blocking waits for collectives (compression, decoding, "
-            "packing), or the hook's time for PyTorch's hooks"
+            "packing); for PyTorch's hooks, their body plus their Future callbacks, minus waits"
         )
     console.print(f"[bold]recommendation:[/bold] {result['recommendation']}")
 

@@ -91,3 +91,26 @@ def test_driver_refuses_callbacks_that_need_other_lightning_hooks() -> None:
 
     with pytest.raises(NotImplementedError, match="on_before_optimizer_step: benchmark it with a Lightning Trainer"):
         LayerwiseDriver(Clipper(), GradCompStrategy())
+
+
+def _torch_hook_timing(rank: int, world: int, name: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = load_workload("mlp-small")
+    installed = install(name, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(4):  # powerSGD_hook compresses from its step 2 on
+        installed.ddp().backward()
+        opt.step()
+        opt.zero_grad()
+        installed.end_step()
+    return {"hook": installed.hook_seconds(), "work": installed.thread_seconds(), "wait": installed.wait_seconds(),
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+
+
+@pytest.mark.parametrize("name", ["torch_fp16", "torch_powersgd"])
+def test_pytorch_hooks_work_includes_their_future_callbacks(name: str) -> None:
+    ranks = run_workers(_torch_hook_timing, 2, name, timeout=120.0)
+    for r in ranks:
+        assert r["work"] > r["hook"] > 0  # the callbacks (copy back; Q step, decompression) are timed too
+        assert 0 <= r["wait"] < r["work"]
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])  # the timing wrappers leave DDP's result alone
