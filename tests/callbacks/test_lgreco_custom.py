@@ -15,9 +15,9 @@ from torch.futures import Future
 from helpers.models import TinyNet, assert_replicas_identical, fit
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.callbacks import LGreCo
+from lightning_gradcomp.checks import check_int
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors import Compressor, ReduceContext, Reduction
-from lightning_gradcomp.compressors.base import check_number
 from lightning_gradcomp.hook import BucketRecord
 from lightning_gradcomp.plan import LayerSlot
 
@@ -54,7 +54,7 @@ class BlockMean(Compressor):
         return True
 
     def check_param(self, value: Any) -> int:
-        return int(check_number("block", value, 1, float("inf"), low_open=False, integer=True))
+        return check_int("block", value, 1)
 
     def layer_costs(self, stat: Tensor, shape: Sequence[int],
                     candidates: Sequence[Any]) -> tuple[list[float], list[float]]:
