@@ -50,6 +50,8 @@ case $task in
       --setting "sp25_w200_s25=scalecom_cpu $(ratio 0.01) $wire $(small 0.25) $(warm 200 0.25)"
       --setting "sp25_w300_s25=scalecom_cpu $(ratio 0.01) $wire $(small 0.25) $(warm 300 0.25)"
       --setting "c2_dense100_fp32=scalecom_cpu $(ratio 0.02) $wire32 $dense_small $(dense_start 100)"
+      --setting "c5_dense100_fp32=scalecom_cpu $(ratio 0.05) $wire32 $dense_small $(dense_start 100)"
+      --setting "c2_dense200_fp32=scalecom_cpu $(ratio 0.02) $wire32 $dense_small $(dense_start 200)"
     ) ;;
   speech)
     settings+=(
