@@ -41,8 +41,9 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_gradcomp import GradCompStrategy, LocalSGDStrategy
-from lightning_gradcomp.bench.runner import free_port
+from lightning_gradcomp.comm import compression_ratio
 from lightning_gradcomp.compressors import CLTK, NoCompression, PowerSGD, SignSGD, TopK
+from lightning_gradcomp.gloo_workers import free_port
 
 DEFAULTS = {"H": 20, "olr": 0.7, "mom": 0.9, "F": 1}
 
@@ -137,7 +138,7 @@ def main() -> None:
                 rec = run(kind, opts, task, seed, args.world, Path(tmp))
                 rec.update(setting=text, seed=seed)
                 results.append(rec)
-                ratio = rec["dense_bytes"] / rec["wire_bytes"] if rec["wire_bytes"] else float("inf")
+                ratio = compression_ratio(rec["dense_bytes"], rec["wire_bytes"])
                 print(f"seed {seed}  {text:28s} acc {100 * rec['accuracy']:6.2f} %  loss {rec['test_loss']:.4f}  "
                       f"sent {rec['wire_bytes'] / 2**20:9.3f} MiB  DDP/sent {ratio:8.1f}x  steps {rec['steps']}  "
                       f"syncs {rec['syncs']}  {rec['seconds']:.0f} s", flush=True)

@@ -23,6 +23,8 @@ from typing import Optional
 
 from _common import METRICS, ROOT  # benchmarks/_common.py
 
+from lightning_gradcomp.comm import compression_ratio
+
 
 def parse_setting(text: str) -> tuple[str, str, list[str]]:
     """``"name=config --a=1 --b=2"`` -> ``(name, config, overrides)``."""
@@ -46,7 +48,7 @@ def summarize(task: str, summary: dict) -> tuple[float, float]:
     """``(metric in %, whole-run compression ratio)``."""
     key, _, scale = METRICS[task]
     comm = summary["comm"]
-    return scale * summary["metrics"][key], comm["dense_bytes"] / max(comm["wire_bytes"], 1.0)
+    return scale * summary["metrics"][key], compression_ratio(comm["dense_bytes"], comm["wire_bytes"])
 
 
 def table(task: str, rows: list[tuple[str, str, list[str], dict[int, dict]]], reference: Optional[str]) -> str:
