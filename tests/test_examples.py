@@ -32,9 +32,9 @@ def test_docs_show_the_complete_example_verbatim_in_at_most_50_lines() -> None:
     assert len(source.strip().splitlines()) <= 50
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 5])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
 def test_example_reduces_within_half_a_step_and_counts_its_bytes(world_size: int) -> None:
-    shapes, bits = [(30, 40), (7,), (10, 10)], [4, 2, 8]
+    shapes, bits = [(30, 40), (7,), (1,), (13, 11), (10, 10)], [4, 2, 3, 5, 8]  # tiny, odd, prime sizes
     results = run_workers(reduce_worker, world_size, AbsmaxInt(), shapes, bits)
     inputs = [rank_inputs(r, shapes) for r in range(world_size)]
     for layer, b in enumerate(bits):
