@@ -349,14 +349,18 @@ class GradCompHook:
         raw = None
         if any(getattr(obs, "needs_gradients", False) for obs in watchers):  # without EF the inputs are g already
             raw = [_unscaled(g, divisor) for g in grads] if use_ef else inputs
-        ctx = ReduceContext(comm, step, plan.index, comp, [self.param_of(s.name) for s in comp], self.seed)
+        ctx = ReduceContext(
+            comm, step, plan.index, comp, [self.param_of(s.name) for s in comp], self.seed, observed=bool(watchers)
+        )
         reduction = reduce_with_feedback(
             self.compressor, self.memory if use_ef else None, tensors, ctx, watchers, inputs, raw
         )
 
         def write_back(fut: Future) -> Tensor:
             for slot, avg in zip(comp, fut.value()):
-                buf[slot.offset : slot.end].copy_(avg)
+                in_place = avg.data_ptr() == buf.data_ptr() + slot.offset * buf.element_size()  # written there already
+                if not in_place:
+                    buf[slot.offset : slot.end].copy_(avg)
                 if scale is not None:  # back to the loss-scaled units the GradScaler expects (exact: 2^k)
                     buf[slot.offset : slot.end].mul_(scale)
             return buf

@@ -50,6 +50,8 @@ class ReduceContext:
         slots: the compressed slots, in buffer order.
         params: per-slot compression parameter (``ratio``, ``rank``, ``bits``...), in slot order.
         seed: the strategy's seed.
+        observed: whether an observer reads this reduction's :attr:`Reduction.local` (a compressor may skip
+            computing it when not).
     """
 
     comm: Comm
@@ -58,6 +60,7 @@ class ReduceContext:
     slots: Sequence[LayerSlot]
     params: Sequence[Any]
     seed: int = 0
+    observed: bool = True
 
     @property
     def rank(self) -> int:

@@ -45,7 +45,7 @@ from lightning_gradcomp.compressors.quantized import (
 )
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
-from lightning_gradcomp.functional.quantize import alpha_p
+from lightning_gradcomp.functional.quantize import Quantized, alpha_p
 from lightning_gradcomp.presets import register_preset
 
 __all__ = ["DIANA", "BlockQuantizer"]
@@ -164,13 +164,15 @@ class DIANA(QuantizedCompressor):
     def _after_encode(
         self, tensors: list[Tensor], decoded: Sequence[Tensor], ctx: ReduceContext
     ) -> tuple[Optional[list[Tensor]], Optional[Sequence[Tensor]]]:
-        """``local = h_i + Q(g_i - h_i)`` (this rank's gradient estimate), then ``h_i += alpha Q(...)``."""
+        """``local = h_i + Q(g_i - h_i)`` (this rank's gradient estimate; only when observed), then
+        ``h_i += alpha Q(...)``."""
         local = []
         for slot, q in zip(ctx.slots, decoded):
             h = self._local[slot.name]
-            local.append(h + q)
+            if ctx.observed:
+                local.append(h + q)
             h.add_(q, alpha=self.alpha)
-        return None, local
+        return None, local if ctx.observed else None
 
     def _exact_mean(self, ctx: ReduceContext, slot: int, mean: Tensor) -> Tensor:
         h = self._shift[ctx.slots[slot].name]
@@ -190,11 +192,11 @@ class DIANA(QuantizedCompressor):
         own.add_(mean, alpha=self.alpha)
         return g_hat.sub_(self._shift[name][seg.start : seg.end])
 
-    def _received(self, ctx: ReduceContext, seg: Segment, decoded: Tensor) -> Tensor:
+    def _received(self, ctx: ReduceContext, seg: Segment, piece: Quantized, out: Tensor) -> None:
         shift = self._shift[ctx.slots[seg.slot].name][seg.start : seg.end]
-        out = shift + decoded
+        decoded = piece.decode()
+        torch.add(shift, decoded, out=out)
         shift.add_(decoded, alpha=self.alpha)
-        return out
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

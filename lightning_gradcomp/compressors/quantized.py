@@ -364,6 +364,10 @@ class QuantizedCompressor(Compressor):
     """
 
     borrows_inputs = True  # quantization reads them (DIANA subtracts its shift in place); nothing keeps them
+    outputs_into_inputs = True
+    """Whether the averaged result is written into the input tensors (dead after stage 1, views of the bucket when
+    borrowed: the engine's write-back then copies nothing). ``False`` when the inputs are still read afterwards
+    (SignSGD keeps its error-feedback residuals in them)."""
 
     def __init__(self, aggregation: str = "alltoall") -> None:
         self.aggregation: str = check_aggregation(aggregation)
@@ -412,9 +416,10 @@ class QuantizedCompressor(Compressor):
     def _owner_sent(self, ctx: ReduceContext, seg: Segment, message: Tensor, sent: Quantized) -> None:
         """Called with the owner's re-quantized message (server-side error feedback)."""
 
-    def _received(self, ctx: ReduceContext, seg: Segment, decoded: Tensor) -> Tensor:
-        """Map the decoded all-gathered chunk piece to the averaged gradient (identical on all ranks)."""
-        return decoded
+    def _received(self, ctx: ReduceContext, seg: Segment, piece: Quantized, out: Tensor) -> None:
+        """Write the averaged gradient of ``seg`` into ``out`` from its all-gathered piece (identical on all ranks);
+        by default its decoded values."""
+        piece.decode(out=out)
 
     def _exact_mean(self, ctx: ReduceContext, slot: int, mean: Tensor) -> Tensor:
         """``allgather`` aggregation: map the exact average of the messages to the averaged gradient."""
@@ -452,10 +457,14 @@ class QuantizedCompressor(Compressor):
         ]
         residuals, local = self._after_encode(tensors, DecodedMessages(messages), ctx)
         shares = ctx.shares([n * c.bits + 32 * num_groups(n, c.group_size) for n, c in zip(numels, codecs)])
-        if self.aggregation == "allgather" or ctx.world_size == 1:
-            averaged = self._reduce_allgather(messages, numels, codecs, ctx, shares)
+        if self.outputs_into_inputs and all(t.dtype == torch.float32 and t.dim() == 1 for t in tensors):
+            out = tensors
         else:
-            averaged = self._reduce_alltoall(messages, numels, codecs, ctx, shares)
+            out = [t.new_empty(n, dtype=torch.float32) for t, n in zip(tensors, numels)]
+        if self.aggregation == "allgather" or ctx.world_size == 1:
+            averaged = self._reduce_allgather(messages, numels, codecs, ctx, shares, out)
+        else:
+            averaged = self._reduce_alltoall(messages, numels, codecs, ctx, shares, out)
         return Reduction(averaged=completed_future(averaged), residuals=residuals, local=local)
 
     def _reduce_allgather(
@@ -465,11 +474,11 @@ class QuantizedCompressor(Compressor):
         codecs: list[SlotCodec],
         ctx: ReduceContext,
         shares: list[tuple[str, int]],
+        out: list[Tensor],
     ) -> list[Tensor]:
         layout = self.layout(ctx, numels, codecs, 1)
         device = messages[0].codes.device
         gathered = ctx.comm.all_gather(layout.pack(0, messages, device, whole_slots=True), shares=shares)
-        out = [messages[i].codes.new_empty(n, dtype=torch.float32) for i, n in enumerate(numels)]
         for seg, piece in zip(layout.chunks[0].segments, layout.unpack(0, gathered)):
             out[seg.slot][seg.start : seg.end] = self._exact_mean(ctx, seg.slot, _rank_ordered_mean(piece.decode()))
         return out
@@ -481,6 +490,7 @@ class QuantizedCompressor(Compressor):
         codecs: list[SlotCodec],
         ctx: ReduceContext,
         shares: list[tuple[str, int]],
+        out: list[Tensor],
     ) -> list[Tensor]:
         world, rank = ctx.world_size, ctx.rank
         layout = self.layout(ctx, numels, codecs, world)
@@ -500,10 +510,9 @@ class QuantizedCompressor(Compressor):
             replies.append(sent)
         gathered = ctx.comm.all_gather(layout.pack(rank, replies, device), shares=shares)
 
-        out = [send.new_empty(n, dtype=torch.float32) for n in numels]
         for j in range(world):
             for seg, piece in zip(layout.chunks[j].segments, layout.unpack(j, gathered[j])):
-                out[seg.slot][seg.start : seg.end] = self._received(ctx, seg, piece.decode())
+                self._received(ctx, seg, piece, out[seg.slot][seg.start : seg.end])
         return out
 
     def extra_repr(self) -> str:

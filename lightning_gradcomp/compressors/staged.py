@@ -11,7 +11,10 @@ Staging is off until the engine turns it on (:attr:`StagedState.staging`, set wh
 the hook): then reads and writes go straight to the committed values, as with a plain dict, which is what
 code that calls ``Compressor.reduce`` directly (tests, benchmarks) expects.
 
-Cost: one copy of each entry that a reduction reads, the first time it reads it.
+Cost: one copy of each entry that a reduction reads, the first time it reads it. The copy goes into a spare
+buffer when there is one: committing a working copy frees the value it replaced, which the store keeps (a tensor
+of the same shape, dtype and device) for the next step's working copy, so steady-state steps allocate nothing.
+A value returned by :meth:`StagedState.peek` is therefore valid until the next commit.
 """
 
 from __future__ import annotations
@@ -24,9 +27,18 @@ from torch import Tensor
 __all__ = ["StagedState"]
 
 
-def _copy(value: Any) -> Any:
-    """A deep copy of a tensor, or of a dict of tensors and numbers, on the same device."""
+def _copy(value: Any, spare: Any = None) -> Any:
+    """A deep copy of a tensor, or of a dict of tensors and numbers, on the same device (a tensor goes into
+    ``spare`` when that is a tensor of its shape, dtype and device)."""
     if isinstance(value, Tensor):
+        if (
+            isinstance(spare, Tensor)
+            and spare is not value
+            and spare.shape == value.shape
+            and spare.dtype == value.dtype
+            and spare.device == value.device
+        ):
+            return spare.copy_(value)
         return value.clone()
     if isinstance(value, dict):
         return {k: _copy(v) for k, v in value.items()}
@@ -46,6 +58,8 @@ class StagedState:
         self.committed: dict[str, Any] = dict(committed or {})
         self.staged: dict[str, Any] = {}
         self.staging = False
+        self._copies: set[str] = set()  # staged entries that are working copies of their committed value
+        self._spares: dict[str, Tensor] = {}  # freed committed tensors, reused for the next working copy
 
     def get(self, name: str, default: Any = None) -> Any:
         """The working copy of ``name`` (``default`` when it has no value)."""
@@ -54,7 +68,8 @@ class StagedState:
         if name in self.staged:
             return self.staged[name]
         if name in self.committed:
-            self.staged[name] = _copy(self.committed[name])
+            self.staged[name] = _copy(self.committed[name], self._spares.pop(name, None))
+            self._copies.add(name)
             return self.staged[name]
         return default
 
@@ -70,6 +85,7 @@ class StagedState:
 
     def __setitem__(self, name: str, value: Any) -> None:
         (self.staged if self.staging else self.committed)[name] = value
+        self._copies.discard(name)
 
     def __contains__(self, name: object) -> bool:
         return name in self.staged or name in self.committed
@@ -78,21 +94,34 @@ class StagedState:
         """Make the staged values of ``names`` (all when ``None``) the committed ones; keep the rest staged."""
         for name in list(self.staged) if names is None else names:
             if name in self.staged:
+                old = self.committed.get(name)
                 self.committed[name] = self.staged.pop(name)
+                if name in self._copies and isinstance(old, Tensor):  # only the store held it: keep it as a spare
+                    self._spares[name] = old
+                self._copies.discard(name)
 
     def discard(self) -> None:
-        """Drop every staged value."""
+        """Drop every staged value (working copies of tensors are kept as spares)."""
+        for name in self._copies:
+            value = self.staged.get(name)
+            if isinstance(value, Tensor):
+                self._spares[name] = value
         self.staged.clear()
+        self._copies.clear()
 
     def load(self, committed: dict[str, Any]) -> None:
         """Replace the committed values (a checkpoint) and drop anything staged."""
         self.committed = dict(committed)
         self.staged.clear()
+        self._copies.clear()
+        self._spares.clear()
 
     def clear(self) -> None:
         """Forget everything."""
         self.committed.clear()
         self.staged.clear()
+        self._copies.clear()
+        self._spares.clear()
 
     def items(self) -> Iterable[tuple[str, Any]]:
         """Committed ``(name, value)`` pairs."""

@@ -34,9 +34,10 @@ Kernel functions (each reads ``x`` as flat; results are identical to the NumPy s
 * :func:`exact`: the exact top-``k`` of a small tensor (the k-th largest ``|x|`` among the entries above a
   sampled threshold, then a pass at it).
 * ``stochastic_round``, ``dequantize``, ``pack`` and ``unpack`` (called by :mod:`.quantize` and
-  :mod:`.packing`, which check their arguments): stochastic rounding of fp32 groups given torch's uniform
-  draws, decoding of ``uint8`` codes, and 2/4-bit (un)packing, each bit-identical to the torch steps it
-  replaces (the build turns FMA contraction off, so every fp32 step rounds as torch's does).
+  :mod:`.packing`, which check their arguments): stochastic rounding of fp32 groups with the counter-based
+  uniform draws of ``quantize.hashed_uniform`` computed in registers, decoding of ``uint8`` codes, and 2/4-bit
+  (un)packing, each bit-identical to the torch steps it replaces (the build turns FMA contraction off, so every
+  fp32 step rounds as torch's does).
 """
 
 from __future__ import annotations

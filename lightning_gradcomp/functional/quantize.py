@@ -16,13 +16,17 @@ group may be shorter) and sends one fp32 *scale* per group plus one small intege
 * **Scaled sign** (``levels = 0``, deterministic, biased): ``s = ||x_group||_1 / |group|``,
   code ``1`` for ``x_j >= 0`` else ``0`` (1 bit), value ``s (2 c - 1)``.
 
-Randomness comes only from the ``torch.Generator`` passed in.
+Randomness comes only from the ``torch.Generator`` passed in. On CUDA (and any device but the CPU) the uniform
+draws are ``torch.rand`` from it. On the CPU, where ``torch.rand`` is a serial Mersenne Twister that costs more
+than the whole rounding, each call draws one 64-bit key from the generator and the draws are a counter-based
+hash of the entry's position and the key (:func:`hashed_uniform`): the same 24-bit resolution as ``torch.rand``
+in fp32, computed inside the compiled kernel at no extra pass.
 
 **Compiled CPU path.** When the optional kernel of :mod:`._native` is available, stochastic rounding of an
-fp32 CPU tensor is one kernel call after torch's uniform draws (the same draws, so the same stream), and
+fp32 CPU tensor is one kernel call (the same key and the same draws as the torch steps), and
 :func:`dequantize` of ``uint8`` codes into fp32 is one call too. Each element goes through the same fp32
 operations in the same order as the torch steps (no FMA), so codes, scales and values are bit-identical,
-NaN and infinity included; the ``p = 1`` and ``p = 2`` norms are still summed by torch (its order).
+NaN and infinity included; the ``p = 1`` and ``p = 2`` norms are torch's (``torch.linalg.vector_norm``) on both.
 ``LIGHTNING_GRADCOMP_NO_NATIVE=1`` or a failed build selects the torch steps.
 """
 
@@ -45,6 +49,7 @@ __all__ = [
     "code_bits",
     "dequantize",
     "group_norms",
+    "hashed_uniform",
     "levels_for_bits",
     "num_groups",
     "parse_p",
@@ -85,9 +90,9 @@ class Quantized(NamedTuple):
         """Bits per code on the wire."""
         return code_bits(self.levels)
 
-    def decode(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The dequantized tensor, shape ``(..., n)``."""
-        return dequantize(self.codes, self.scales, self.levels, self.group_size, dtype=dtype)
+    def decode(self, dtype: torch.dtype = torch.float32, out: Optional[Tensor] = None) -> Tensor:
+        """The dequantized tensor, shape ``(..., n)`` (written into ``out`` when given, see :func:`dequantize`)."""
+        return dequantize(self.codes, self.scales, self.levels, self.group_size, dtype=dtype, out=out)
 
 
 def parse_p(p: PNorm) -> float:
@@ -164,13 +169,19 @@ def _ungrouped(x: Tensor, numel: int) -> Tensor:
     return x.reshape(*x.shape[:-2], -1)[..., :numel]
 
 
-def _norms(mag: Tensor, p: float) -> Tensor:
-    """Per-group ``p``-norms of grouped magnitudes ``(G, g)``."""
-    if p == math.inf:
-        return mag.amax(dim=-1)
-    if p == 1.0:
-        return mag.sum(dim=-1)
-    return mag.square().sum(dim=-1).sqrt()
+def _pnorms(x: Tensor, group_size: int, p: float) -> Tensor:
+    """Per-group ``p``-norms of a flat tensor, shape ``(num_groups,)``, in its dtype: one
+    ``torch.linalg.vector_norm`` over the whole groups (a view, no padded copy) and one over the short last group."""
+    n = x.numel()
+    full = n // group_size * group_size
+    parts = []
+    if full:
+        parts.append(torch.linalg.vector_norm(x[:full].reshape(-1, group_size), p, dim=-1))
+    if full < n:
+        parts.append(torch.linalg.vector_norm(x[full:], p).reshape(1))
+    if not parts:
+        return x.new_empty(0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def group_norms(x: Tensor, group_size: int, p: PNorm) -> Tensor:
@@ -182,7 +193,72 @@ def group_norms(x: Tensor, group_size: int, p: PNorm) -> Tensor:
         >>> group_norms(x, 2, 2).tolist(), group_norms(x, 2, "inf").tolist()
         ([5.0, 1.0], [4.0, 1.0])
     """
-    return _norms(_grouped(x.reshape(-1), group_size).abs(), parse_p(p))  # zero padding changes no norm
+    return _pnorms(x.reshape(-1), int(group_size), parse_p(p))
+
+
+_MASK32 = 0xFFFFFFFF
+_MIX1, _MIX2 = 0x21F0AAAD, 0x735A2D97
+"""Multipliers of the 32-bit mixing function of :func:`hashed_uniform` (C. Wellons' ``lowbias32`` search)."""
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """The 32-bit integer hash ``mix`` of :func:`hashed_uniform` on int64 tensors holding values below 2**32
+    (the products stay below 2**63, so nothing overflows)."""
+    x = x ^ (x >> 16)
+    x = (x * _MIX1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MIX2) & _MASK32
+    return x ^ (x >> 15)
+
+
+def hashed_uniform(
+    numel: int, key: int, *, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"
+) -> Tensor:
+    """Counter-based uniform draws in ``[0, 1)``: entry ``i`` of the result depends only on ``i`` and ``key``.
+
+    With ``k0``, ``k1`` the low and high 32 bits of ``key`` (read as unsigned 64-bit) and ``i = hi * 2**32 + lo``:
+    ``u_i = (mix(mix(lo ^ k0) ^ ((k1 + hi) mod 2**32)) >> 8) * 2**-24``, where ``mix`` is a 32-bit integer
+    hash (``x ^= x >> 16; x *= 0x21f0aaad; x ^= x >> 15; x *= 0x735a2d97; x ^= x >> 15``). Values are
+    multiples of ``2**-24`` below 1, as ``torch.rand`` gives in fp32. The compiled kernel computes the same
+    bits in registers (stochastic rounding of a CPU tensor never materializes them).
+
+    Args:
+        numel: number of draws.
+        key: any integer (taken modulo ``2**64``).
+        dtype: floating dtype of the result (the values are exact in every float dtype but fp16/bf16).
+        device: device of the result.
+
+    Example::
+
+        >>> u = hashed_uniform(4, 12345)
+        >>> bool(((u >= 0) & (u < 1)).all()), torch.equal(u, hashed_uniform(4, 12345))
+        (True, True)
+        >>> torch.equal(u, hashed_uniform(4, 1))  # another key, other draws
+        False
+        >>> torch.equal(hashed_uniform(3, 7), hashed_uniform(10, 7)[:3])  # a prefix does not depend on numel
+        True
+    """
+    return _hashed_draws(torch.arange(int(numel), dtype=torch.int64, device=device), key).to(dtype)
+
+
+def _hashed_draws(index: Tensor, key: int) -> Tensor:
+    """The fp32 draws of :func:`hashed_uniform` at the int64 positions ``index`` (any shape, values >= 0)."""
+    key = int(key) % (1 << 64)
+    lo, hi = index & _MASK32, index >> 32
+    h = _mix32(_mix32(lo ^ (key & _MASK32)) ^ ((hi + (key >> 32)) & _MASK32))
+    return (h >> 8).to(torch.float32) * 2.0**-24
+
+
+def _draw_key(generator: torch.Generator) -> int:
+    """One 64-bit key for :func:`hashed_uniform` from a CPU ``generator`` (advances it by one draw)."""
+    return int(torch.randint(-(1 << 63), (1 << 63) - 1, (1,), generator=generator, dtype=torch.int64)) % (1 << 64)
+
+
+def _uniform_like(y: Tensor, generator: torch.Generator) -> Tensor:
+    """The uniform draws of the torch steps for ``y`` (see the module docstring: hashed on the CPU)."""
+    if y.device.type != "cpu":
+        return torch.rand(y.shape, generator=generator, dtype=y.dtype, device=y.device)
+    return hashed_uniform(y.numel(), _draw_key(generator), dtype=y.dtype).view(y.shape)
 
 
 def stochastic_quantize(x: Tensor, levels: int, group_size: int, p: PNorm, generator: torch.Generator) -> Quantized:
@@ -216,13 +292,13 @@ def stochastic_quantize(x: Tensor, levels: int, group_size: int, p: PNorm, gener
     if levels < 1:
         raise ValueError(f"`levels` must be >= 1, got {levels!r}")
     x = x.reshape(-1)
-    kernel = _native_for(x) if levels <= 127 else None
+    kernel = _native_for(x) if levels <= 127 and x.numel() < _native.MAX_NUMEL else None
     if kernel is not None:
         return _stochastic_native(kernel, x.contiguous(), levels, group_size, parse_p(p), generator)
     n = x.numel()
     grouped = _grouped(x, group_size)
     mag = grouped.abs()
-    scales = _norms(mag, parse_p(p)).to(torch.float32)
+    scales = _pnorms(x, int(group_size), parse_p(p)).to(torch.float32)
     wire = scales.to(x.dtype)  # probabilities use the scale exactly as it is sent
     inverse = levels / torch.where(wire > 0, wire, torch.ones_like(wire))
     # A group whose scale is zero, or so small (subnormal) that levels / scale overflows, is sent as zeros.
@@ -230,7 +306,7 @@ def stochastic_quantize(x: Tensor, levels: int, group_size: int, p: PNorm, gener
     inverse = torch.where(usable, inverse, torch.zeros_like(inverse))
     scales = torch.where(usable, scales, torch.zeros_like(scales))
     y = mag.mul_(inverse.unsqueeze(-1))
-    y.add_(torch.rand(y.shape, generator=generator, dtype=y.dtype, device=y.device)).floor_()
+    y.add_(_uniform_like(y, generator)).floor_()
     # Cap at the top level after rounding: y itself may exceed L by an ulp, and in floating point y + u can round
     # up to L + 1 (e.g. y = L, u = 1 - 2**-24); a negative code would then wrap past 2L as uint8.
     y.clamp_(max=float(levels))
@@ -254,26 +330,23 @@ def _stochastic_native(
     generator: torch.Generator,
     level: Optional[int] = None,
 ) -> Quantized:
-    """:func:`stochastic_quantize` of a contiguous fp32 CPU tensor: torch's draws, then one kernel call.
+    """:func:`stochastic_quantize` of a contiguous fp32 CPU tensor (fewer than 2**32 entries): one kernel call.
 
-    The kernel takes the max-norm itself; other norms are torch's sums (its summation order), whose
-    ``|x|**2`` is ``x**2`` bit for bit (a NaN norm, whatever its bits, makes the group unusable).
+    The kernel takes the max-norm itself; other norms are ``torch.linalg.vector_norm``'s, as in the torch steps
+    (a NaN norm, whatever its bits, makes the group unusable).
     ``level`` lowers the instruction set (for tests), as in :func:`._native.at_least`.
     """
     n = x.numel()
     if p == math.inf:
         scales = torch.empty(num_groups(n, group_size), dtype=torch.float32)
     else:
-        grouped = _grouped(x, group_size)
-        scales = grouped.square().sum(dim=-1).sqrt_() if p == 2.0 else grouped.abs().sum(dim=-1)
-    draws = torch.rand(
-        (num_groups(n, group_size), group_size), generator=generator, dtype=torch.float32, device=x.device
-    )  # the torch path's draws: same shape, same stream
+        scales = _pnorms(x, int(group_size), p)  # the torch steps' norms
+    key = _draw_key(generator)  # the torch steps' key: the same draws, and the generator advances alike
     codes = torch.empty(n, dtype=torch.uint8)
     kernel.stochastic_round(
         x.data_ptr(),
         n,
-        draws.data_ptr(),
+        key,
         group_size,
         levels,
         p != math.inf,
@@ -339,27 +412,44 @@ def sign_quantize(x: Tensor, bucket_size: int) -> Quantized:
 
 
 def dequantize(
-    codes: Tensor, scales: Tensor, levels: int, group_size: int, dtype: torch.dtype = torch.float32
+    codes: Tensor,
+    scales: Tensor,
+    levels: int,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+    out: Optional[Tensor] = None,
 ) -> Tensor:
     """Decode codes ``(..., n)`` with per-group scales ``(..., G)`` into values ``(..., n)`` of ``dtype``.
+
+    ``out`` (optional): a tensor of that shape and dtype to write the values into (returned); the compiled
+    kernel writes a contiguous fp32 ``out`` directly, saving a fresh allocation and a copy.
 
     Example::
 
         >>> codes = torch.tensor([0, 1, 2, 2], dtype=torch.uint8)
         >>> dequantize(codes, torch.tensor([4.0, 1.0]), levels=1, group_size=2).tolist()
         [-4.0, 0.0, 1.0, 1.0]
+        >>> buffer = torch.empty(4)
+        >>> dequantize(codes, torch.tensor([4.0, 1.0]), 1, 2, out=buffer) is buffer
+        True
     """
     n = codes.shape[-1]
+    if out is not None and (out.shape != codes.shape or out.dtype != dtype):
+        raise ValueError(f"`out` must be {dtype} of shape {tuple(codes.shape)}, got {out.dtype} {tuple(out.shape)}")
     if levels >= 1 and dtype is torch.float32 and _native_codes(codes, scales, group_size):
         kernel = _native.load()
         if kernel is not None:
-            return _dequantize_native(kernel, codes, scales, levels, group_size)
+            direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
+            values = _dequantize_native(kernel, codes, scales, levels, group_size, out=out if direct else None)
+            return values if out is None or direct else out.copy_(values)
     values = _grouped(codes, group_size).to(dtype)
     if levels == 0:
         step = scales.to(dtype).unsqueeze(-1)
-        return _ungrouped(values.mul_(2.0).sub_(1.0).mul_(step), n)
-    step = (scales.to(dtype) / float(levels)).unsqueeze(-1)
-    return _ungrouped(values.sub_(float(levels)).mul_(step), n)
+        result = _ungrouped(values.mul_(2.0).sub_(1.0).mul_(step), n)
+    else:
+        step = (scales.to(dtype) / float(levels)).unsqueeze(-1)
+        result = _ungrouped(values.sub_(float(levels)).mul_(step), n)
+    return result if out is None else out.copy_(result)
 
 
 def _level(kernel: ModuleType, level: Optional[int]) -> int:
@@ -383,10 +473,18 @@ def _native_codes(codes: Tensor, scales: Tensor, group_size: int) -> bool:
 
 
 def _dequantize_native(
-    kernel: ModuleType, codes: Tensor, scales: Tensor, levels: int, group_size: int, level: Optional[int] = None
+    kernel: ModuleType,
+    codes: Tensor,
+    scales: Tensor,
+    levels: int,
+    group_size: int,
+    level: Optional[int] = None,
+    out: Optional[Tensor] = None,
 ) -> Tensor:
-    """:func:`dequantize` of ``uint8`` codes into fp32 in one kernel call: ``(code - L) * (scale / L)``."""
-    out = torch.empty(codes.shape, dtype=torch.float32)
+    """:func:`dequantize` of ``uint8`` codes into fp32 in one kernel call: ``(code - L) * (scale / L)``, into
+    ``out`` (contiguous fp32 CPU, ``codes``' shape) when given."""
+    if out is None:
+        out = torch.empty(codes.shape, dtype=torch.float32)
     rows = codes.shape[0] if codes.dim() == 2 else 1
     code_stride = codes.stride(0) if codes.dim() == 2 else 0
     scale_stride = scales.stride(0) if scales.dim() == 2 else 0

@@ -209,18 +209,94 @@ def test_subnormal_group_is_sent_as_zero_or_quantized_finitely(tiny: float) -> N
     assert torch.equal(out[32:], expected)  # the normal group is unaffected
 
 
-@pytest.mark.parametrize("levels", [1, 3, 7, 127])
-def test_largest_uniform_draw_never_rounds_past_the_top_level(levels: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``L + u`` rounds to ``L + 1`` in fp32 when ``u`` is the largest draw below 1: the group's largest element
-    (``y = L``) must still get code ``2L`` (or ``0`` if negative, which used to wrap to 255 as ``uint8``)."""
+def _unmix32(y: int) -> int:
+    """Inverse of the 32-bit ``mix`` of ``hashed_uniform`` (xor-shifts and odd multipliers are invertible)."""
+
+    def unshift(v: int, s: int) -> int:
+        x = v
+        for _ in range(32 // s + 1):
+            x = v ^ (x >> s)
+        return x
+
+    y = unshift(y, 15)
+    y = (y * pow(0x735A2D97, -1, 1 << 32)) & 0xFFFFFFFF
+    y = unshift(y, 15)
+    y = (y * pow(0x21F0AAAD, -1, 1 << 32)) & 0xFFFFFFFF
+    return unshift(y, 16)
+
+
+def _mix32_reference(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & 0xFFFFFFFF
+    return x ^ (x >> 15)
+
+
+def _top_draw_key(index: int) -> int:
+    """A key whose draw at position ``index`` (< 2**32) is the largest one, ``1 - 2**-24``."""
+    return (_unmix32(0xFFFFFFFF) ^ _mix32_reference(0)) << 32 | index
+
+
+def test_hashed_uniform_matches_its_formula_at_every_position() -> None:
+    """Python-integer reference of the documented formula, at small positions and past 2**32."""
     import lightning_gradcomp.functional.quantize as quantize
 
-    top = 1.0 - 2.0 ** -24  # the largest fp32 value below 1, which torch.rand can return
+    positions = [0, 1, 2, 511, 512, 2**31, 2**32 - 1, 2**32, 2**32 + 5, 3 * 2**40 + 7]
+    for key in (0, 1, 2**63 + 12345, -1, _top_draw_key(7)):
+        k = key % 2**64
+        expected = [
+            (_mix32_reference(_mix32_reference((i & 0xFFFFFFFF) ^ (k & 0xFFFFFFFF)) ^ (((i >> 32) + (k >> 32)) & 0xFFFFFFFF)) >> 8)
+            * 2.0**-24
+            for i in positions
+        ]
+        got = quantize._hashed_draws(torch.tensor(positions, dtype=torch.int64), key)
+        assert got.dtype == torch.float32 and got.tolist() == expected
+    assert float(quantize.hashed_uniform(8, _top_draw_key(7))[7]) == 1.0 - 2.0**-24
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_hashed_draws_are_uniform_and_independent(seed: int) -> None:
+    """Chi-square of 64 bins over 2**20 draws (the 0.999 quantile is 104), mean, and no correlation between the
+    draws of consecutive keys or of neighbouring positions (|r| < 5 / sqrt(n), about 5 standard errors)."""
+    import lightning_gradcomp.functional.quantize as quantize
+
+    gen = torch.Generator().manual_seed(seed)
+    n = 1 << 20
+    keys = [quantize._draw_key(gen) for _ in range(3)]
+    draws = [quantize.hashed_uniform(n, key, dtype=torch.float64) for key in keys]
+    for u in draws:
+        counts = torch.histc(u, bins=64, min=0.0, max=1.0)
+        chi2 = float(((counts - n / 64) ** 2 / (n / 64)).sum())
+        assert chi2 < 104.0
+        assert abs(float(u.mean()) - 0.5) < 5 * (1 / 12) ** 0.5 / n**0.5
+        assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < 5 / n**0.5
+    for a, b in ((draws[0], draws[1]), (draws[1], draws[2]), (draws[0], draws[1].roll(1))):
+        assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 5 / n**0.5
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("levels", [1, 3, 7, 127])
+def test_largest_uniform_draw_never_rounds_past_the_top_level(
+    levels: int, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``L + u`` rounds to ``L + 1`` in fp32 when ``u`` is the largest draw below 1: the group's largest element
+    (``y = L``) must still get code ``2L`` (or ``0`` if negative, which used to wrap to 255 as ``uint8``). The key is
+    chosen so that the draw at the tested position is ``1 - 2**-24``, on the kernel and on the torch steps."""
+    import lightning_gradcomp.functional._native as native
+    import lightning_gradcomp.functional.quantize as quantize
+
+    if path == "torch":
+        monkeypatch.setattr(native, "load", lambda: None)
+    elif native.load() is None:
+        pytest.skip("the compiled kernel could not be built here")
+    top = 1.0 - 2.0**-24  # the largest fp32 value below 1, which the draws can take
     assert torch.tensor(float(levels), dtype=torch.float32) + torch.tensor(top) == levels + 1  # the fp32 rounding
-    monkeypatch.setattr(quantize.torch, "rand", lambda shape, **kw: torch.full(shape, top, dtype=kw.get("dtype")))
     x = torch.tensor([-2.0, 2.0, 0.5, -1.0, 0.0, 0.25])  # groups of 3: scales 2 and 1
-    q = stochastic_quantize(x, levels, 3, math.inf, torch.Generator())
-    assert int(q.codes.max()) <= 2 * levels and q.codes[0] == 0 and q.codes[1] == 2 * levels
-    out = dequantize(q.codes, q.scales, q.levels, q.group_size)
-    assert out[0] == -2.0 and out[1] == 2.0 and out[3] == -1.0  # the scale itself, exactly (|y| = L)
-    assert bool((out[:3].abs() <= 2.0).all()) and bool((out[3:].abs() <= 1.0).all())  # never past the scale
+    for index, code in ((0, 0), (1, 2 * levels), (3, 0)):
+        monkeypatch.setattr(quantize, "_draw_key", lambda generator, i=index: _top_draw_key(i))
+        q = stochastic_quantize(x, levels, 3, math.inf, torch.Generator())
+        assert int(q.codes.max()) <= 2 * levels and int(q.codes[index]) == code
+        out = dequantize(q.codes, q.scales, q.levels, q.group_size)
+        assert float(out[index]) == float(x[index])  # the scale itself, exactly (|y| = L)
+        assert bool((out[:3].abs() <= 2.0).all()) and bool((out[3:].abs() <= 1.0).all())  # never past the scale

@@ -437,12 +437,28 @@ py::object exact(uintptr_t x, int64_t n, bool is_double, int64_t k, int level) {
 // ------------------------------------------------------------------------------------------ stochastic rounding
 // The fp32 CPU steps of quantize.stochastic_quantize in one pass per group, bit-identical to its torch steps:
 // each step is the same single fp32 operation in the same order (the build passes -ffp-contract=off: no
-// FMA), and the uniform draws u come from torch. Per group of m entries (the last may be short; u has the
-// padded layout, so entry i of x uses u[i]):
+// FMA). The uniform draw of entry i is counter-based (quantize.hashed_uniform, which the torch steps use too):
+//   u(i) = float(mix(mix(i ^ k0) ^ k1) >> 8) * 2^-24,  mix(x): x ^= x >> 16; x *= 0x21f0aaad;
+//          x ^= x >> 15; x *= 0x735a2d97; x ^= x >> 15   (32-bit unsigned arithmetic)
+// with (k0, k1) the low and high halves of the call's 64-bit key and i < 2^32. Per group of m entries (the
+// last may be short):
 //   scale    = max |x| (given: the p-norm torch computed); NaN anywhere makes it NaN
 //   inverse  = (1 / (scale > 0 ? scale : 1)) * L    (torch's L / t is reciprocal(t) * L)
 //   usable   = scale > 0 && isfinite(inverse), else scale = inverse = 0 (the group is sent as zeros)
 //   y        = min(L, floor(|x| * inverse + u)),  code = L + copysign(y, x) as uint8 (NaN gives 0, as torch).
+inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x21f0aaadu;
+    x ^= x >> 15;
+    x *= 0x735a2d97u;
+    x ^= x >> 15;
+    return x;
+}
+
+inline float draw(uint32_t i, uint32_t k0, uint32_t k1) {
+    return static_cast<float>(mix32(mix32(i ^ k0) ^ k1) >> 8) * 0x1p-24f;
+}
+
 inline uint32_t abs_bits(float v) {
     uint32_t bits;
     std::memcpy(&bits, &v, sizeof bits);
@@ -482,8 +498,11 @@ inline uint32_t max_abs_generic(const float* x, int64_t m) {
     return top;
 }
 
-inline void round_generic(const float* x, const float* u, int64_t m, float inverse, float levels, uint8_t* out) {
-    for (int64_t j = 0; j < m; ++j) out[j] = round_one(x[j], u[j], inverse, levels);
+// Entries i0, ..., i0 + m - 1 (draw indices) of x.
+inline void round_generic(const float* x, uint32_t i0, uint32_t k0, uint32_t k1, int64_t m, float inverse,
+                          float levels, uint8_t* out) {
+    for (int64_t j = 0; j < m; ++j)
+        out[j] = round_one(x[j], draw(i0 + static_cast<uint32_t>(j), k0, k1), inverse, levels);
 }
 
 inline void dequantize_generic(const uint8_t* c, int64_t m, float levels, float step, float* out) {
@@ -509,8 +528,20 @@ __attribute__((target("avx2"))) uint32_t max_abs_avx2(const float* x, int64_t m)
     return best;
 }
 
-__attribute__((target("avx2"))) void round_avx2(const float* x, const float* u, int64_t m, float inverse,
-                                                 float levels, uint8_t* out) {
+__attribute__((target("avx2"))) inline __m256i mix32_avx2(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x21f0aaad));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x735a2d97));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+}
+
+__attribute__((target("avx2"))) void round_avx2(const float* x, uint32_t i0, uint32_t k0, uint32_t k1, int64_t m,
+                                                 float inverse, float levels, uint8_t* out) {
+    const __m256i key0 = _mm256_set1_epi32(static_cast<int32_t>(k0)), key1 = _mm256_set1_epi32(static_cast<int32_t>(k1));
+    const __m256 unit = _mm256_set1_ps(0x1p-24f);
+    __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(i0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i eight = _mm256_set1_epi32(8);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 inv = _mm256_set1_ps(inverse), top = _mm256_set1_ps(levels);
     const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -520,14 +551,17 @@ __attribute__((target("avx2"))) void round_avx2(const float* x, const float* u, 
     for (; j + 8 <= m; j += 8) {
         const __m256 v = _mm256_loadu_ps(x + j);
         __m256 y = _mm256_mul_ps(_mm256_and_ps(v, magnitude), inv);
-        y = _mm256_floor_ps(_mm256_add_ps(y, _mm256_loadu_ps(u + j)));
+        const __m256i h = mix32_avx2(_mm256_xor_si256(mix32_avx2(_mm256_xor_si256(index, key0)), key1));
+        index = _mm256_add_epi32(index, eight);
+        const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), unit);  // exact: h >> 8 < 2^24
+        y = _mm256_floor_ps(_mm256_add_ps(y, u));
         y = _mm256_min_ps(top, y);                       // min(L, y); a NaN y stays NaN (minps returns it)
         y = _mm256_or_ps(y, _mm256_andnot_ps(magnitude, v));  // copysign(y, x): y is +0, positive or NaN
         __m256i c = _mm256_cvttps_epi32(_mm256_add_ps(top, y));  // NaN gives 0x80000000: low byte 0, as torch
         c = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(c, low_bytes), join);
         _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), _mm256_castsi256_si128(c));
     }
-    round_generic(x + j, u + j, m - j, inverse, levels, out + j);
+    round_generic(x + j, i0 + static_cast<uint32_t>(j), k0, k1, m - j, inverse, levels, out + j);
 }
 
 __attribute__((target("avx2"))) void dequantize_avx2(const uint8_t* c, int64_t m, float levels, float step,
@@ -543,8 +577,9 @@ __attribute__((target("avx2"))) void dequantize_avx2(const uint8_t* c, int64_t m
 #endif
 
 // Codes of x[0:n] and the usable scales of its groups (given: scales holds the p-norms on entry).
-void stochastic_round_impl(const float* x, int64_t n, const float* u, int64_t group_size, float levels,
+void stochastic_round_impl(const float* x, int64_t n, uint64_t key, int64_t group_size, float levels,
                            bool given, float* scales, uint8_t* codes, int level) {
+    const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
     const bool wide = LGC_X86 && std::min(level, kLevel) >= 2;
     for (int64_t start = 0, g = 0; start < n; start += group_size, ++g) {
         const int64_t m = std::min(group_size, n - start);
@@ -562,19 +597,20 @@ void stochastic_round_impl(const float* x, int64_t n, const float* u, int64_t gr
         scales[g] = scale;
 #if LGC_X86
         if (wide) {
-            round_avx2(x + start, u + start, m, inverse, levels, codes + start);
+            round_avx2(x + start, static_cast<uint32_t>(start), k0, k1, m, inverse, levels, codes + start);
             continue;
         }
 #endif
-        round_generic(x + start, u + start, m, inverse, levels, codes + start);
+        round_generic(x + start, static_cast<uint32_t>(start), k0, k1, m, inverse, levels, codes + start);
     }
 }
 
-void stochastic_round(uintptr_t x, int64_t n, uintptr_t u, int64_t group_size, int levels, bool given,
+// n < 2^32 (the caller checks): the draw index is the entry's 32-bit position.
+void stochastic_round(uintptr_t x, int64_t n, uint64_t key, int64_t group_size, int levels, bool given,
                       uintptr_t scales, uintptr_t codes, int level) {
     std::optional<py::gil_scoped_release> release;
     if (n >= kReleaseGil) release.emplace();
-    stochastic_round_impl(reinterpret_cast<const float*>(x), n, reinterpret_cast<const float*>(u), group_size,
+    stochastic_round_impl(reinterpret_cast<const float*>(x), n, key, group_size,
                           static_cast<float>(levels), given, reinterpret_cast<float*>(scales),
                           reinterpret_cast<uint8_t*>(codes), level);
 }
