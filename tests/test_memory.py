@@ -87,3 +87,46 @@ def test_compensate_divides_by_the_loss_scale(scale: float) -> None:
     assert torch.equal(ef.compensate("w", g * scale, s), g)
     ef.memories["w"] = torch.randn(5)
     assert torch.equal(ef.compensate("w", g * scale, s), ef.memories["w"] + g)
+
+
+@pytest.mark.parametrize("staging", [False, True])
+@pytest.mark.parametrize("beta", [1.0, 0.5])
+def test_steady_state_compensate_reuses_the_replaced_memory(staging: bool, beta: float) -> None:
+    """After the first steps ``p = m + g`` goes into the buffer of the memory a commit replaced: two buffers in turn,
+    the same values as a fresh addition, and a checkpoint taken in between is not touched by the reuse."""
+    ef = ErrorFeedback(beta)
+    ef.staging = staging
+    gen = torch.Generator().manual_seed(0)
+    buffers, saved = set(), None
+    for step in range(8):
+        grad = torch.randn(37, generator=gen)
+        expected = ef.memories["w"] + grad if "w" in ef.memories else grad.clone()
+        p = ef.compensate("w", grad)
+        assert torch.equal(p, expected)
+        if step >= 2:
+            buffers.add(p.data_ptr())
+        p[::3] = 0.0  # a compressor keeps some entries: the residual, in p's storage
+        ef.update("w", p)
+        ef.commit()
+        if step == 4:
+            saved = ef.state_dict()
+            memory_at_save = ef.memories["w"].clone()
+    if beta == 1.0:  # beta < 1 makes a new memory each step (the spare is then each step's replaced memory)
+        assert len(buffers) == 2
+    assert saved is not None and torch.equal(saved["w"], memory_at_save)
+
+
+def test_discarded_steps_and_resized_layers_never_alias_memories() -> None:
+    ef = ErrorFeedback(1.0)
+    ef.staging = True
+    for n in (5, 5, 7, 7, 7):
+        grad = torch.ones(n)
+        p = ef.compensate("w", grad)
+        memory = ef.memories.get("w")
+        assert memory is None or p.data_ptr() != memory.data_ptr()
+        ef.update("w", p)
+        if n == 5:
+            ef.discard()
+        else:
+            ef.commit()
+    assert torch.equal(ef.memories["w"], torch.full((7,), 3.0))  # 1 + 1 + 1 over the three committed 7-steps

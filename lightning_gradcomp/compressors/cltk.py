@@ -116,15 +116,15 @@ class CLTK(SparseCompressor):
         return delta16_capacity(numel, k) if self.index_coding == "delta16" else k
 
     def prepare(self) -> None:
-        """Build or load the compiled selection kernel of ``selection="approx"`` now, not in the first ``reduce``.
+        """Build or load the compiled selection kernel (both selections use it on CPU) now, not in the first
+        ``reduce``.
 
         The strategy calls this on every rank in its setup: the build (7-20 s, once per machine; the ranks of
         a machine wait for one build) would otherwise stall the leader's first backward while the other
         ranks wait in the index broadcast. Where the kernel cannot be built, it warns once and the
-        selection uses NumPy (the same indices).
+        selection uses NumPy or torch (the same indices).
         """
-        if self.selection == "approx":
-            prepare_native()
+        prepare_native()
 
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
         """Leader selects, one broadcast of the indices, one all-reduce of the values."""

@@ -14,7 +14,8 @@ from lightning_gradcomp.comm import completed_future
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.sparse import SparseCompressor, pack_bytes, unpack_bytes
-from lightning_gradcomp.functional.sparsify import kept_count, topk_indices
+from lightning_gradcomp.functional.selection import exact_topk_indices, prepare_native
+from lightning_gradcomp.functional.sparsify import kept_count
 from lightning_gradcomp.presets import register_preset
 
 __all__ = ["TopK"]
@@ -34,10 +35,15 @@ class TopK(SparseCompressor):
     def __init__(self, ratio: float = 0.01, value_dtype: torch.dtype | str = torch.float32) -> None:
         super().__init__(ratio, value_dtype)
 
+    def prepare(self) -> None:
+        """Build or load the compiled selection kernel now (the strategy's setup calls this on every rank), not in
+        the first ``reduce``; without it the selection takes the torch steps (the same set)."""
+        prepare_native()
+
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
         """Select locally, all-gather one packed byte payload, sum the ranks' entries in rank order."""
         ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
-        indices = [topk_indices(t, k) for t, k in zip(tensors, ks)]
+        indices = [exact_topk_indices(t, k) for t, k in zip(tensors, ks)]
         values = torch.cat([t[i] for t, i in zip(tensors, indices)])
         sent = values.to(self.value_dtype)
         flat_idx = torch.cat(indices).to(torch.int32)

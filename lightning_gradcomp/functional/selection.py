@@ -110,12 +110,30 @@ def band_limits(k: int, band: tuple[float, float] = APPROX_BAND) -> tuple[int, i
 def exact_topk_indices(x: Tensor, k: int) -> Tensor:
     """Sorted int64 indices of the ``k`` largest ``|x|`` of a flat tensor (:func:`~.sparsify.topk_indices`).
 
+    On a contiguous fp32/fp64 CPU tensor the compiled kernel's radix selection finds the set when it is unique
+    (no tie at the cut): the same set, 10-15x faster than the torch steps on layers of millions of entries.
+    Ties (or a NaN at the cut) and other tensors take the torch steps.
+
     Example::
 
         >>> exact_topk_indices(torch.tensor([0.5, -3.0, 1.0, 2.0, -0.1]), 3).tolist()
         [1, 2, 3]
     """
-    return topk_indices(x, k).sort().values
+    found = _exact_native(x, k)
+    return found if found is not None else topk_indices(x, k).sort().values
+
+
+def _exact_native(x: Tensor, k: int) -> Tensor | None:
+    """The kernel's exact top-``k`` (sorted) of a contiguous fp32/fp64 CPU tensor, or ``None`` (no kernel, another
+    tensor, or a set that is not unique)."""
+    n = x.numel()
+    if not (1 <= k < n < _native.MAX_NUMEL and x.is_cpu and x.dtype in _NUMPY_DTYPES and x.is_contiguous()):
+        return None
+    kernel = _native.load()
+    if kernel is None:
+        return None
+    found = kernel.exact(x.data_ptr(), n, x.dtype is torch.float64, k, kernel.level)
+    return None if found is None else torch.from_numpy(found)
 
 
 def sampled_threshold(magnitudes: Tensor, count: float, generator: torch.Generator, sample_size: int) -> float:
@@ -344,11 +362,9 @@ def _exact_small(x: Tensor, k: int) -> Tensor:
     n = x.numel()
     if k >= n or not x.is_cpu or x.dtype not in _NUMPY_DTYPES:
         return exact_topk_indices(x, k)
-    kernel = _native.load() if 1 <= k and n < _native.MAX_NUMEL else None
-    if kernel is not None and x.is_contiguous():  # the checks of _native.exact hold here
-        found = kernel.exact(x.data_ptr(), n, x.dtype is torch.float64, k, kernel.level)
-        if found is not None:
-            return torch.from_numpy(found)
+    found = _exact_native(x, k)
+    if found is not None:
+        return found
     magnitudes = np.abs(x.detach().reshape(-1).numpy())
     cut = np.partition(magnitudes, n - k)[n - k]
     idx = np.flatnonzero(magnitudes >= cut)

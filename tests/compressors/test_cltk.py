@@ -177,12 +177,12 @@ def test_prepare_builds_the_kernel_before_backward(monkeypatch: pytest.MonkeyPat
     assert run_workers(_prepare_worker, 2, timeout=120.0) == [["prepare"], ["prepare"]]
 
 
-def test_prepare_of_exact_selection_builds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    def load() -> None:
-        raise AssertionError("the exact selection needs no kernel")
-
-    monkeypatch.setattr(_native, "load", load)
+def test_prepare_of_exact_selection_builds_the_kernel_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exact selection uses the kernel's radix selection on CPU, so its ``prepare`` builds the kernel as well."""
+    calls = []
+    monkeypatch.setattr(_native, "load", lambda: calls.append(1))
     CLTK(0.01).prepare()
+    assert calls == [1]
 
 
 def _ratio(comp: Compressor, world: int, shapes: list[tuple[int, ...]]) -> float:

@@ -322,8 +322,9 @@ def test_exact_used_for_small_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     x = _inputs("gauss", 9216, 0)
     idx = approx_topk_indices(x, 92, torch.Generator().manual_seed(0))
     assert calls == [9216] and torch.equal(idx, selection.exact_topk_indices(x, 92))
+    assert calls == [9216, 9216]  # exact_topk_indices uses the kernel too
     assert torch.equal(approx_topk_indices(x[::2], 46, torch.Generator()), selection.exact_topk_indices(x[::2], 46))
-    assert calls == [9216]  # a strided view takes the NumPy path
+    assert calls == [9216, 9216]  # a strided view takes the NumPy (and torch) path
 
 
 # ------------------------------------------------------------------------------------------------ loading

@@ -267,3 +267,34 @@ def test_exact_topk_equals_torch_topk(n: int, density: float, kind: str) -> None
     assert torch.equal(x.abs()[ours].sort().values, ref.values.sort().values)
     if kind in ("normal", "heavy"):
         assert torch.equal(ours, ref.indices.sort().values)
+
+
+def test_exact_topk_uses_the_kernel_for_unique_sets_and_the_torch_steps_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel's radix selection answers when the top-k set is unique; a tie at the cut (the kernel answers
+    ``None``) and tensors it does not serve (fp16, strided) take the torch steps; the sets are the same."""
+    from lightning_gradcomp.functional import _native, selection
+    from lightning_gradcomp.functional.sparsify import topk_indices
+
+    kernel = _native.load()
+    if kernel is None:
+        pytest.skip("the compiled kernel could not be built here")
+    calls: list[object] = []
+
+    class Spy:
+        level = kernel.level
+
+        def exact(self, *args: object) -> object:
+            result = kernel.exact(*args)
+            calls.append(result is not None)
+            return result
+
+    monkeypatch.setattr(_native, "load", lambda: Spy())
+    x = torch.randn(200_003, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(selection.exact_topk_indices(x, 2000), topk_indices(x, 2000).sort().values)
+    tied = torch.ones(1000)
+    assert selection.exact_topk_indices(tied, 10).numel() == 10  # a tie at the cut: the torch steps choose
+    for other in (x.half(), x[::2]):
+        assert torch.equal(selection.exact_topk_indices(other, 500), topk_indices(other, 500).sort().values)
+    assert calls == [True, False]  # only the contiguous fp32 tensors reach the kernel
