@@ -285,3 +285,31 @@ class Compressor(ABC):
 def split_flat(flat: Tensor, counts: Sequence[int]) -> list[Tensor]:
     """Split a 1-D tensor into consecutive pieces of ``counts`` elements."""
     return list(torch.split(flat, list(counts)))
+
+
+def contiguous_span(tensors: Sequence[Tensor]) -> Optional[Tensor]:
+    """One 1-D view covering ``tensors`` when they lie back to back in one storage (the slots of a bucket), else
+    ``None``; a compressor then reads or writes them all without a concatenated copy.
+
+    Example::
+
+        >>> buf = torch.arange(6.0)
+        >>> contiguous_span([buf[0:2], buf[2:5]]).tolist(), contiguous_span([buf[0:2], buf[3:5]])
+        ([0.0, 1.0, 2.0, 3.0, 4.0], None)
+    """
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for t in tensors:
+        if (
+            t.dim() != 1
+            or t.dtype != first.dtype
+            or (t.numel() > 1 and t.stride(0) != 1)
+            or t.storage_offset() != offset
+            or t.untyped_storage().data_ptr() != storage
+        ):
+            return None
+        offset += t.numel()
+    return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())

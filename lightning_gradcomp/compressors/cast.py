@@ -7,7 +7,7 @@ from torch import Tensor
 
 from lightning_gradcomp.checks import check_dtype
 from lightning_gradcomp.comm import then_same_numerics
-from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, split_flat
+from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, contiguous_span, split_flat
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.presets import register_preset
 
@@ -27,17 +27,34 @@ class Cast(Compressor):
         dtype: ``torch.float16`` or ``torch.bfloat16`` (``"float16"``/``"bfloat16"`` strings accepted).
     """
 
-    borrows_inputs = True  # one torch.cat reads them
+    borrows_inputs = True  # read by one pass, then overwritten by the result
 
     def __init__(self, dtype: torch.dtype | str = torch.float16) -> None:
         self.dtype: torch.dtype = check_dtype("dtype", dtype, _ALLOWED)
 
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
-        """One all-reduce of the concatenated, pre-divided 16-bit slots."""
+        """One all-reduce of the concatenated, pre-divided 16-bit slots; the result is written into ``tensors``.
+
+        Slots that lie back to back (a bucket's) are read and written through one view: one pass divides and
+        casts into the 16-bit buffer, one pass widens the sum back (no concatenated fp32 copy)."""
         counts = [t.numel() for t in tensors]
-        flat = torch.cat(tensors).div_(ctx.world_size).to(self.dtype)
+        span = contiguous_span(tensors)
+        source = span if span is not None else torch.cat(tensors)
+        flat = torch.empty(source.numel(), dtype=self.dtype, device=source.device)
+        torch.div(source, ctx.world_size, out=flat)  # x / W in fp32, rounded once to 16 bits
         fut = ctx.comm.all_reduce(flat, async_op=True, shares=ctx.shares(counts))
-        return Reduction(averaged=then_same_numerics(fut, lambda f: split_flat(f.value().to(torch.float32), counts)))
+
+        def decode(done: torch.futures.Future) -> list[Tensor]:
+            total = done.value()
+            if span is not None and span.dtype == torch.float32:
+                span.copy_(total)
+                return tensors
+            return [
+                t.copy_(piece) if t.dtype == torch.float32 else piece.float()
+                for t, piece in zip(tensors, split_flat(total, counts))
+            ]
+
+        return Reduction(averaged=then_same_numerics(fut, decode))
 
     def extra_repr(self) -> str:
         return f"dtype={self.dtype}"
