@@ -123,10 +123,11 @@ class Compressor(ABC):
     """True when the compressor is a plain dense all-reduce (the engine takes its fast path)."""
 
     borrows_inputs: ClassVar[bool] = False
-    """True when :meth:`reduce` uses its inputs only during the call (it may read or overwrite them, but keeps no
-    reference to them or to views of them once it returns): without error feedback the engine then passes views
-    of the bucket (fp32, no loss scale) instead of fresh copies, saving a pass over the gradient; the bucket's
-    compressed slots are overwritten with the result afterwards anyway. Leave ``False`` when unsure."""
+    """True when :meth:`reduce` uses its inputs only until its result resolves (it may read or overwrite them, for
+    example with the result itself, but keeps no reference to them or to views of them afterwards): without error
+    feedback the engine then passes views of the bucket (fp32, no loss scale) instead of fresh copies, saving a pass
+    over the gradient; the bucket's compressed slots are overwritten with the result anyway (a result that is those
+    very views is not copied again). Leave ``False`` when unsure."""
 
     hierarchical: ClassVar[bool] = True
     """Whether it can run under ``GradCompStrategy(hierarchy=...)``: on the node-mean gradients of the slots a rank

@@ -35,13 +35,17 @@ class Cast(Compressor):
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
         """One all-reduce of the concatenated, pre-divided 16-bit slots; the result is written into ``tensors``.
 
-        Slots that lie back to back (a bucket's) are read and written through one view: one pass divides and
-        casts into the 16-bit buffer, one pass widens the sum back (no concatenated fp32 copy)."""
+        No concatenated fp32 copy: the slots are divided by W in place and cast into the 16-bit buffer (through one
+        view when they lie back to back), and the sum is widened back into them."""
         counts = [t.numel() for t in tensors]
         span = contiguous_span(tensors)
-        source = span if span is not None else torch.cat(tensors)
-        flat = torch.empty(source.numel(), dtype=self.dtype, device=source.device)
-        torch.div(source, ctx.world_size, out=flat)  # x / W in fp32, rounded once to 16 bits
+        flat = torch.empty(sum(counts), dtype=self.dtype, device=tensors[0].device)
+        if span is not None:
+            flat.copy_(span.div_(ctx.world_size))  # x / W in fp32 (in place), rounded once to 16 bits
+        else:
+            for t in tensors:
+                t.div_(ctx.world_size)
+            torch.cat(tensors, out=flat)
         fut = ctx.comm.all_reduce(flat, async_op=True, shares=ctx.shares(counts))
 
         def decode(done: torch.futures.Future) -> list[Tensor]:
