@@ -131,7 +131,7 @@ def test_other_inputs_keep_the_torch_steps(monkeypatch: pytest.MonkeyPatch) -> N
     q = stochastic_quantize(torch.randn(1000, dtype=torch.float64), 3, 64, "inf", gen)
     assert q.codes.dtype == torch.uint8
     dequantize(q.codes, q.scales.double(), 3, 64)  # fp64 scales: the torch steps
-    dequantize(q.codes, q.scales, 0, 64)  # scaled sign: the torch steps
+    dequantize(q.codes, q.scales, 3, 64, dtype=torch.float64)  # fp64 values: the torch steps
 
 
 # ------------------------------------------------------------------------------------------------ decoding
@@ -142,8 +142,8 @@ def test_other_inputs_keep_the_torch_steps(monkeypatch: pytest.MonkeyPatch) -> N
 def test_dequantize_is_bit_identical(n: int, group_size: int, level: int) -> None:
     gen = torch.Generator().manual_seed(n + group_size)
     groups = quantize.num_groups(n, group_size)
-    for levels in QUANT_LEVELS:
-        codes = torch.randint(0, 2 * levels + 1, (3, n), generator=gen, dtype=torch.uint8)
+    for levels in (0, *QUANT_LEVELS):  # 0: scaled sign (1-bit codes)
+        codes = torch.randint(0, 2 * levels + 1 if levels else 2, (3, n), generator=gen, dtype=torch.uint8)
         scales = torch.randn(3, groups, generator=gen).abs()
         scales.view(-1)[::5] = 0.0
         scales.view(-1)[1::7] = 1e-41

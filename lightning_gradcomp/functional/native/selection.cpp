@@ -615,8 +615,16 @@ void stochastic_round(uintptr_t x, int64_t n, uint64_t key, int64_t group_size, 
                           reinterpret_cast<uint8_t*>(codes), level);
 }
 
-// quantize.dequantize for L >= 1 into fp32: rows of n codes (row strides in entries) with their groups'
-// scales; out is (rows, n), contiguous. value = (float(code) - L) * (scale / L), torch's steps.
+inline void sign_generic(const uint8_t* c, int64_t m, float scale, float* out) {
+    for (int64_t j = 0; j < m; ++j) {
+        const float v = static_cast<float>(c[j]) * 2.0f - 1.0f;
+        out[j] = v * scale;
+    }
+}
+
+// quantize.dequantize into fp32: rows of n codes (row strides in entries) with their groups' scales; out is
+// (rows, n), contiguous. value = (float(code) - L) * (scale / L), or (float(code) * 2 - 1) * scale for L = 0
+// (scaled sign), torch's steps.
 void dequantize(uintptr_t codes, int64_t rows, int64_t n, int64_t code_stride, uintptr_t scales,
                 int64_t scale_stride, int64_t group_size, int levels, uintptr_t out, int level) {
     std::optional<py::gil_scoped_release> release;
@@ -629,6 +637,10 @@ void dequantize(uintptr_t codes, int64_t rows, int64_t n, int64_t code_stride, u
         float* o = reinterpret_cast<float*>(out) + r * n;
         for (int64_t start = 0, g = 0; start < n; start += group_size, ++g) {
             const int64_t m = std::min(group_size, n - start);
+            if (levels == 0) {  // scaled sign: (code * 2 - 1) * scale, torch's steps
+                sign_generic(c + start, m, s[g], o + start);
+                continue;
+            }
             const float step = s[g] / top;
 #if LGC_X86
             if (wide) {
