@@ -95,7 +95,9 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             ``[0..k-1]``, ``[k..2k-1]``, ... as nodes (it must divide the world size; for tests on one machine).
             Each local rank compresses the layers it owns (a balanced split by size, fixed for the run).
         **kwargs: any :class:`~lightning.pytorch.strategies.DDPStrategy` argument, except the comm-hook
-            and model-averaging ones, which this strategy replaces.
+            and model-averaging ones, which this strategy replaces. Without ``bucket_cap_mb`` the compressor's
+            preferred DDP bucket size is used (:attr:`Compressor.bucket_cap_mb`: 4 MB for the quantizers, DDP's
+            25 MB for the others).
     """
 
     strategy_name = "gradcomp"
@@ -140,6 +142,8 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             raise TypeError(f"`layerwise` must be a Lightning Callback such as LGreCo(...), got {layerwise!r}")
         self.layerwise: Optional[Callback] = copy.deepcopy(layerwise)
         self.hierarchy = _check_hierarchy_combination(check_hierarchy(hierarchy), self.compressor, self.layerwise)
+        if kwargs.get("bucket_cap_mb") is None and self.compressor.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = self.compressor.bucket_cap_mb
         super().__init__(timeout=check_timeout(timeout), **kwargs)
         self._hook: Optional[GradCompHook] = None
         self._pending: Optional[tuple[dict[str, Any], bool]] = None

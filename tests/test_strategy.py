@@ -233,3 +233,15 @@ def test_world_size_change_on_resume_continues(tmp_path: Path) -> None:
                   ckpt_path=str(ckpt_dir / "last.ckpt"))
     assert_replicas_identical(resumed)
     assert resumed[0]["hook_step"] == first[0]["hook_step"] + len(resumed[0]["params"])
+
+
+@pytest.mark.parametrize("name", ["qsgd", "terngrad", "signsgd", "diana", "topk", "cltk", "powersgd", "fp16"])
+def test_the_compressors_bucket_size_applies_unless_the_user_sets_one(name: str) -> None:
+    """``Compressor.bucket_cap_mb`` (4 MB for the quantizers) reaches DDP's kwargs; an explicit value wins."""
+    from lightning_gradcomp.compressors import create
+    from lightning_gradcomp.compressors.quantized import QuantizedCompressor
+
+    preferred = create(name).bucket_cap_mb
+    assert preferred == (4.0 if isinstance(create(name), QuantizedCompressor) else None)
+    assert GradCompStrategy(compressor=name)._ddp_kwargs.get("bucket_cap_mb") == preferred
+    assert GradCompStrategy(compressor=name, bucket_cap_mb=12)._ddp_kwargs["bucket_cap_mb"] == 12

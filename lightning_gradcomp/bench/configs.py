@@ -269,8 +269,16 @@ def _wrap(model: nn.Module, bucket_cap_mb: float) -> DistributedDataParallel:
         return DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=False)
 
 
-def install(name: str, model: nn.Module, bucket_cap_mb: float = 25.0) -> Installed:
-    """Wrap ``model`` in DDP and set up configuration ``name`` on this rank."""
+DDP_BUCKET_CAP_MB = 25.0
+"""DDP's default bucket size, used for ``ddp`` and PyTorch's hooks when the bench sets none."""
+
+
+def install(name: str, model: nn.Module, bucket_cap_mb: Optional[float] = None) -> Installed:
+    """Wrap ``model`` in DDP and set up configuration ``name`` on this rank.
+
+    ``bucket_cap_mb``: the DDP bucket size; ``None`` gives each configuration its own default (DDP's 25 MB for
+    ``ddp`` and PyTorch's hooks, the strategy's choice for ours, as in a fit).
+    """
     world = dist.get_world_size()
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     steps = {"n": 0}
@@ -278,11 +286,12 @@ def install(name: str, model: nn.Module, bucket_cap_mb: float = 25.0) -> Install
     def counted(dtype_bytes: int) -> Callable[[], float]:
         return lambda: steps["n"] * all_reduce_bytes(dtype_bytes * numel, world)
 
+    dense_cap = DDP_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
     if name == "ddp":
-        ddp = _wrap(model, bucket_cap_mb)
+        ddp = _wrap(model, dense_cap)
         return Installed(ddp, counted(4), lambda: 0.0, {"steps": steps})
     if name == "torch_fp16":
-        ddp = _wrap(model, bucket_cap_mb)
+        ddp = _wrap(model, dense_cap)
         timed = _TimedHook(default_hooks.fp16_compress_hook, default_hooks)
         ddp.register_comm_hook(None, _timed_hook_fn(timed))
         return Installed(
@@ -316,12 +325,17 @@ def install(name: str, model: nn.Module, bucket_cap_mb: float = 25.0) -> Install
     return install_strategy(strategy, model, bucket_cap_mb)
 
 
-def install_strategy(strategy: GradCompStrategy, model: nn.Module, bucket_cap_mb: float = 25.0) -> Installed:
+def install_strategy(strategy: GradCompStrategy, model: nn.Module, bucket_cap_mb: Optional[float] = None) -> Installed:
     """Wrap ``model`` in DDP and reduce with ``strategy``'s hook, built by ``strategy.make_hook`` (this rank).
+
+    ``bucket_cap_mb``: the DDP bucket size; ``None`` takes the strategy's (its ``bucket_cap_mb`` argument or its
+    compressor's preference), else DDP's 25 MB.
 
     The hook is bound to the strategy as in a fit (``strategy.hook``, ``set_layer_params``... act on it), and
     the strategy's ``layerwise`` callback, if any, is driven by a :class:`LayerwiseDriver`.
     """
+    if bucket_cap_mb is None:
+        bucket_cap_mb = strategy._ddp_kwargs.get("bucket_cap_mb") or DDP_BUCKET_CAP_MB
     ddp = _wrap(model, bucket_cap_mb)
     names = {id(p): n for n, p in model.named_parameters()}
     device = next(model.parameters()).device

@@ -58,6 +58,7 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "thread_ms_per_step": 1e3 * statistics.mean(p.get("thread_seconds_per_step", 0.0) for p in per_rank),
             "wait_ms_per_step": 1e3 * statistics.mean(p.get("wait_seconds_per_step", 0.0) for p in per_rank),
             "peak_rss_mb": max((p["peak_rss_mb"] or 0.0) for p in per_rank),
+            "bucket_cap_mb": first.get("bucket_cap_mb"),
         }
     dense = rows.get("ddp")
     for row in rows.values():
@@ -199,7 +200,7 @@ def run_bench(
     warmup: int = 5,
     configs: Sequence[str] = DEFAULT_CONFIGS,
     link: Optional[str] = None,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: Optional[float] = None,
     threads: int = 1,
     timeout: float = 1800.0,
     batch_size: Optional[int] = None,
@@ -293,6 +294,12 @@ def print_report(result: dict[str, Any]) -> None:
         "the hook blocks the autograd thread; thread ms = our communication thread's time per step "
         "(compression plus its in-line waits; it overlaps backward)"
     )
+    caps: dict[str, list[str]] = {}
+    for name, row in summary["configs"].items():
+        if row.get("bucket_cap_mb") is not None:
+            caps.setdefault(f"{row['bucket_cap_mb']:g} MB", []).append(name)
+    if caps:
+        console.print("DDP buckets: " + "; ".join(f"{cap}: {', '.join(names)}" for cap, names in caps.items()))
     refs = summary.get("references")
     if refs:
         overhead = Table(title="compression work per step against one pass over the gradient (same run, per rank)")
@@ -396,7 +403,13 @@ def add_arguments(parser: Any) -> None:
         default=None,
         help="samples per rank and step (built-in models; default: the model's own)",
     )
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="DDP bucket size for every configuration (default: each its own: DDP's 25 MB for ddp and PyTorch's "
+        "hooks, the strategy's choice for ours, e.g. 4 MB for the quantizers)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json", default=None, help="also write the result (with raw per-rank data) to this file")
 

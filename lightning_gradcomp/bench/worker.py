@@ -170,6 +170,7 @@ def _measure(name: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str,
         "iface_tx_packets_per_step": packets / n if iface else None,
         "iface_tx_payload_bytes_per_step": (frames - packets * header_bytes_per_packet()) / n if iface else None,
         "peak_rss_mb": _peak_rss_mb(),
+        "bucket_cap_mb": installed.ddp.bucket_bytes_cap / 2**20,
         "batch_size": workload.batch_size,
         "params": sum(p.numel() for p in workload.parameters()),
         # per-layer parameters the layerwise callback (L-GreCo) set by the end; {} = uniform (None: not our hook)

@@ -114,3 +114,20 @@ def test_pytorch_hooks_work_includes_their_future_callbacks(name: str) -> None:
         assert r["work"] > r["hook"] > 0  # the callbacks (copy back; Q step, decompression) are timed too
         assert 0 <= r["wait"] < r["work"]
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])  # the timing wrappers leave DDP's result alone
+
+
+def _bucket_caps(rank: int, world: int, cap: Optional[float]) -> dict[str, float]:
+    return {
+        name: install(name, load_workload("mlp-small"), cap).ddp.bucket_bytes_cap / 2**20
+        for name in ("ddp", "torch_fp16", "gradcomp_topk", "qsgd", "diana", "signsgd")
+    }
+
+
+def test_each_configuration_gets_its_own_bucket_size_unless_the_bench_sets_one() -> None:
+    """As in a fit: DDP's 25 MB for DDP and PyTorch's hooks and for compressors without a preference, the
+    quantizers' 4 MB (``Compressor.bucket_cap_mb``); ``--bucket-cap-mb`` applies to every configuration."""
+    default, forced = run_workers(
+        lambda rank, world: (_bucket_caps(rank, world, None), _bucket_caps(rank, world, 10.0)), 1, timeout=120.0
+    )[0]
+    assert default == {"ddp": 25.0, "torch_fp16": 25.0, "gradcomp_topk": 25.0, "qsgd": 4.0, "diana": 4.0, "signsgd": 4.0}
+    assert set(forced.values()) == {10.0}
