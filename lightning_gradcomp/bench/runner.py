@@ -34,6 +34,7 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-configuration figures from every rank's raw measurements (pure)."""
     world = len(ranks)
     # a step ends when the last rank ends, with or without communication
+    # median over the compute-only steps run before and after the configurations (see worker.run_rank)
     compute = statistics.median(max(ts) for ts in zip(*(r["compute_only"]["step_times"] for r in ranks)))
     rows: dict[str, dict[str, Any]] = {}
     for name, first in ranks[0]["configs"].items():
@@ -289,7 +290,8 @@ def print_report(result: dict[str, Any]) -> None:
     console = Console(width=max(Console().width, 150))
     console.print(table)
     console.print(
-        f"compute-only step: {summary['compute_only_step_s'] * 1e3:.1f} ms; iface payload = the veth's tx "
+        f"compute-only step: {summary['compute_only_step_s'] * 1e3:.1f} ms (median of runs before and after the "
+        "configurations); iface payload = the veth's tx "
         "bytes minus one Ethernet/IPv4/TCP header per packet (the TCP payload gloo sent); hook ms = time "
         "the hook blocks the autograd thread; thread ms = our communication thread's time per step "
         "(compression plus its in-line waits; it overlaps backward)"

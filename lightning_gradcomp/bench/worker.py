@@ -75,7 +75,8 @@ def _run_steps(step: Any, warmup: int, steps: int) -> list[float]:
 
 
 def _compute_only(spec: dict[str, Any]) -> dict[str, Any]:
-    """The same per-rank work with no communication (all ranks run it at the same time)."""
+    """The same per-rank work with no communication (all ranks run it at the same time). :func:`run_rank` runs it
+    before and after the configurations and keeps the step times of both."""
     workload = load_workload(spec["model"], spec.get("batch_size"))
     opt = torch.optim.SGD(workload.parameters(), lr=0.01)
 
@@ -191,6 +192,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     }
     for name in spec["configs"]:
         results["configs"][name] = _measure(name, spec, iface)
+    # again at the end: the baseline of every efficiency is the median over both runs, not one run's drift
+    results["compute_only"]["step_times"] += _compute_only(spec)["step_times"]
     dist.barrier()
     return results
 
