@@ -672,16 +672,21 @@ template <int B> void pack_row(const uint8_t* c, int64_t n, uint8_t* out) {
     }
 }
 
+// The codes of every byte value, little-endian: entry v holds (v >> (B * k)) & mask at byte k, k < 8 / B.
+template <int B> struct UnpackTable {
+    uint8_t codes[256][8 / B];
+    UnpackTable() {
+        for (unsigned v = 0; v < 256; ++v)
+            for (int k = 0; k < 8 / B; ++k) codes[v][k] = static_cast<uint8_t>((v >> (B * k)) & ((1u << B) - 1));
+    }
+};
+
 template <int B> void unpack_row(const uint8_t* packed, int64_t n, uint8_t* out) {
     constexpr int per = 8 / B;
-    constexpr unsigned mask = (1u << B) - 1;
+    static const UnpackTable<B> table;  // thread-safe initialisation (C++11)
     const int64_t whole = n / per;
-    for (int64_t i = 0; i < whole; ++i) {
-        const unsigned byte = packed[i];
-        for (int k = 0; k < per; ++k) out[i * per + k] = static_cast<uint8_t>((byte >> (B * k)) & mask);
-    }
-    for (int64_t k = 0; whole * per + k < n; ++k)
-        out[whole * per + k] = static_cast<uint8_t>((packed[whole] >> (B * k)) & mask);
+    for (int64_t i = 0; i < whole; ++i) std::memcpy(out + i * per, table.codes[packed[i]], per);
+    for (int64_t k = 0; whole * per + k < n; ++k) out[whole * per + k] = table.codes[packed[whole]][k];
 }
 
 // rows of n codes (row stride in bytes) into rows of ceil(n * bits / 8) bytes, contiguous.
