@@ -349,8 +349,17 @@ class GradCompHook:
         raw = None
         if any(getattr(obs, "needs_gradients", False) for obs in watchers):  # without EF the inputs are g already
             raw = [_unscaled(g, divisor) for g in grads] if use_ef else inputs
+        # the bucket's slices are dead once the inputs are copies made from them: results may go straight there
+        outputs = grads if not borrow and buf.dtype == torch.float32 else None
         ctx = ReduceContext(
-            comm, step, plan.index, comp, [self.param_of(s.name) for s in comp], self.seed, observed=bool(watchers)
+            comm,
+            step,
+            plan.index,
+            comp,
+            [self.param_of(s.name) for s in comp],
+            self.seed,
+            observed=bool(watchers),
+            outputs=outputs,
         )
         reduction = reduce_with_feedback(
             self.compressor, self.memory if use_ef else None, tensors, ctx, watchers, inputs, raw

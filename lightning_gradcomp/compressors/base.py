@@ -52,6 +52,9 @@ class ReduceContext:
         seed: the strategy's seed.
         observed: whether an observer reads this reduction's :attr:`Reduction.local` (a compressor may skip
             computing it when not).
+        outputs: per slot, a flat fp32 tensor whose contents are dead (the bucket's slice, once the engine has
+            made the compressor's inputs from it), which the compressor may fill with its averaged result and
+            return: the engine then copies nothing back. ``None`` when there are none (see :meth:`output`).
     """
 
     comm: Comm
@@ -61,6 +64,14 @@ class ReduceContext:
     params: Sequence[Any]
     seed: int = 0
     observed: bool = True
+    outputs: Optional[Sequence[Tensor]] = None
+
+    def output(self, index: int, like: Tensor) -> Tensor:
+        """A zeroed fp32 tensor for slot ``index``'s averaged result: :attr:`outputs` ``[index]`` when there is one,
+        else a fresh one of ``like``'s size and device."""
+        if self.outputs is not None:
+            return self.outputs[index].zero_()
+        return torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
 
     @property
     def rank(self) -> int:

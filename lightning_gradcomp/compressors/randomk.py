@@ -84,7 +84,10 @@ class RandomK(SparseCompressor):
 
         def decode(f: torch.futures.Future) -> list[Tensor]:
             summed = f.value().to(torch.float32).mul_(scale)
-            return [scatter_dense(n, i, v) for n, i, v in zip(numels, indices, split_flat(summed, ks))]
+            return [
+                scatter_dense(n, i, v, out=None if ctx.outputs is None else ctx.outputs[slot])
+                for slot, (n, i, v) in enumerate(zip(numels, indices, split_flat(summed, ks)))
+            ]
 
         return Reduction(averaged=then_same_numerics(fut, decode), residuals=residuals)
 

@@ -57,7 +57,7 @@ class TopK(SparseCompressor):
             pos += k
 
         total = sum(ks)
-        averaged = [torch.zeros(t.numel(), dtype=torch.float32, device=t.device) for t in tensors]
+        averaged = [ctx.output(i, t) for i, t in enumerate(tensors)]
         for raw in gathered:  # rank order: identical summation on every rank
             idx, vals = unpack_bytes(raw, [(torch.int32, total), (self.value_dtype, total)])
             vals, idx = vals.to(torch.float32), idx.long()

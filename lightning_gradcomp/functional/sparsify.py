@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -86,14 +87,18 @@ def stratified_indices(numel: int, k: int, generator: torch.Generator, device: t
     return (bounds[:-1] + offsets).to(device), sizes.to(device)
 
 
-def scatter_dense(numel: int, indices: Tensor, values: Tensor) -> Tensor:
-    """A zero fp32 vector of ``numel`` elements with ``values`` added at ``indices`` (duplicates add).
+def scatter_dense(numel: int, indices: Tensor, values: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """A zero fp32 vector of ``numel`` elements with ``values`` added at ``indices`` (duplicates add); written into
+    ``out`` (fp32, ``numel`` elements, zeroed first) when given.
 
     Example::
 
         >>> scatter_dense(5, torch.tensor([0, 3, 3]), torch.tensor([1.0, 2.0, 0.5])).tolist()
         [1.0, 0.0, 0.0, 2.5, 0.0]
     """
-    out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    if out is None:
+        out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    else:
+        out.zero_()
     out.index_add_(0, indices.long(), values.to(torch.float32))
     return out
