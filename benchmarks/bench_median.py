@@ -83,15 +83,15 @@ def markdown(runs: list[dict[str, Any]], link: str) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def fmt(value: Optional[float], spec: str) -> str:
-        return "-" if value is None else format(value, spec)
+    def fmt(value: Optional[float], spec: str, unit: str = "") -> str:
+        return "-" if value is None else format(value, spec) + unit
 
     for r in rows(runs, link):
         lines.append(
             f"| {r['name']} | {fmt(r.get('bucket'), 'g')} | {r['step']:.0f} | {r['eff']:.0%} "
             f"({r['eff_min']:.0%}-{r['eff_max']:.0%}) | {r['wire']:,.1f} | {fmt(r.get('work'), '.1f')} | "
-            f"{fmt(r.get('clone'), '.1f')}x | {fmt(r.get('clone_rand'), '.2f')}x | {fmt(r.get('fp16'), '.2f')}x | "
-            f"{fmt(r.get('psgd'), '.2f')}x |"
+            f"{fmt(r.get('clone'), '.1f', 'x')} | {fmt(r.get('clone_rand'), '.2f', 'x')} | "
+            f"{fmt(r.get('fp16'), '.2f', 'x')} | {fmt(r.get('psgd'), '.2f', 'x')} |"
         )
     return "\n".join(lines)
 

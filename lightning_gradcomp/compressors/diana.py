@@ -141,44 +141,54 @@ class DIANA(QuantizedCompressor):
         self._local = StagedState()
         self._shift = StagedState()
         self._owned = StagedState()
+        self._pending: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        """Per slot of the reduce in progress: committed ``h_i``, its new buffer, committed ``H``, its new buffer."""
 
     def codec(self, param: Any) -> SlotCodec:
         return self.quantizer.codec
 
     # ------------------------------------------------------------------ shifts
-    def _tensor(self, store: StagedState, name: str, like: Tensor) -> Tensor:
-        value = store.get(name)
+    # Each reduce reads the committed shifts (``peek``) and writes the new ones into fresh or spare buffers
+    # (``spare_for``), staged at the end (``stage``): one pass per update, no working copy of the state.
+    def _committed(self, store: StagedState, name: str, like: Tensor) -> Tensor:
+        """The committed shift of ``name`` (zeros when new or resized), on ``like``'s device."""
+        value = store.peek(name)
         if value is None or value.numel() != like.numel():
-            value = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
-            store[name] = value
-        elif value.device != like.device:
-            value = store[name] = value.to(like.device)
-        return value
+            return torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
+        return value if value.device == like.device else value.to(like.device)
 
     def _encode_inputs(self, tensors: list[Tensor], ctx: ReduceContext) -> list[Tensor]:
-        """``g_i - h_i`` (in the engine's storage)."""
+        """``g_i - h_i`` (in the engine's storage); the new shifts go into buffers staged by :meth:`_reduced`."""
+        self._pending = {}
         for slot, g in zip(ctx.slots, tensors):
-            self._tensor(self._shift, slot.name, g)
-        return [g.sub_(self._tensor(self._local, slot.name, g)) for slot, g in zip(ctx.slots, tensors)]
+            local = self._committed(self._local, slot.name, g)
+            shift = self._committed(self._shift, slot.name, g)
+            self._pending[slot.name] = (
+                local,
+                self._local.spare_for(slot.name, local),
+                shift,
+                self._shift.spare_for(slot.name, shift),
+            )
+            g.sub_(local)
+        return tensors
 
     def _after_encode(
         self, tensors: list[Tensor], decoded: Sequence[Tensor], ctx: ReduceContext
     ) -> tuple[Optional[list[Tensor]], Optional[Sequence[Tensor]]]:
-        """``local = h_i + Q(g_i - h_i)`` (this rank's gradient estimate; only when observed), then
-        ``h_i += alpha Q(...)``."""
+        """``local = h_i + Q(g_i - h_i)`` (this rank's gradient estimate; only when observed), and the new
+        ``h_i + alpha Q(...)``."""
         local = []
         for slot, q in zip(ctx.slots, decoded):
-            h = self._local[slot.name]
+            h, h_new, _, _ = self._pending[slot.name]
             if ctx.observed:
                 local.append(h + q)
-            h.add_(q, alpha=self.alpha)
+            torch.add(h, q, alpha=self.alpha, out=h_new)
         return None, local if ctx.observed else None
 
     def _exact_mean(self, ctx: ReduceContext, slot: int, mean: Tensor) -> Tensor:
-        h = self._shift[ctx.slots[slot].name]
-        out = h + mean
-        h.add_(mean, alpha=self.alpha)
-        return out
+        _, _, h, h_new = self._pending[ctx.slots[slot].name]
+        torch.add(h, mean, alpha=self.alpha, out=h_new)
+        return h + mean
 
     def _owner_message(self, ctx: ReduceContext, seg: Segment, mean: Tensor) -> Tensor:
         name = ctx.slots[seg.slot].name
@@ -190,13 +200,20 @@ class DIANA(QuantizedCompressor):
         own = owned_state(self._owned, name, seg, mean.device)
         g_hat = own + mean
         own.add_(mean, alpha=self.alpha)
-        return g_hat.sub_(self._shift[name][seg.start : seg.end])
+        return g_hat.sub_(self._pending[name][2][seg.start : seg.end])
 
     def _received(self, ctx: ReduceContext, seg: Segment, piece: Quantized, out: Tensor) -> None:
-        shift = self._shift[ctx.slots[seg.slot].name][seg.start : seg.end]
+        _, _, shift, shift_new = self._pending[ctx.slots[seg.slot].name]
         decoded = piece.decode()
-        torch.add(shift, decoded, out=out)
-        shift.add_(decoded, alpha=self.alpha)
+        torch.add(shift[seg.start : seg.end], decoded, out=out)
+        torch.add(shift[seg.start : seg.end], decoded, alpha=self.alpha, out=shift_new[seg.start : seg.end])
+
+    def _reduced(self, ctx: ReduceContext) -> None:
+        """Stage the new shifts ``h_i`` and ``H`` of every slot (every segment of them has been written)."""
+        for slot in ctx.slots:
+            _, h_new, _, shift_new = self._pending.pop(slot.name)
+            self._local.stage(slot.name, h_new)
+            self._shift.stage(slot.name, shift_new)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

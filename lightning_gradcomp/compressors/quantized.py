@@ -426,6 +426,9 @@ class QuantizedCompressor(Compressor):
         """``allgather`` aggregation: map the exact average of the messages to the averaged gradient."""
         return mean
 
+    def _reduced(self, ctx: ReduceContext) -> None:
+        """Called once the averaged result is complete (state updates that needed every segment)."""
+
     # ------------------------------------------------------------------ protocol
     @property
     def uses_error_feedback(self) -> bool:
@@ -466,6 +469,7 @@ class QuantizedCompressor(Compressor):
             averaged = self._reduce_allgather(messages, numels, codecs, ctx, shares, out)
         else:
             averaged = self._reduce_alltoall(messages, numels, codecs, ctx, shares, out)
+        self._reduced(ctx)
         return Reduction(averaged=completed_future(averaged), residuals=residuals, local=local)
 
     def _reduce_allgather(

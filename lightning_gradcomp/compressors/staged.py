@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
 __all__ = ["StagedState"]
@@ -83,8 +84,32 @@ class StagedState:
             raise KeyError(name)
         return value
 
+    def spare_for(self, name: str, like: Tensor) -> Tensor:
+        """A tensor of ``like``'s shape, dtype and device to compute a new value of ``name`` into (for
+        :meth:`stage`): the layer's spare when it fits (its contents are garbage), else a new one."""
+        spare = self._spares.pop(name, None)
+        if (
+            isinstance(spare, Tensor)
+            and spare is not like
+            and spare.shape == like.shape
+            and spare.dtype == like.dtype
+            and spare.device == like.device
+        ):
+            return spare
+        return torch.empty_like(like)
+
+    def stage(self, name: str, value: Tensor) -> None:
+        """Stage ``value``, a new tensor computed from the committed one (read with :meth:`peek`) instead of a
+        working copy changed in place: one pass instead of a copy plus an update. Like a working copy, the value it
+        replaces at the commit becomes the layer's spare (so nobody may keep a reference to it across steps)."""
+        self[name] = value
+        self._copies.add(name)
+
     def __setitem__(self, name: str, value: Any) -> None:
-        (self.staged if self.staging else self.committed)[name] = value
+        if self.staging:
+            self.staged[name] = value
+        else:
+            self.committed[name] = value
         self._copies.discard(name)
 
     def __contains__(self, name: object) -> bool:

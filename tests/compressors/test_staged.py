@@ -65,3 +65,25 @@ def test_spares_match_shape_dtype_and_device_and_load_clears_them() -> None:
     assert work.shape == (6,) and torch.equal(work, torch.zeros(6))
     store.load({"h": torch.ones(6)})
     assert torch.equal(store["h"], torch.ones(6))
+
+
+def test_values_computed_from_the_committed_one_recycle_its_buffer() -> None:
+    """``spare_for`` + ``stage`` (DIANA's shifts): a new value computed in one pass from ``peek``; after the first
+    commits the new values alternate between two buffers, and a discard leaves the committed value untouched."""
+    store = _staging(h=torch.zeros(4))
+    seen = set()
+    for step in range(5):
+        old = store.peek("h")
+        new = store.spare_for("h", old)
+        torch.add(old, 1.0, out=new)
+        store.stage("h", new)
+        store.commit()
+        assert torch.equal(store.committed["h"], torch.full((4,), float(step + 1)))
+        if step >= 1:
+            seen.add(new.data_ptr())
+    assert len(seen) == 2
+    new = store.spare_for("h", store.peek("h"))
+    new.fill_(-1.0)
+    store.stage("h", new)
+    store.discard()
+    assert torch.equal(store.committed["h"], torch.full((4,), 5.0))
