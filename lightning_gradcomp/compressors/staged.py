@@ -28,19 +28,22 @@ from torch import Tensor
 __all__ = ["StagedState"]
 
 
+def _fits(spare: Any, like: Tensor) -> bool:
+    """Whether ``spare`` is another tensor of ``like``'s shape, dtype and device."""
+    return (
+        isinstance(spare, Tensor)
+        and spare is not like
+        and spare.shape == like.shape
+        and spare.dtype == like.dtype
+        and spare.device == like.device
+    )
+
+
 def _copy(value: Any, spare: Any = None) -> Any:
     """A deep copy of a tensor, or of a dict of tensors and numbers, on the same device (a tensor goes into
-    ``spare`` when that is a tensor of its shape, dtype and device)."""
+    ``spare`` when that fits it)."""
     if isinstance(value, Tensor):
-        if (
-            isinstance(spare, Tensor)
-            and spare is not value
-            and spare.shape == value.shape
-            and spare.dtype == value.dtype
-            and spare.device == value.device
-        ):
-            return spare.copy_(value)
-        return value.clone()
+        return spare.copy_(value) if _fits(spare, value) else value.clone()
     if isinstance(value, dict):
         return {k: _copy(v) for k, v in value.items()}
     return value
@@ -88,13 +91,7 @@ class StagedState:
         """A tensor of ``like``'s shape, dtype and device to compute a new value of ``name`` into (for
         :meth:`stage`): the layer's spare when it fits (its contents are garbage), else a new one."""
         spare = self._spares.pop(name, None)
-        if (
-            isinstance(spare, Tensor)
-            and spare is not like
-            and spare.shape == like.shape
-            and spare.dtype == like.dtype
-            and spare.device == like.device
-        ):
+        if spare is not None and _fits(spare, like):
             return spare
         return torch.empty_like(like)
 
