@@ -465,6 +465,11 @@ class GradCompHook:
     def _layout(self) -> Optional[list[int]]:
         return None if self.hierarchy is None else self.hierarchy.describe()
 
+    def state_nbytes(self) -> int:
+        """Bytes of the tensors this rank's compression keeps between steps: error-feedback memories (committed,
+        staged and spare buffers) and the compressor's state (the extra resident memory of compression)."""
+        return resident_nbytes(self.memory, self.compressor)
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: step, memories, compressor state, per-layer parameters, stats."""
         return {
@@ -546,6 +551,45 @@ def _unscaled(grad: Tensor, scale: Optional[Tensor]) -> Tensor:
     """A new fp32 copy of ``grad / scale`` (``grad`` when there is no loss scale)."""
     out = grad.to(torch.float32, copy=True)
     return out if scale is None else out.div_(scale)
+
+
+def resident_nbytes(*roots: Any) -> int:
+    """Bytes of the distinct tensor storages reachable from ``roots`` through object attributes (``__dict__`` and
+    ``__slots__``), dicts, lists and tuples (each storage counted once, whole).
+
+    Example::
+
+        >>> t = torch.zeros(4)
+        >>> resident_nbytes({"a": t, "b": t[:2]}, [torch.zeros(2, dtype=torch.float64)])
+        32
+    """
+    seen_objects: set[int] = set()
+    seen_storages: set[tuple[str, int]] = set()
+    total = 0
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, Tensor):
+            storage = obj.untyped_storage()
+            key = (str(obj.device), storage.data_ptr())
+            if key not in seen_storages:
+                seen_storages.add(key)
+                total += storage.nbytes()
+            continue
+        if id(obj) in seen_objects or isinstance(obj, (str, bytes, int, float, bool, type(None), torch.dtype)):
+            continue
+        seen_objects.add(id(obj))
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        else:
+            if hasattr(obj, "__dict__"):
+                stack.extend(vars(obj).values())
+            for cls in type(obj).__mro__:  # slotted classes (PyTorch's PowerSGDState)
+                slots = cls.__dict__.get("__slots__", ())
+                stack.extend(getattr(obj, name, None) for name in ((slots,) if isinstance(slots, str) else slots))
+    return total
 
 
 def gradcomp_comm_hook(state: GradCompHook, bucket: dist.GradBucket) -> Future[Tensor]:

@@ -92,3 +92,25 @@ def test_copying_gradients_does_not_change_training(tmp_path: Path) -> None:
     with_grads, without = run(tmp_path / "a", True), run(tmp_path / "b", False)
     for a, b in zip(with_grads[0]["params"], without[0]["params"]):
         assert torch.equal(a, b)
+
+
+def test_resident_nbytes_counts_each_storage_once_through_objects_dicts_and_slots() -> None:
+    from lightning_gradcomp.hook import resident_nbytes
+    from lightning_gradcomp.memory import ErrorFeedback
+
+    class Slotted:
+        __slots__ = ("a", "b")
+
+        def __init__(self, a: object, b: object) -> None:
+            self.a, self.b = a, b
+
+    base = torch.zeros(10)
+    assert resident_nbytes(base, base[2:5], {"x": [base]}) == 40  # views share the storage
+    assert resident_nbytes(Slotted(torch.zeros(3, dtype=torch.float64), None)) == 24
+    ef = ErrorFeedback()
+    ef.staging = True
+    for _ in range(3):
+        p = ef.compensate("w", torch.ones(25))
+        ef.update("w", p)
+        ef.commit()
+    assert resident_nbytes(ef) == 2 * 25 * 4  # the memory and its spare buffer

@@ -37,7 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
-from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook, resident_nbytes
 from lightning_gradcomp.presets import PRESETS, preset_class
 from lightning_gradcomp.strategy import GradCompStrategy
 
@@ -152,6 +152,13 @@ class Installed:
             steps["n"] += 1
         if self.layerwise is not None:
             self.layerwise.step_end()
+
+    def state_nbytes(self) -> int:
+        """Bytes of the tensors the configuration keeps between steps beyond DDP's own: our hook's memories and
+        compressor state, or the state object of PyTorch's hook (``powerSGD_hook``'s error and factor memories)."""
+        if self.hook is not None:
+            return self.hook.state_nbytes()
+        return resident_nbytes(self.extra.get("state"))
 
     def end(self) -> None:
         """After the last step (``on_train_end`` of the layerwise callback)."""

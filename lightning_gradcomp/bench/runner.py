@@ -60,6 +60,7 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "wait_ms_per_step": 1e3 * statistics.mean(p.get("wait_seconds_per_step", 0.0) for p in per_rank),
             "peak_rss_mb": max((p["peak_rss_mb"] or 0.0) for p in per_rank),
             "bucket_cap_mb": first.get("bucket_cap_mb"),
+            "state_mb": max((p.get("state_mb") or 0.0) for p in per_rank) if "state_mb" in first else None,
         }
     dense = rows.get("ddp")
     for row in rows.values():
@@ -75,7 +76,10 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
                 row["throughput_samples_per_s"] / rows["torch_powersgd"]["throughput_samples_per_s"]
             )
     references = _references(ranks)
+    params = ranks[0]["configs"][next(iter(rows))]["params"] if rows else 0
     for row in rows.values():
+        state = row.get("state_mb")  # tensors kept between steps, in fp32 copies of the whole gradient
+        row["state_gradient_copies"] = state * 2**20 / (4 * params) if state is not None and params else None
         work_ms = row["work_ms_per_step"] = work_ms_of(row)
         row["work_vs_clone"] = work_ms / references["clone_ms"] if references else None
         row["work_vs_clone_rand"] = (
@@ -84,7 +88,7 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "world_size": world,
         "compute_only_step_s": compute,
-        "params": ranks[0]["configs"][next(iter(rows))]["params"],
+        "params": params,
         "references": references,
         "configs": rows,
     }
@@ -305,21 +309,31 @@ def print_report(result: dict[str, Any]) -> None:
     refs = summary.get("references")
     if refs:
         overhead = Table(title="compression work per step against one pass over the gradient (same run, per rank)")
-        for col in ("config", "work ms", "/ clone", "/ (clone + rand_like)", "/ torch fp16 hook"):
+        columns = ("config", "work ms", "/ clone", "/ (clone + rand_like)", "/ torch fp16 hook", "state MB (copies)")
+        for col in columns:
             overhead.add_column(col, justify="left" if col == "config" else "right")
         fp16 = summary["configs"].get("torch_fp16")
         for name, row in summary["configs"].items():
             work = row["work_ms_per_step"]
             vs_fp16 = f"{work / fp16['work_ms_per_step']:.1f}x" if fp16 and fp16["work_ms_per_step"] > 0 else "-"
+            state, copies = row.get("state_mb"), row.get("state_gradient_copies")
+            memory = "-" if state is None or copies is None else f"{state:.1f} ({copies:.1f})"
             overhead.add_row(
-                name, f"{work:.1f}", f"{row['work_vs_clone']:.1f}x", f"{row['work_vs_clone_rand']:.2f}x", vs_fp16
+                name,
+                f"{work:.1f}",
+                f"{row['work_vs_clone']:.1f}x",
+                f"{row['work_vs_clone_rand']:.2f}x",
+                vs_fp16,
+                memory,
             )
         console.print(overhead)
         console.print(
             f"references: clone {refs['clone_ms']:.2f} ms, rand_like {refs['rand_like_ms']:.2f} ms, "
             f"fp16 cast {refs['half_ms']:.2f} ms, each into a buffer allocated once; work = our "
             "communication thread's time minus its blocking waits for collectives (compression, decoding, "
-            "packing); for PyTorch's hooks, their body plus their Future callbacks, minus waits"
+            "packing); for PyTorch's hooks, their body plus their Future callbacks, minus waits; state = the "
+            "tensors a configuration keeps between steps beyond DDP's (memories, compressor state, spare buffers), "
+            "in MiB and in fp32 copies of the model's gradient"
         )
     console.print(f"[bold]recommendation:[/bold] {result['recommendation']}")
 

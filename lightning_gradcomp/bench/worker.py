@@ -157,6 +157,7 @@ def _measure(name: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str,
     counters = snapshot()
     times = _run_steps(step, 0, n)
     end = snapshot()
+    state_mb = installed.state_nbytes() / 2**20
     installed.end()
     # the per-step barrier of the measurement loop is not part of the configuration's traffic
     frames = end["tx"] - counters["tx"] - barrier_bytes
@@ -171,6 +172,7 @@ def _measure(name: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str,
         "iface_tx_packets_per_step": packets / n if iface else None,
         "iface_tx_payload_bytes_per_step": (frames - packets * header_bytes_per_packet()) / n if iface else None,
         "peak_rss_mb": _peak_rss_mb(),
+        "state_mb": state_mb,
         "bucket_cap_mb": installed.ddp.bucket_bytes_cap / 2**20,
         "batch_size": workload.batch_size,
         "params": sum(p.numel() for p in workload.parameters()),
