@@ -466,8 +466,8 @@ class GradCompHook:
         return None if self.hierarchy is None else self.hierarchy.describe()
 
     def state_nbytes(self) -> int:
-        """Bytes of the tensors this rank's compression keeps between steps: error-feedback memories (committed,
-        staged and spare buffers) and the compressor's state (the extra resident memory of compression)."""
+        """Bytes of the tensors this rank's compression keeps: error-feedback memories (committed and staged) and the
+        compressor's state (between steps, the extra resident memory of compression)."""
         return resident_nbytes(self.memory, self.compressor)
 
     def state_dict(self) -> dict[str, Any]:

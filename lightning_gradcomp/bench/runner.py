@@ -332,7 +332,7 @@ def print_report(result: dict[str, Any]) -> None:
             f"fp16 cast {refs['half_ms']:.2f} ms, each into a buffer allocated once; work = our "
             "communication thread's time minus its blocking waits for collectives (compression, decoding, "
             "packing); for PyTorch's hooks, their body plus their Future callbacks, minus waits; state = the "
-            "tensors a configuration keeps between steps beyond DDP's (memories, compressor state, spare buffers), "
+            "tensors a configuration keeps between steps beyond DDP's (memories, compressor state), "
             "in MiB and in fp32 copies of the model's gradient"
         )
     console.print(f"[bold]recommendation:[/bold] {result['recommendation']}")

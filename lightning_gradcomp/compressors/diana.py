@@ -148,8 +148,8 @@ class DIANA(QuantizedCompressor):
         return self.quantizer.codec
 
     # ------------------------------------------------------------------ shifts
-    # Each reduce reads the committed shifts (``peek``) and writes the new ones into fresh or spare buffers
-    # (``spare_for``), staged at the end (``stage``): one pass per update, no working copy of the state.
+    # Each reduce reads the committed shifts (``peek``) and computes the new ones into new tensors, staged at the end:
+    # one pass per update, no working copy of the state.
     def _committed(self, store: StagedState, name: str, like: Tensor) -> Tensor:
         """The committed shift of ``name`` (zeros when new or resized), on ``like``'s device."""
         value = store.peek(name)
@@ -163,12 +163,7 @@ class DIANA(QuantizedCompressor):
         for slot, g in zip(ctx.slots, tensors):
             local = self._committed(self._local, slot.name, g)
             shift = self._committed(self._shift, slot.name, g)
-            self._pending[slot.name] = (
-                local,
-                self._local.spare_for(slot.name, local),
-                shift,
-                self._shift.spare_for(slot.name, shift),
-            )
+            self._pending[slot.name] = (local, torch.empty_like(local), shift, torch.empty_like(shift))
             g.sub_(local)
         return tensors
 
@@ -212,8 +207,8 @@ class DIANA(QuantizedCompressor):
         """Stage the new shifts ``h_i`` and ``H`` of every slot (every segment of them has been written)."""
         for slot in ctx.slots:
             _, h_new, _, shift_new = self._pending.pop(slot.name)
-            self._local.stage(slot.name, h_new)
-            self._shift.stage(slot.name, shift_new)
+            self._local[slot.name] = h_new
+            self._shift[slot.name] = shift_new
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -11,10 +11,7 @@ Staging is off until the engine turns it on (:attr:`StagedState.staging`, set wh
 the hook): then reads and writes go straight to the committed values, as with a plain dict, which is what
 code that calls ``Compressor.reduce`` directly (tests, benchmarks) expects.
 
-Cost: one copy of each entry that a reduction reads, the first time it reads it. The copy goes into a spare
-buffer when there is one: committing a working copy frees the value it replaced, which the store keeps (a tensor
-of the same shape, dtype and device) for the next step's working copy, so steady-state steps allocate nothing.
-A value returned by :meth:`StagedState.peek` is therefore valid until the next commit.
+Cost: one copy of each entry that a reduction reads, the first time it reads it.
 """
 
 from __future__ import annotations
@@ -22,28 +19,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional
 
-import torch
 from torch import Tensor
 
 __all__ = ["StagedState"]
 
 
-def _fits(spare: Any, like: Tensor) -> bool:
-    """Whether ``spare`` is another tensor of ``like``'s shape, dtype and device."""
-    return (
-        isinstance(spare, Tensor)
-        and spare is not like
-        and spare.shape == like.shape
-        and spare.dtype == like.dtype
-        and spare.device == like.device
-    )
-
-
-def _copy(value: Any, spare: Any = None) -> Any:
-    """A deep copy of a tensor, or of a dict of tensors and numbers, on the same device (a tensor goes into
-    ``spare`` when that fits it)."""
+def _copy(value: Any) -> Any:
+    """A deep copy of a tensor, or of a dict of tensors and numbers, on the same device."""
     if isinstance(value, Tensor):
-        return spare.copy_(value) if _fits(spare, value) else value.clone()
+        return value.clone()
     if isinstance(value, dict):
         return {k: _copy(v) for k, v in value.items()}
     return value
@@ -62,8 +46,6 @@ class StagedState:
         self.committed: dict[str, Any] = dict(committed or {})
         self.staged: dict[str, Any] = {}
         self.staging = False
-        self._copies: set[str] = set()  # staged entries that are working copies of their committed value
-        self._spares: dict[str, Tensor] = {}  # freed committed tensors, reused for the next working copy
 
     def get(self, name: str, default: Any = None) -> Any:
         """The working copy of ``name`` (``default`` when it has no value)."""
@@ -72,8 +54,7 @@ class StagedState:
         if name in self.staged:
             return self.staged[name]
         if name in self.committed:
-            self.staged[name] = _copy(self.committed[name], self._spares.pop(name, None))
-            self._copies.add(name)
+            self.staged[name] = _copy(self.committed[name])
             return self.staged[name]
         return default
 
@@ -87,27 +68,8 @@ class StagedState:
             raise KeyError(name)
         return value
 
-    def spare_for(self, name: str, like: Tensor) -> Tensor:
-        """A tensor of ``like``'s shape, dtype and device to compute a new value of ``name`` into (for
-        :meth:`stage`): the layer's spare when it fits (its contents are garbage), else a new one."""
-        spare = self._spares.pop(name, None)
-        if spare is not None and _fits(spare, like):
-            return spare
-        return torch.empty_like(like)
-
-    def stage(self, name: str, value: Tensor) -> None:
-        """Stage ``value``, a new tensor computed from the committed one (read with :meth:`peek`) instead of a
-        working copy changed in place: one pass instead of a copy plus an update. Like a working copy, the value it
-        replaces at the commit becomes the layer's spare (so nobody may keep a reference to it across steps)."""
-        self[name] = value
-        self._copies.add(name)
-
     def __setitem__(self, name: str, value: Any) -> None:
-        if self.staging:
-            self.staged[name] = value
-        else:
-            self.committed[name] = value
-        self._copies.discard(name)
+        (self.staged if self.staging else self.committed)[name] = value
 
     def __contains__(self, name: object) -> bool:
         return name in self.staged or name in self.committed
@@ -116,34 +78,21 @@ class StagedState:
         """Make the staged values of ``names`` (all when ``None``) the committed ones; keep the rest staged."""
         for name in list(self.staged) if names is None else names:
             if name in self.staged:
-                old = self.committed.get(name)
                 self.committed[name] = self.staged.pop(name)
-                if name in self._copies and isinstance(old, Tensor):  # only the store held it: keep it as a spare
-                    self._spares[name] = old
-                self._copies.discard(name)
 
     def discard(self) -> None:
-        """Drop every staged value (working copies of tensors are kept as spares)."""
-        for name in self._copies:
-            value = self.staged.get(name)
-            if isinstance(value, Tensor):
-                self._spares[name] = value
+        """Drop every staged value."""
         self.staged.clear()
-        self._copies.clear()
 
     def load(self, committed: dict[str, Any]) -> None:
         """Replace the committed values (a checkpoint) and drop anything staged."""
         self.committed = dict(committed)
         self.staged.clear()
-        self._copies.clear()
-        self._spares.clear()
 
     def clear(self) -> None:
         """Forget everything."""
         self.committed.clear()
         self.staged.clear()
-        self._copies.clear()
-        self._spares.clear()
 
     def items(self) -> Iterable[tuple[str, Any]]:
         """Committed ``(name, value)`` pairs."""

@@ -13,77 +13,37 @@ def _staging(**values: torch.Tensor) -> StagedState:
     return store
 
 
-def test_working_copies_alternate_between_two_buffers_and_keep_their_values() -> None:
+def test_working_copies_keep_their_values_until_committed() -> None:
     store = _staging(h=torch.zeros(5))
-    seen = set()
     expected = torch.zeros(5)
-    for step in range(6):
+    for step in range(4):
         work = store["h"]
-        assert torch.equal(work, expected)  # the committed value, whatever buffer holds it
+        assert torch.equal(work, expected) and work is not store.committed["h"]  # a copy, not the committed tensor
         work.add_(step + 1)
+        assert torch.equal(store.committed["h"], expected)  # untouched until the commit
         expected = expected + (step + 1)
         store.commit()
         assert torch.equal(store.committed["h"], expected)
-        seen.add(work.data_ptr())
-    assert len(seen) == 2  # after the first step: no new allocation, two buffers in turn
 
 
-def test_discard_keeps_the_committed_value_and_recycles_the_working_copy() -> None:
+def test_discard_keeps_the_committed_value() -> None:
     committed = torch.arange(4.0)
     store = _staging(h=committed)
-    work = store["h"]
-    work.mul_(10)
+    store["h"].mul_(10)
     store.discard()
-    assert torch.equal(store.committed["h"], torch.arange(4.0)) and store.committed["h"] is committed
-    again = store["h"]
-    assert again.data_ptr() == work.data_ptr() and torch.equal(again, torch.arange(4.0))  # the spare, refreshed
+    assert store.committed["h"] is committed and torch.equal(committed, torch.arange(4.0))
+    assert torch.equal(store["h"], torch.arange(4.0))
 
 
-def test_assigned_values_never_free_what_a_caller_may_hold() -> None:
-    """A value staged by assignment (PowerSGD's new factor) replaces the committed one without recycling it: a
-    tensor read through ``peek`` in that step is never overwritten later."""
-    first = torch.ones(3)
-    store = _staging(q=first)
-    peeked = store.peek("q")
-    store["q"] = torch.full((3,), 2.0)
-    store.commit()
-    store["q"] = torch.full((3,), 3.0)
-    store.commit()
-    work = store["q"]
-    work.zero_()
-    store.commit()
-    assert peeked is first and torch.equal(first, torch.ones(3))
-
-
-def test_spares_match_shape_dtype_and_device_and_load_clears_them() -> None:
+def test_values_computed_from_the_committed_one_are_staged_by_assignment() -> None:
+    """DIANA's way: read the committed value (``peek``), compute the new one into a new tensor in one pass, assign
+    it; a discard leaves the committed value untouched, a commit installs it."""
     store = _staging(h=torch.zeros(4))
-    store["h"].add_(1)
-    store.commit()  # spare: the old zeros(4)
-    store.staged["h"] = torch.zeros(6)  # a layer resized (new working value staged directly)
-    store.commit()
-    work = store["h"]
-    assert work.shape == (6,) and torch.equal(work, torch.zeros(6))
-    store.load({"h": torch.ones(6)})
-    assert torch.equal(store["h"], torch.ones(6))
-
-
-def test_values_computed_from_the_committed_one_recycle_its_buffer() -> None:
-    """``spare_for`` + ``stage`` (DIANA's shifts): a new value computed in one pass from ``peek``; after the first
-    commits the new values alternate between two buffers, and a discard leaves the committed value untouched."""
-    store = _staging(h=torch.zeros(4))
-    seen = set()
-    for step in range(5):
+    for step in range(3):
         old = store.peek("h")
-        new = store.spare_for("h", old)
-        torch.add(old, 1.0, out=new)
-        store.stage("h", new)
+        store["h"] = torch.add(old, 1.0)
         store.commit()
         assert torch.equal(store.committed["h"], torch.full((4,), float(step + 1)))
-        if step >= 1:
-            seen.add(new.data_ptr())
-    assert len(seen) == 2
-    new = store.spare_for("h", store.peek("h"))
-    new.fill_(-1.0)
-    store.stage("h", new)
+    store["h"] = torch.full((4,), -1.0)
     store.discard()
-    assert torch.equal(store.committed["h"], torch.full((4,), 5.0))
+    assert torch.equal(store.committed["h"], torch.full((4,), 3.0))
