@@ -9,7 +9,7 @@ drift with the machine's state), so the engine figures in docs/benchmarks.md are
 Per link and configuration: the median over the runs of the step time, the scaling efficiency (each run's
 compute-only step / step), the work per step and its ratios against the references timed in the same run
 (``clone``, ``clone + rand_like``, PyTorch's ``fp16_compress_hook`` and ``powerSGD_hook`` work), with the spread
-(min-max) of the efficiency.
+(min-max) of the efficiency, and the tensors each configuration keeps between steps in fp32 copies of the gradient.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def rows(runs: list[dict[str, Any]], link: str) -> list[dict[str, Any]]:
                     "psgd": _ratio(work, psgd),
                     "bucket": row.get("bucket_cap_mb"),
                     "wire": row["wire_bytes_per_step"] / 1e3,
+                    "state": row.get("state_gradient_copies"),
                 }
             )
         med = {k: statistics.median(r[k] for r in per_run) for k in per_run[0] if per_run[0][k] is not None}
@@ -79,8 +80,8 @@ def markdown(runs: list[dict[str, Any]], link: str) -> str:
         f"(median) clone {clone:.2f} ms, rand_like {rand:.2f} ms.*",
         "",
         "| config | bucket MB | step ms | scaling eff. (min-max) | wire KB/step | work ms | / clone | / (clone + "
-        "rand_like) | / `fp16_compress_hook` | / `powerSGD_hook` |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "rand_like) | / `fp16_compress_hook` | / `powerSGD_hook` | state (gradient copies) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(value: Optional[float], spec: str, unit: str = "") -> str:
@@ -91,7 +92,7 @@ def markdown(runs: list[dict[str, Any]], link: str) -> str:
             f"| {r['name']} | {fmt(r.get('bucket'), 'g')} | {r['step']:.0f} | {r['eff']:.0%} "
             f"({r['eff_min']:.0%}-{r['eff_max']:.0%}) | {r['wire']:,.1f} | {fmt(r.get('work'), '.1f')} | "
             f"{fmt(r.get('clone'), '.1f', 'x')} | {fmt(r.get('clone_rand'), '.2f', 'x')} | "
-            f"{fmt(r.get('fp16'), '.2f', 'x')} | {fmt(r.get('psgd'), '.2f', 'x')} |"
+            f"{fmt(r.get('fp16'), '.2f', 'x')} | {fmt(r.get('psgd'), '.2f', 'x')} | {fmt(r.get('state'), '.1f')} |"
         )
     return "\n".join(lines)
 
