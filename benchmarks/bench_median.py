@@ -37,7 +37,7 @@ def _ratio(work: Optional[float], ref: Optional[float]) -> Optional[float]:
 def rows(runs: list[dict[str, Any]], link: str) -> list[dict[str, Any]]:
     """Per configuration, the medians over ``runs`` of one link."""
     summaries = [run[link]["summary"] for run in runs]
-    names = list(summaries[0]["configs"])
+    names = [n for n in summaries[0]["configs"] if all(n in s["configs"] for s in summaries)]  # in every run
     table = []
     for name in names:
         per_run = []
