@@ -349,8 +349,9 @@ class GradCompHook:
         raw = None
         if any(getattr(obs, "needs_gradients", False) for obs in watchers):  # without EF the inputs are g already
             raw = [_unscaled(g, divisor) for g in grads] if use_ef else inputs
-        # the bucket's slices are dead once the inputs are copies made from them: results may go straight there
-        outputs = grads if not borrow and buf.dtype == torch.float32 else None
+        # results may go straight into the bucket's slices: dead once the inputs are copies made from them, and the
+        # inputs themselves when borrowed (a borrowing compressor may overwrite them)
+        outputs = grads if buf.dtype == torch.float32 else None
         ctx = ReduceContext(
             comm,
             step,

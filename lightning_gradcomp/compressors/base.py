@@ -52,9 +52,10 @@ class ReduceContext:
         seed: the strategy's seed.
         observed: whether an observer reads this reduction's :attr:`Reduction.local` (a compressor may skip
             computing it when not).
-        outputs: per slot, a flat fp32 tensor whose contents are dead (the bucket's slice, once the engine has
-            made the compressor's inputs from it), which the compressor may fill with its averaged result and
-            return: the engine then copies nothing back. ``None`` when there are none (see :meth:`output`).
+        outputs: per slot, the bucket's flat fp32 slice, which the compressor may fill with its averaged result and
+            return once it no longer reads its inputs: the engine then copies nothing back. Its contents are dead,
+            except for a compressor that borrows its inputs (:attr:`Compressor.borrows_inputs`): then these are the
+            inputs themselves. ``None`` when there are none (see :meth:`output`).
     """
 
     comm: Comm

@@ -50,13 +50,10 @@ class Cast(Compressor):
 
         def decode(done: torch.futures.Future) -> list[Tensor]:
             total = done.value()
-            if span is not None and span.dtype == torch.float32:
+            if span is not None:
                 span.copy_(total)
                 return tensors
-            return [
-                t.copy_(piece) if t.dtype == torch.float32 else piece.float()
-                for t, piece in zip(tensors, split_flat(total, counts))
-            ]
+            return [t.copy_(piece) for t, piece in zip(tensors, split_flat(total, counts))]
 
         return Reduction(averaged=then_same_numerics(fut, decode))
 

@@ -160,8 +160,8 @@ class CLTK(SparseCompressor):
         def decode(f: torch.futures.Future) -> list[Tensor]:
             mean = f.value().to(torch.float32).div_(divisor)
             return [
-                scatter_dense(n, idx, v[: idx.numel()], out=None if ctx.outputs is None else ctx.outputs[i])
-                for i, (n, idx, v) in enumerate(zip(numels, indices, split_flat(mean, ks)))
+                scatter_dense(n, idx, v[: idx.numel()], out=ctx.output(i, t))
+                for i, (n, t, idx, v) in enumerate(zip(numels, tensors, indices, split_flat(mean, ks)))
             ]
 
         return Reduction(averaged=then_same_numerics(fut, decode), residuals=tensors)

@@ -365,10 +365,6 @@ class QuantizedCompressor(Compressor):
 
     borrows_inputs = True  # quantization reads them (DIANA subtracts its shift in place); nothing keeps them
     bucket_cap_mb = 4.0  # 1/16-1/8 of the dense bytes still travel: overlap them with backward (docs/benchmarks.md)
-    outputs_into_inputs = True
-    """Whether the averaged result is written into the input tensors (dead after stage 1, views of the bucket when
-    borrowed: the engine's write-back then copies nothing). ``False`` when the inputs are still read afterwards
-    (SignSGD keeps its error-feedback residuals in them)."""
 
     def __init__(self, aggregation: str = "alltoall") -> None:
         self.aggregation: str = check_aggregation(aggregation)
@@ -461,10 +457,12 @@ class QuantizedCompressor(Compressor):
         ]
         residuals, local = self._after_encode(tensors, DecodedMessages(messages), ctx)
         shares = ctx.shares([n * c.bits + 32 * num_groups(n, c.group_size) for n, c in zip(numels, codecs)])
-        if self.outputs_into_inputs and all(t.dtype == torch.float32 and t.dim() == 1 for t in tensors):
-            out = tensors
-        else:
-            out = [t.new_empty(n, dtype=torch.float32) for t, n in zip(tensors, numels)]
+        # the bucket's slices when the engine offers them (the inputs are read only in stage 1), else new tensors
+        out = (
+            list(ctx.outputs)
+            if ctx.outputs is not None
+            else [t.new_empty(n, dtype=torch.float32) for t, n in zip(tensors, numels)]
+        )
         if self.aggregation == "allgather" or ctx.world_size == 1:
             averaged = self._reduce_allgather(messages, numels, codecs, ctx, shares, out)
         else:

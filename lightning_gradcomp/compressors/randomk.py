@@ -85,8 +85,8 @@ class RandomK(SparseCompressor):
         def decode(f: torch.futures.Future) -> list[Tensor]:
             summed = f.value().to(torch.float32).mul_(scale)
             return [
-                scatter_dense(n, i, v, out=None if ctx.outputs is None else ctx.outputs[slot])
-                for slot, (n, i, v) in enumerate(zip(numels, indices, split_flat(summed, ks)))
+                scatter_dense(n, i, v, out=ctx.output(slot, t))
+                for slot, (n, t, i, v) in enumerate(zip(numels, tensors, indices, split_flat(summed, ks)))
             ]
 
         return Reduction(averaged=then_same_numerics(fut, decode), residuals=residuals)

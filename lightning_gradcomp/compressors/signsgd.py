@@ -33,8 +33,6 @@ class SignSGD(QuantizedCompressor):
         aggregation: ``"alltoall"`` or ``"allgather"`` (exact mean of the per-rank signs; no server memory).
     """
 
-    outputs_into_inputs = False  # the residuals p - c are kept in the inputs (error feedback)
-
     def __init__(self, bucket_size: int = 512, aggregation: str = "alltoall") -> None:
         super().__init__(aggregation)
         self.bucket_size: int = check_bucket_size(bucket_size)

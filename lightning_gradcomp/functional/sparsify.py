@@ -88,8 +88,8 @@ def stratified_indices(numel: int, k: int, generator: torch.Generator, device: t
 
 
 def scatter_dense(numel: int, indices: Tensor, values: Tensor, out: Optional[Tensor] = None) -> Tensor:
-    """A zero fp32 vector of ``numel`` elements with ``values`` added at ``indices`` (duplicates add); written into
-    ``out`` (fp32, ``numel`` elements, zeroed first) when given.
+    """A zero fp32 vector of ``numel`` elements with ``values`` added at ``indices`` (duplicates add); added into
+    ``out`` instead when given (a zeroed fp32 tensor of ``numel`` elements, e.g. ``ReduceContext.output``).
 
     Example::
 
@@ -98,7 +98,5 @@ def scatter_dense(numel: int, indices: Tensor, values: Tensor, out: Optional[Ten
     """
     if out is None:
         out = torch.zeros(numel, dtype=torch.float32, device=values.device)
-    else:
-        out.zero_()
     out.index_add_(0, indices.long(), values.to(torch.float32))
     return out
