@@ -31,6 +31,7 @@ it makes the callback compute the same bits whichever thread runs it.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -112,7 +113,7 @@ def completed_future(value: Any) -> Future:
     return fut
 
 
-def then_same_numerics(fut: Future, fn: Callable[[Future], T]) -> Future:
+def then_same_numerics(fut: Future, fn: Callable[[Future], T], stats: Optional[CommStats] = None) -> Future:
     """``fut.then(fn)``, with ``fn`` computing the same bits on whichever thread runs it.
 
     A callback runs inline when ``fut`` is already complete and otherwise on the thread that completes it
@@ -131,15 +132,24 @@ def then_same_numerics(fut: Future, fn: Callable[[Future], T]) -> Future:
     Args:
         fut: the Future to chain on.
         fn: the callback; it receives the completed ``fut``.
+        stats: where the callback's wall time goes (:attr:`CommStats.callback_seconds`) when it runs on another
+            thread than this one (inline, it is part of the caller's own time).
 
     Returns:
         The Future of ``fn``'s result.
     """
     threads = torch.get_num_threads()
+    caller = threading.get_ident()
 
     def run(done: Future) -> T:
         torch.set_num_threads(threads)  # a no-op on the calling thread; ~0.1 us
-        return fn(done)
+        if stats is None or threading.get_ident() == caller:
+            return fn(done)
+        start = time.perf_counter()
+        try:
+            return fn(done)
+        finally:
+            stats.add_callback(time.perf_counter() - start)
 
     return fut.then(run)
 
@@ -160,6 +170,9 @@ class LayerStats:
         return compression_ratio(self.dense_bytes, self.wire_bytes)
 
 
+_CALLBACK_LOCK = threading.Lock()
+
+
 @dataclass
 class CommStats:
     """Cumulative communication figures of one rank.
@@ -177,8 +190,11 @@ class CommStats:
         comm_thread_seconds: wall time the communication thread spends on buckets (compression, decoding,
             and waits for the collectives it needs in line; the last collective of a bucket runs on).
         wait_seconds: the part of ``comm_thread_seconds`` spent blocked in collectives (the blocking calls of
-            :class:`Comm` and the hook's explicit waits). ``comm_thread_seconds - wait_seconds`` is the
-            compression work: what runs on the thread's own core.
+            :class:`Comm` and the hook's explicit waits).
+        callback_seconds: wall time of the Future callbacks (decoding, writing the result into the bucket) that
+            ran after their collective completed, on the thread that completed it (gloo's); callbacks that ran
+            inline are part of ``comm_thread_seconds``. ``comm_thread_seconds - wait_seconds + callback_seconds``
+            is the compression work.
         layers: per-layer figures, keyed by parameter name.
     """
 
@@ -192,6 +208,7 @@ class CommStats:
     hook_seconds: float = 0.0
     comm_thread_seconds: float = 0.0
     wait_seconds: float = 0.0
+    callback_seconds: float = 0.0
     layers: dict[str, LayerStats] = field(default_factory=dict)
 
     @property
@@ -217,6 +234,11 @@ class CommStats:
         for name, n in shares:
             self.layer(name).wire_bytes += nbytes * n / total
 
+    def add_callback(self, seconds: float) -> None:
+        """Add ``seconds`` to :attr:`callback_seconds` (safe from several threads at once)."""
+        with _CALLBACK_LOCK:
+            self.callback_seconds += seconds
+
     def add_intra(self, nbytes: float) -> None:
         """Count ``nbytes`` sent inside the node (``hierarchy=``: fast links; not attributed to layers)."""
         self.intra_bytes += nbytes
@@ -235,6 +257,7 @@ class CommStats:
             "hook_seconds": self.hook_seconds,
             "comm_thread_seconds": self.comm_thread_seconds,
             "wait_seconds": self.wait_seconds,
+            "callback_seconds": self.callback_seconds,
             "layers": {k: dict(vars(v)) for k, v in self.layers.items()},
         }
 
@@ -251,6 +274,7 @@ class CommStats:
             "hook_seconds",
             "comm_thread_seconds",
             "wait_seconds",
+            "callback_seconds",
         ):
             setattr(self, key, state.get(key, getattr(self, key)))
         self.layers = {k: LayerStats(**v) for k, v in state.get("layers", {}).items()}

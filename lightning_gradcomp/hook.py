@@ -9,7 +9,10 @@ so ranks never deadlock):
    one async collective, exactly like DDP's default hook.
 2. Otherwise the bucket's layer plan splits it into dense and compressed slots. The dense slots,
    plus one "this rank saw NaN/Inf" flag, are all-reduced in **one** collective, waited in-line (on the
-   communication thread: the non-finite decision is made there).
+   communication thread: the non-finite decision is made there). A compressor that
+   :attr:`~lightning_gradcomp.compressors.base.Compressor.propagates_nonfinite` (stateless, NaN/Inf survive into
+   its result: the casts) gets no flag: its dense slots go in an async collective and the decision is made on
+   the averaged bucket afterwards (:meth:`GradCompHook._checked`).
 3. If any rank flagged a non-finite value, no memory or compressor state is touched and the event is
    counted; with ``nonfinite="dense"`` the compressed slots are reduced densely too (what DDP would do:
    under fp16 AMP the GradScaler then sees the Inf and skips the step), with ``nonfinite="zero"`` the
@@ -325,12 +328,23 @@ class GradCompHook:
         so the compressor's inputs are divided by ``node_size`` (node means) and every dense sum by W. ``node_flag``
         (with a hierarchy) is the node's NaN/Inf flag, sent instead of this rank's own.
         """
-        if self._head(buf, dense, comm, flag=True, flag_value=node_flag):
+        use_ef = self.compressor.uses_error_feedback
+        watchers = [obs for obs in self.observers if obs.wants(step)]
+        check_after = (  # stateless, NaN/Inf show in the result: no flag ahead, nothing to protect (see _checked)
+            self.compressor.propagates_nonfinite
+            and not use_ef
+            and node_size == 1
+            and node_flag is None
+            and not watchers
+        )
+        head: Optional[Future] = None
+        if check_after:
+            head = self._head_async(buf, dense, comm)
+        elif self._head(buf, dense, comm, flag=True, flag_value=node_flag):
             return self._reduce_nonfinite(buf, comp, comm)
         if not comp:  # a hierarchy rank owning no compressed slot of this bucket (same on its cross-node group)
             return completed_future(buf)
 
-        use_ef = self.compressor.uses_error_feedback
         if scale is not None:
             scale = scale.to(device=buf.device, dtype=torch.float32).reshape(1)
         divisor = (
@@ -344,7 +358,6 @@ class GradCompHook:
             self.memory.compensate(s.name, g, divisor) if use_ef else g if borrow else _unscaled(g, divisor)
             for s, g in zip(comp, grads)
         ]  # borrowed: views of the bucket, only read during reduce()
-        watchers = [obs for obs in self.observers if obs.wants(step)]
         inputs = [t.clone() for t in tensors] if watchers else []
         raw = None
         if any(getattr(obs, "needs_gradients", False) for obs in watchers):  # without EF the inputs are g already
@@ -375,7 +388,45 @@ class GradCompHook:
                     buf[slot.offset : slot.end].mul_(scale)
             return buf
 
-        return then_same_numerics(reduction.averaged, write_back)
+        done = then_same_numerics(reduction.averaged, write_back, self.stats)
+        return self._checked(buf, dense, head, done) if check_after else done
+
+    def _checked(self, buf: Tensor, dense: tuple[LayerSlot, ...], head: Optional[Future], done: Future) -> Future:
+        """``done`` (the compressed slots written into ``buf``) and ``head`` (the dense slots' all-reduce, or
+        ``None``), then the non-finite decision on the averaged bucket.
+
+        For a compressor that :attr:`~lightning_gradcomp.compressors.base.Compressor.propagates_nonfinite`: some
+        rank's NaN/Inf left a NaN/Inf in the averaged bucket, which holds the same bits on every rank, so every rank
+        decides alike without a flag collective. There is no state to spare; the event is counted and, with
+        ``nonfinite="zero"``, the bucket becomes zero. With ``"dense"`` the non-finite result goes on to the
+        optimizer, as it would with DDP (its other entries are the compressor's average, not the fp32 one).
+        """
+
+        def finish(_: Future) -> Tensor:
+            if head is not None:
+                self._write_dense(buf, dense, head.value())
+            if not bool(torch.isfinite(buf.sum(dtype=torch.float32))):  # on the thread that completes, never training's
+                self.stats.nonfinite_steps += 1
+                if self.nonfinite == "zero":
+                    buf.zero_()
+            return buf
+
+        parts = [done] if head is None else [head, done]
+        return then_same_numerics(torch.futures.collect_all(parts), finish, self.stats)
+
+    def _head_async(self, buf: Tensor, dense: tuple[LayerSlot, ...], comm: Comm) -> Optional[Future]:
+        """All-reduce ``dense`` (divided by W) in one async collective over ``comm``; ``None`` without dense slots.
+        The Future resolves to the summed, concatenated slots (:meth:`_write_dense` puts them back)."""
+        if not dense:
+            return None
+        head = torch.cat([buf[s.offset : s.end] for s in dense]).div_(self.comm.world_size)
+        return comm.all_reduce(head, async_op=True, shares=[(s.name, s.numel) for s in dense])
+
+    @staticmethod
+    def _write_dense(buf: Tensor, dense: tuple[LayerSlot, ...], head: Tensor) -> None:
+        """Copy the concatenated dense slots ``head`` (a flag may follow them) back into ``buf``."""
+        for slot, piece in zip(dense, torch.split(head[: sum(s.numel for s in dense)], [s.numel for s in dense])):
+            buf[slot.offset : slot.end].copy_(piece)
 
     def _head(
         self, buf: Tensor, dense: tuple[LayerSlot, ...], comm: Comm, flag: bool, flag_value: Optional[Tensor] = None
@@ -394,8 +445,7 @@ class GradCompHook:
             return False
         head = torch.cat(pieces).div_(self.comm.world_size)
         comm.all_reduce(head, shares=[(s.name, s.numel) for s in dense])
-        for slot, piece in zip(dense, torch.split(head[: head.numel() - int(flag)], [s.numel for s in dense])):
-            buf[slot.offset : slot.end].copy_(piece)
+        self._write_dense(buf, dense, head)
         return flag and bool(head[-1] != 0)
 
     def _reduce_nonfinite(self, buf: Tensor, comp: tuple[LayerSlot, ...], comm: Comm) -> Future:
@@ -460,7 +510,7 @@ class GradCompHook:
 
         if size == 1:
             return completed_future(unpack(gathered))
-        return then_same_numerics(fut, lambda done: unpack(done.value()))
+        return then_same_numerics(fut, lambda done: unpack(done.value()), self.stats)
 
     # ------------------------------------------------------------------ state
     def _layout(self) -> Optional[list[int]]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,8 @@ import torch
 
 from helpers.distributed import run_workers
 from lightning_gradcomp.comm import (Comm, CommStats, LayerStats, all_gather_bytes, all_reduce_bytes,
-                                     all_to_all_bytes, broadcast_bytes, compression_ratio, p2p_bytes)
+                                     all_to_all_bytes, broadcast_bytes, compression_ratio, p2p_bytes,
+                                     then_same_numerics)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
@@ -30,9 +33,33 @@ def test_stats_attribution_and_round_trip() -> None:
     assert stats.layers["a"].wire_bytes == pytest.approx(100.0)
     assert stats.layers["b"].wire_bytes == pytest.approx(200.0)
     assert stats.compression_ratio == pytest.approx(3.0)
+    stats.add_callback(0.25)
     copy = CommStats()
     copy.load_state_dict(stats.state_dict())
     assert copy == stats
+
+
+def test_callbacks_that_run_on_another_thread_are_timed_and_inline_ones_are_not() -> None:
+    """A decode callback run by the thread that completes the collective (gloo's) is work the communication
+    thread's own clock misses: it goes to ``callback_seconds``. One run inline is already in the caller's time."""
+
+    def slow(done: torch.futures.Future) -> int:
+        time.sleep(0.05)
+        return done.value() + 1
+
+    stats = CommStats()
+    ready: torch.futures.Future = torch.futures.Future()
+    ready.set_result(1)
+    assert then_same_numerics(ready, slow, stats).wait() == 2  # complete already: runs inline, here
+    assert stats.callback_seconds == 0.0
+
+    pending: torch.futures.Future = torch.futures.Future()
+    chained = then_same_numerics(pending, slow, stats)
+    worker = threading.Thread(target=pending.set_result, args=(5,))
+    worker.start()
+    worker.join()
+    assert chained.wait() == 6
+    assert 0.05 <= stats.callback_seconds < 5.0
 
 
 @pytest.mark.parametrize("dense, wire, expected", [

@@ -123,8 +123,9 @@ class LayerwiseDriver:
 @dataclass
 class Installed:
     """A wrapped model plus counters: ``wire_bytes()``, ``hook_seconds()`` (time the hook blocks the autograd
-    thread), ``thread_seconds()`` (our communication thread's time; for PyTorch's hooks, their body plus their
-    Future callbacks) and ``wait_seconds()`` (the part of it blocked in collectives) are cumulative.
+    thread), ``thread_seconds()`` (our communication thread's time plus the Future callbacks that ran on gloo's
+    threads; for PyTorch's hooks, their body plus their Future callbacks) and ``wait_seconds()`` (the part of it
+    blocked in collectives) are cumulative.
 
     ``hook`` is our hook engine (presets only), ``layerwise`` the driver of the preset's layerwise callback.
     """
@@ -354,7 +355,7 @@ def install_strategy(strategy: GradCompStrategy, model: nn.Module, bucket_cap_mb
         ddp,
         lambda: hook.stats.wire_bytes,
         lambda: hook.stats.hook_seconds,
-        thread_seconds=lambda: hook.stats.comm_thread_seconds,
+        thread_seconds=lambda: hook.stats.comm_thread_seconds + hook.stats.callback_seconds,
         wait_seconds=lambda: hook.stats.wait_seconds,
         hook=hook,
         layerwise=layerwise,

@@ -141,6 +141,13 @@ class Compressor(ABC):
     over the gradient; the bucket's compressed slots are overwritten with the result anyway (a result that is those
     very views is not copied again). Leave ``False`` when unsure."""
 
+    propagates_nonfinite: ClassVar[bool] = False
+    """True when the compressor keeps no state (no error feedback, nothing it stages or commits) and its averaged
+    result is non-finite wherever some rank's input was (a plain cast: NaN and Inf survive the sum). The engine then
+    sends no NaN/Inf flag ahead of the payload: it checks the averaged bucket afterwards, which holds the same bits
+    on every rank and so gives every rank the same decision. That saves a pass over the gradient and a blocking
+    collective per bucket. Leave ``False`` when unsure."""
+
     bucket_cap_mb: ClassVar[Optional[float]] = None
     """DDP bucket size (MB) this compressor runs best with, which :class:`~lightning_gradcomp.GradCompStrategy`
     passes to DDP when the user sets no ``bucket_cap_mb`` (``None``: DDP's own default, 25 MB). A compressor whose

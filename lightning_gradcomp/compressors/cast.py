@@ -28,6 +28,7 @@ class Cast(Compressor):
     """
 
     borrows_inputs = True  # read by one pass, then overwritten by the result
+    propagates_nonfinite = True  # stateless; NaN and Inf survive the 16-bit sum (so does an fp16 overflow)
 
     def __init__(self, dtype: torch.dtype | str = torch.float16) -> None:
         self.dtype: torch.dtype = check_dtype("dtype", dtype, _ALLOWED)
@@ -54,7 +55,7 @@ class Cast(Compressor):
                 return tensors
             return [t.copy_(piece) for t, piece in zip(tensors, split_flat(total, counts))]
 
-        return Reduction(averaged=then_same_numerics(fut, decode))
+        return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats))
 
     def extra_repr(self) -> str:
         return f"dtype={self.dtype}"

@@ -164,7 +164,7 @@ class CLTK(SparseCompressor):
                 for i, (n, t, idx, v) in enumerate(zip(numels, tensors, indices, split_flat(mean, ks)))
             ]
 
-        return Reduction(averaged=then_same_numerics(fut, decode), residuals=tensors)
+        return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=tensors)
 
     def _select(self, p: Tensor, k: int, ctx: ReduceContext, name: str) -> Tensor:
         """The leader's indices; the approximate selection's sample is seeded by the layer ``name`` (not its

@@ -24,7 +24,7 @@ class NoCompression(Compressor):
         counts = [t.numel() for t in tensors]
         flat = torch.cat(tensors).div_(ctx.world_size)
         fut = ctx.comm.all_reduce(flat, async_op=True, shares=ctx.shares(counts))
-        return Reduction(averaged=then_same_numerics(fut, lambda f: split_flat(f.value(), counts)))
+        return Reduction(averaged=then_same_numerics(fut, lambda f: split_flat(f.value(), counts), ctx.comm.stats))
 
 
 register_preset("gradcomp_none", "DDP with the dense all-reduce (reference)", lambda: {"compressor": NoCompression()})

@@ -134,7 +134,7 @@ class PowerSGD(Compressor):
                 out.append((p @ q.T).reshape(-1))
             return out
 
-        return Reduction(averaged=then_same_numerics(fut, decode), residuals=tensors)
+        return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=tensors)
 
     # ------------------------------------------------------------------ state
     def _start_factor(self, name: str, m: int, rank: int, ctx: ReduceContext, device: torch.device) -> Tensor:

@@ -89,7 +89,7 @@ class RandomK(SparseCompressor):
                 for slot, (n, t, i, v) in enumerate(zip(numels, tensors, indices, split_flat(summed, ks)))
             ]
 
-        return Reduction(averaged=then_same_numerics(fut, decode), residuals=residuals)
+        return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=residuals)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", unbiased=True" if self.unbiased else "")

@@ -52,8 +52,11 @@ def compressor_bytes(comp: Compressor, slots: Sequence[LayerSlot], params: Seque
 
 
 def hook_call_bytes(comp: Compressor, plan: BucketPlan, params: Sequence[Any], world: int, compressing: bool) -> float:
-    """Bytes of one ``GradCompHook`` call on a bucket: dense all-reduce, or dense part + NaN flag + compressor."""
+    """Bytes of one ``GradCompHook`` call on a bucket: dense all-reduce, or dense part + NaN flag + compressor (no flag
+    for a compressor that ``propagates_nonfinite``: its decision is made on the result)."""
     if not compressing:
         return all_reduce_bytes(4 * plan.numel, world)
-    head = all_reduce_bytes(4 * (sum(s.numel for s in plan.dense) + 1), world)
+    dense = sum(s.numel for s in plan.dense)
+    flag = 0 if comp.propagates_nonfinite else 1
+    head = all_reduce_bytes(4 * (dense + flag), world) if dense + flag else 0.0
     return head + compressor_bytes(comp, plan.compressed, params, world)

@@ -37,7 +37,8 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning_gradcomp import GradCompStrategy, SwarmStrategy
 from lightning_gradcomp.bench.runner import free_port
 from lightning_gradcomp.callbacks import LGreCo
-from lightning_gradcomp.compressors import CLTK, DIANA, QSGD, Compressor, PowerSGD, RandomK, SignSGD, TernGrad, TopK
+from lightning_gradcomp.compressors import (CLTK, DIANA, QSGD, Cast, Compressor, PowerSGD, RandomK, SignSGD,
+                                            TernGrad, TopK)
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 if str(TESTS_DIR) not in sys.path:
@@ -69,6 +70,8 @@ def build_case(case: str, *, timeout: Optional[float] = None, nonfinite: str = "
         "signsgd": lambda: SignSGD(bucket_size=128),
         "qsgd": lambda: QSGD(bits=4, bucket_size=128),
         "terngrad": lambda: TernGrad(bucket_size=128),
+        "fp16": lambda: Cast(torch.float16),  # no flag collective: the decision is made on the result
+        "bf16": lambda: Cast(torch.bfloat16),
     }
     layerwise = LGreCo(period=3, warmup_steps=4, accumulate_steps=2, alpha=1.3) if case == "lgreco" else None
     return GradCompStrategy(compressor=compressors[case](), nonfinite=nonfinite, layerwise=layerwise, **extra)

@@ -18,7 +18,7 @@ from reliability.launch import load, losses, run, tensors
 from reliability.scenarios import MAX_EPOCHS, STEPS_PER_EPOCH, config, errors
 
 STEP = 6
-CASES = ["topk", "randomk", "cltk", "powersgd", "diana", "signsgd", "qsgd", "terngrad", "lgreco"]
+CASES = ["topk", "randomk", "cltk", "powersgd", "diana", "signsgd", "qsgd", "terngrad", "lgreco", "fp16", "bf16"]
 VALUES = ["nan", "inf", "-inf"]
 STATE = {  # where each stateful case keeps state that must exist (else the test would check nothing)
     "topk": ["memory"], "randomk": ["memory"], "cltk": ["memory"], "powersgd": ["memory", "compressor"],
@@ -55,7 +55,7 @@ def test_zero_policy_skips_the_step_and_training_continues(tmp_path: Path, case:
         assert ends[rank]["hook"]["stats"]["compressed_steps"] == MAX_EPOCHS * STEPS_PER_EPOCH - 2
 
 
-@pytest.mark.parametrize("case", ["powersgd", "diana", "signsgd"])
+@pytest.mark.parametrize("case", ["powersgd", "diana", "signsgd", "fp16"])
 def test_dense_policy_passes_the_value_on_like_ddp_but_spares_the_state(tmp_path: Path, case: str) -> None:
     ends = _inject(tmp_path, case, "nan", "dense")
     for rank, end in enumerate(ends):
