@@ -36,6 +36,7 @@ from torch import Tensor
 from lightning_gradcomp.checks import check_bucket_size, is_number
 from lightning_gradcomp.compressors.base import ReduceContext
 from lightning_gradcomp.compressors.quantized import (
+    DecodedMessages,
     QuantizedCompressor,
     Segment,
     SlotCodec,
@@ -168,16 +169,17 @@ class DIANA(QuantizedCompressor):
         return tensors
 
     def _after_encode(
-        self, tensors: list[Tensor], decoded: Sequence[Tensor], ctx: ReduceContext
+        self, tensors: list[Tensor], decoded: DecodedMessages, ctx: ReduceContext
     ) -> tuple[Optional[list[Tensor]], Optional[Sequence[Tensor]]]:
         """``local = h_i + Q(g_i - h_i)`` (this rank's gradient estimate; only when observed), and the new
         ``h_i + alpha Q(...)``."""
         local = []
-        for slot, q in zip(ctx.slots, decoded):
+        for i, slot in enumerate(ctx.slots):
             h, h_new, _, _ = self._pending[slot.name]
-            if ctx.observed:
-                local.append(h + q)
-            torch.add(h, q, alpha=self.alpha, out=h_new)
+            estimate = torch.empty_like(h) if ctx.observed else None
+            decoded.message(i).decode_add(h, self.alpha, h_new, 1.0, estimate)  # one pass from the codes
+            if estimate is not None:
+                local.append(estimate)
         return None, local if ctx.observed else None
 
     def _exact_mean(self, ctx: ReduceContext, slot: int, mean: Tensor) -> Tensor:
@@ -199,9 +201,8 @@ class DIANA(QuantizedCompressor):
 
     def _received(self, ctx: ReduceContext, seg: Segment, piece: Quantized, out: Tensor) -> None:
         _, _, shift, shift_new = self._pending[ctx.slots[seg.slot].name]
-        decoded = piece.decode()
-        torch.add(shift[seg.start : seg.end], decoded, out=out)
-        torch.add(shift[seg.start : seg.end], decoded, alpha=self.alpha, out=shift_new[seg.start : seg.end])
+        # out = H + Q and H_new = H + alpha Q in one pass from the codes
+        piece.decode_add(shift[seg.start : seg.end], 1.0, out, self.alpha, shift_new[seg.start : seg.end])
 
     def _reduced(self, ctx: ReduceContext) -> None:
         """Stage the new shifts ``h_i`` and ``H`` of every slot (every segment of them has been written)."""

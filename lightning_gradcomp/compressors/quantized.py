@@ -332,12 +332,17 @@ class DecodedMessages(Sequence[Tensor]):
     """This rank's stage-1 messages, each decoded (fp32) on first access.
 
     QSGD and TernGrad need their own decoded message only for observers (``Reduction.local``), so the full
-    dequantization pass runs only when something reads it; DIANA and SignSGD read it at once.
+    dequantization pass runs only when something reads it; SignSGD reads it at once, and DIANA adds it into its
+    shifts straight from the codes (:meth:`message`, ``Quantized.decode_add``).
     """
 
     def __init__(self, messages: list[Quantized]) -> None:
         self._messages = messages
         self._values: Optional[list[Tensor]] = None
+
+    def message(self, index: int) -> Quantized:
+        """The codes and scales of message ``index`` (not decoded)."""
+        return self._messages[index]
 
     def _decoded(self) -> list[Tensor]:
         if self._values is None:
@@ -399,7 +404,7 @@ class QuantizedCompressor(Compressor):
         return tensors
 
     def _after_encode(
-        self, tensors: list[Tensor], decoded: Sequence[Tensor], ctx: ReduceContext
+        self, tensors: list[Tensor], decoded: DecodedMessages, ctx: ReduceContext
     ) -> tuple[Optional[list[Tensor]], Optional[Sequence[Tensor]]]:
         """``(residuals, local)`` of the result, from this rank's decoded messages (see :class:`Reduction`).
 

@@ -9,7 +9,14 @@ from torch import Tensor
 
 from lightning_gradcomp.checks import check_bucket_size
 from lightning_gradcomp.compressors.base import ReduceContext
-from lightning_gradcomp.compressors.quantized import QuantizedCompressor, Segment, SlotCodec, owned_state, state_copy
+from lightning_gradcomp.compressors.quantized import (
+    DecodedMessages,
+    QuantizedCompressor,
+    Segment,
+    SlotCodec,
+    owned_state,
+    state_copy,
+)
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional.quantize import Quantized
@@ -46,7 +53,7 @@ class SignSGD(QuantizedCompressor):
         return SlotCodec(0, self.bucket_size)
 
     def _after_encode(
-        self, tensors: list[Tensor], decoded: Sequence[Tensor], ctx: ReduceContext
+        self, tensors: list[Tensor], decoded: DecodedMessages, ctx: ReduceContext
     ) -> tuple[Optional[list[Tensor]], Optional[Sequence[Tensor]]]:
         residuals = [p.sub_(c) for p, c in zip(tensors, decoded)]  # p - c, in the engine's storage
         return residuals, None

@@ -48,6 +48,7 @@ __all__ = [
     "block_quantize",
     "code_bits",
     "dequantize",
+    "dequantize_add",
     "group_norms",
     "hashed_uniform",
     "levels_for_bits",
@@ -93,6 +94,12 @@ class Quantized(NamedTuple):
     def decode(self, dtype: torch.dtype = torch.float32, out: Optional[Tensor] = None) -> Tensor:
         """The dequantized tensor, shape ``(..., n)`` (written into ``out`` when given, see :func:`dequantize`)."""
         return dequantize(self.codes, self.scales, self.levels, self.group_size, dtype=dtype, out=out)
+
+    def decode_add(
+        self, base: Tensor, alpha: float, out: Tensor, alpha2: Optional[float] = None, out2: Optional[Tensor] = None
+    ) -> None:
+        """``out = base + alpha * decode()`` (and ``out2 = base + alpha2 * decode()``), see :func:`dequantize_add`."""
+        dequantize_add(self.codes, self.scales, self.levels, self.group_size, base, alpha, out, alpha2, out2)
 
 
 def parse_p(p: PNorm) -> float:
@@ -457,6 +464,58 @@ def dequantize(
         step = (scales.to(dtype) / float(levels)).unsqueeze(-1)
         result = _ungrouped(values.sub_(float(levels)).mul_(step), n)
     return result if out is None else out.copy_(result)
+
+
+def dequantize_add(
+    codes: Tensor,
+    scales: Tensor,
+    levels: int,
+    group_size: int,
+    base: Tensor,
+    alpha: float,
+    out: Tensor,
+    alpha2: Optional[float] = None,
+    out2: Optional[Tensor] = None,
+    level: Optional[int] = None,
+) -> None:
+    """``out = base + alpha * d`` (and ``out2 = base + alpha2 * d`` when given), ``d`` the decoded 1-D ``codes``.
+
+    Each entry is ``torch.add(base, d, alpha=alpha)`` to the bit (one fused multiply-add, as torch's AVX2 and
+    AVX-512 kernels compute it). The compiled kernel never writes ``d`` out: one pass reads the codes and ``base``
+    and writes the outputs (fp32, contiguous, ``codes``' length; ``out`` may be ``base`` itself). Otherwise ``d``
+    is decoded by :func:`dequantize` and added by torch.
+
+    Example::
+
+        >>> codes, out = torch.tensor([0, 1, 2], dtype=torch.uint8), torch.empty(3)
+        >>> dequantize_add(codes, torch.tensor([4.0]), 1, 3, torch.ones(3), 0.5, out)
+        >>> out.tolist()
+        [-1.0, 1.0, 3.0]
+    """
+    n = codes.shape[-1]
+    outputs = [out] if out2 is None else [out, out2]
+    for tensor in (base, *outputs):
+        if tensor.dtype != torch.float32 or tensor.shape != (n,):
+            raise ValueError(
+                f"`base` and the outputs must be fp32 of shape {(n,)}, got {tensor.dtype} {tuple(tensor.shape)}"
+            )
+    if (
+        codes.dim() == 1
+        and _native_codes(codes, scales, group_size)
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in (base, *outputs))
+    ):
+        kernel = _native.load()
+        if kernel is not None:
+            kernel.dequantize_add(
+                codes.data_ptr(), n, scales.data_ptr(), group_size, levels, base.data_ptr(), float(alpha),
+                out.data_ptr(), 0.0 if alpha2 is None else float(alpha2), 0 if out2 is None else out2.data_ptr(),
+                _level(kernel, level),
+            )  # fmt: skip
+            return
+    values = dequantize(codes, scales, levels, group_size)
+    if out2 is not None:  # before ``out``, which may be ``base``
+        torch.add(base, values, alpha=1.0 if alpha2 is None else alpha2, out=out2)
+    torch.add(base, values, alpha=alpha, out=out)
 
 
 def _level(kernel: ModuleType, level: Optional[int]) -> int:

@@ -160,6 +160,46 @@ def test_dequantize_is_bit_identical(n: int, group_size: int, level: int) -> Non
             assert _bits_equal(dequantize(c, s, levels, group_size), ref)
 
 
+@needs_kernel
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("group_size", [1, 7, 128, 512, 1500])  # 1500: a group spans the kernel's 512-entry chunks
+@pytest.mark.parametrize("n", SIZES)
+def test_dequantize_add_is_bit_identical_to_decode_then_torch_add(n: int, group_size: int, level: int) -> None:
+    """DIANA's shift updates: ``base + alpha * d`` from the codes, each entry torch.add's fused multiply-add."""
+    gen = torch.Generator().manual_seed(n + 3 * group_size)
+    groups = quantize.num_groups(n, group_size)
+    for levels in (0, *QUANT_LEVELS):
+        codes = torch.randint(0, 2 * levels + 1 if levels else 2, (n,), generator=gen, dtype=torch.uint8)
+        scales = torch.randn(groups, generator=gen).abs()
+        scales[::5] = 0.0
+        scales[1::7] = 1e-41
+        scales[2::11] = float("inf")
+        scales[4::17] = 3e38
+        base = _inputs("special" if levels % 2 else "nonfinite", n, levels)
+        decoded = dequantize(codes, scales, levels, group_size)
+        for alpha, alpha2 in ((0.37, 1.0), (1.0, 1 / 129), (2.0 ** -7, None)):
+            want = torch.add(base, decoded, alpha=alpha)
+            want2 = None if alpha2 is None else torch.add(base, decoded, alpha=alpha2)
+            out, out2 = torch.full((n,), 7.0), None if alpha2 is None else torch.full((n,), 7.0)
+            quantize.dequantize_add(codes, scales, levels, group_size, base, alpha, out, alpha2, out2, level=level)
+            assert _bits_equal(out, want) and (out2 is None or _bits_equal(out2, want2))
+            with _torch_path():
+                ref = torch.empty(n)
+                quantize.dequantize_add(codes, scales, levels, group_size, base, alpha, ref)
+            assert _bits_equal(ref, want)
+        in_place = base.clone()  # ``out`` may be ``base``
+        quantize.dequantize_add(codes, scales, levels, group_size, in_place, 0.5, in_place, level=level)
+        assert _bits_equal(in_place, torch.add(base, decoded, alpha=0.5))
+
+
+def test_dequantize_add_checks_its_outputs() -> None:
+    codes, scales = torch.zeros(4, dtype=torch.uint8), torch.ones(1)
+    with pytest.raises(ValueError, match="`base` and the outputs must be fp32 of shape"):
+        quantize.dequantize_add(codes, scales, 1, 4, torch.zeros(4), 1.0, torch.empty(3))
+    with pytest.raises(ValueError, match="`base` and the outputs must be fp32 of shape"):
+        quantize.dequantize_add(codes, scales, 1, 4, torch.zeros(4, dtype=torch.float64), 1.0, torch.empty(4))
+
+
 # ------------------------------------------------------------------------------------------------ packing
 @needs_kernel
 @pytest.mark.parametrize("bits", [2, 4])

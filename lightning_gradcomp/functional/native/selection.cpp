@@ -253,6 +253,15 @@ int detect_level() {
 
 const int kLevel = detect_level();
 
+inline bool fma_supported() {
+#if LGC_X86
+    static const bool has = __builtin_cpu_supports("fma");
+    return has;
+#else
+    return false;
+#endif
+}
+
 // Sorted indices of |x| >= t (N: or NaN) at the given level, as LGC_SCAN_BODY.
 template <typename T, bool N = false>
 int64_t scan(const T* x, int64_t n, T t, int64_t* out, int64_t capacity, int level) {
@@ -653,6 +662,71 @@ void dequantize(uintptr_t codes, int64_t rows, int64_t n, int64_t code_stride, u
     }
 }
 
+// quantize.dequantize_add: out1 = base + alpha1 * d and, when out2 is not 0, out2 = base + alpha2 * d, where d is
+// the decoded row of n codes (as dequantize computes it). Each output entry is one fused multiply-add, rounded
+// once: what torch.add(base, d, alpha=a) computes with its AVX2 / AVX-512 kernels. d lives in a small stack
+// chunk, so the decoded tensor is never written out. The outputs may alias base (entry by entry).
+constexpr int64_t kAxpyChunk = 512;
+
+inline void axpy_generic(const float* d, const float* b, int64_t m, float a1, float* o1, float a2, float* o2) {
+    for (int64_t j = 0; j < m; ++j) {
+        const float x = d[j], y = b[j];
+        o1[j] = std::fma(a1, x, y);
+        if (o2 != nullptr) o2[j] = std::fma(a2, x, y);
+    }
+}
+
+#if LGC_X86
+__attribute__((target("avx2,fma"))) void axpy_avx2(const float* d, const float* b, int64_t m, float a1, float* o1,
+                                                    float a2, float* o2) {
+    const __m256 w1 = _mm256_set1_ps(a1), w2 = _mm256_set1_ps(a2);
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+        const __m256 x = _mm256_loadu_ps(d + j), y = _mm256_loadu_ps(b + j);
+        _mm256_storeu_ps(o1 + j, _mm256_fmadd_ps(w1, x, y));
+        if (o2 != nullptr) _mm256_storeu_ps(o2 + j, _mm256_fmadd_ps(w2, x, y));
+    }
+    axpy_generic(d + j, b + j, m - j, a1, o1 + j, a2, o2 == nullptr ? nullptr : o2 + j);
+}
+#endif
+
+void dequantize_add(uintptr_t codes, int64_t n, uintptr_t scales, int64_t group_size, int levels, uintptr_t base,
+                    double alpha1, uintptr_t out1, double alpha2, uintptr_t out2, int level) {
+    std::optional<py::gil_scoped_release> release;
+    if (n >= kReleaseGil) release.emplace();
+    const uint8_t* c = reinterpret_cast<const uint8_t*>(codes);
+    const float* s = reinterpret_cast<const float*>(scales);
+    const float* b = reinterpret_cast<const float*>(base);
+    float* o1 = reinterpret_cast<float*>(out1);
+    float* o2 = reinterpret_cast<float*>(out2);
+    const float a1 = static_cast<float>(alpha1), a2 = static_cast<float>(alpha2), top = static_cast<float>(levels);
+    const bool wide = LGC_X86 && std::min(level, kLevel) >= 2 && fma_supported();
+    alignas(32) float d[kAxpyChunk];
+    for (int64_t start = 0, g = 0; start < n; start += group_size, ++g) {
+        const int64_t m = std::min(group_size, n - start);
+        const float step = levels == 0 ? s[g] : s[g] / top;
+        for (int64_t off = 0; off < m; off += kAxpyChunk) {
+            const int64_t len = std::min(kAxpyChunk, m - off), at = start + off;
+            float* second = o2 == nullptr ? nullptr : o2 + at;
+            if (levels == 0) {
+                sign_generic(c + at, len, step, d);
+            } else {
+#if LGC_X86
+                if (wide) dequantize_avx2(c + at, len, top, step, d); else
+#endif
+                dequantize_generic(c + at, len, top, step, d);
+            }
+#if LGC_X86
+            if (wide) {
+                axpy_avx2(d, b + at, len, a1, o1 + at, a2, second);
+                continue;
+            }
+#endif
+            axpy_generic(d, b + at, len, a1, o1 + at, a2, second);
+        }
+    }
+}
+
 // ------------------------------------------------------------------------------------------ bit packing
 // packing.pack_bits / unpack_bits for widths that divide 8 (2 or 4; 8 / bits codes per byte, little-endian
 // in the byte, the last byte zero-padded), on rows: byte = c0 | c1 << b | ..., each shift truncated to 8
@@ -716,6 +790,7 @@ PYBIND11_MODULE(LGC_MODULE_NAME, m) {
     m.def("exact", &exact);
     m.def("stochastic_round", &stochastic_round);
     m.def("dequantize", &dequantize);
+    m.def("dequantize_add", &dequantize_add);
     m.def("pack", &pack, pybind11::call_guard<pybind11::gil_scoped_release>());
     m.def("unpack", &unpack, pybind11::call_guard<pybind11::gil_scoped_release>());
     m.attr("level") = kLevel;
