@@ -55,14 +55,16 @@ class SignSGD(QuantizedCompressor):
     def _after_encode(
         self, tensors: list[Tensor], decoded: DecodedMessages, ctx: ReduceContext
     ) -> tuple[Optional[list[Tensor]], Optional[Sequence[Tensor]]]:
-        residuals = [p.sub_(c) for p, c in zip(tensors, decoded)]  # p - c, in the engine's storage
-        return residuals, None
+        for i, p in enumerate(tensors):  # p - c in the engine's storage, straight from the codes (exactly p.sub_(c))
+            decoded.message(i).decode_add(p, -1.0, p)
+        return tensors, None
 
     def _owner_message(self, ctx: ReduceContext, seg: Segment, mean: Tensor) -> Tensor:
         return mean + owned_state(self._server, ctx.slots[seg.slot].name, seg, mean.device)
 
     def _owner_sent(self, ctx: ReduceContext, seg: Segment, message: Tensor, sent: Quantized) -> None:
-        owned_state(self._server, ctx.slots[seg.slot].name, seg, message.device).copy_(message - sent.decode())
+        server = owned_state(self._server, ctx.slots[seg.slot].name, seg, message.device)
+        sent.decode_add(message, -1.0, server)  # e <- v - c(v), in place
 
     def state_dict(self) -> dict[str, Any]:
         return {"server": state_copy(self._server)}
