@@ -389,9 +389,11 @@ class GradCompHook:
             return buf
 
         done = then_same_numerics(reduction.averaged, write_back, self.stats)
-        return self._checked(buf, dense, head, done) if check_after else done
+        return self._checked(buf, dense, head, done, ctx) if check_after else done
 
-    def _checked(self, buf: Tensor, dense: tuple[LayerSlot, ...], head: Optional[Future], done: Future) -> Future:
+    def _checked(
+        self, buf: Tensor, dense: tuple[LayerSlot, ...], head: Optional[Future], done: Future, ctx: ReduceContext
+    ) -> Future:
         """``done`` (the compressed slots written into ``buf``) and ``head`` (the dense slots' all-reduce, or
         ``None``), then the non-finite decision on the averaged bucket.
 
@@ -399,13 +401,22 @@ class GradCompHook:
         rank's NaN/Inf left a NaN/Inf in the averaged bucket, which holds the same bits on every rank, so every rank
         decides alike without a flag collective. There is no state to spare; the event is counted and, with
         ``nonfinite="zero"``, the bucket becomes zero. With ``"dense"`` the non-finite result goes on to the
-        optimizer, as it would with DDP (its other entries are the compressor's average, not the fp32 one).
+        optimizer, as it would with DDP (its other entries are the compressor's average, not the fp32 one). When
+        the compressor checked its own result while decoding (``ctx.result_nonfinite``), only the dense slots are
+        summed here.
         """
+
+        def nonfinite(values: Tensor) -> bool:  # on the thread that completes, never the training thread
+            return not bool(torch.isfinite(values.sum(dtype=torch.float32)))
 
         def finish(_: Future) -> Tensor:
             if head is not None:
                 self._write_dense(buf, dense, head.value())
-            if not bool(torch.isfinite(buf.sum(dtype=torch.float32))):  # on the thread that completes, never training's
+            if ctx.result_nonfinite is None:
+                bad = nonfinite(buf)
+            else:
+                bad = ctx.result_nonfinite or (head is not None and nonfinite(head.value()))
+            if bad:
                 self.stats.nonfinite_steps += 1
                 if self.nonfinite == "zero":
                     buf.zero_()

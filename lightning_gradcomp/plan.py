@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -64,6 +64,23 @@ class SlotPolicy:
         for s in shape:
             numel *= s
         return (len(shape) > 1 or self.compress_1d) and numel >= self.min_numel
+
+
+def size_rule(every_layer: bool, min_numel: Optional[int], compress_1d: Optional[bool]) -> tuple[int, bool]:
+    """``(min_numel, compress_1d)`` of a strategy: the user's values, else the compressor's default.
+
+    ``every_layer`` is :attr:`Compressor.compresses_small_layers`: then every layer is compressed (``1, True``),
+    otherwise the size rule keeps vectors and layers under 1024 elements dense (``1024, False``).
+
+    Example::
+
+        >>> size_rule(False, None, None), size_rule(True, None, None), size_rule(True, 4096, None)
+        ((1024, False), (1, True), (4096, True))
+    """
+    return (
+        (1 if every_layer else 1024) if min_numel is None else min_numel,
+        every_layer if compress_1d is None else compress_1d,
+    )
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, is_collective_failur
 from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, HierarchySpec, check_hierarchy, group_size_for
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta
-from lightning_gradcomp.plan import SlotPolicy
+from lightning_gradcomp.plan import SlotPolicy, size_rule
 from lightning_gradcomp.presets import PRESETS, preset_class, register_presets
 from lightning_gradcomp.schedule import CompressionSchedule, as_schedule
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
@@ -68,8 +68,11 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             name (``"topk"``...). ``None`` means :class:`NoCompression` (plain DDP numerics).
         start_step: first optimizer step that is compressed; steps before it are all-reduced densely.
             At least 2, because DDP rebuilds its buckets after the first step.
-        min_numel: smallest tensor (elements) that is compressed; smaller ones go dense.
-        compress_1d: also compress 1-D tensors (biases, norm weights); off by default.
+        min_numel: smallest tensor (elements) that is compressed; smaller ones go dense. Default 1024, or 1 for a
+            compressor that :attr:`~lightning_gradcomp.compressors.base.Compressor.compresses_small_layers` (the
+            fp16/bf16 casts, which then cast every layer, like PyTorch's ``fp16_compress_hook``).
+        compress_1d: also compress 1-D tensors (biases, norm weights); default off, on for a compressor that
+            ``compresses_small_layers``.
         small_param: compress the tensors that ``min_numel`` / ``compress_1d`` leave out too, with this
             compression parameter (a density such as 0.25 for the sparsifiers, bits for the quantizers) instead
             of all-reducing them dense: on small models they otherwise cap the ratio. ``None``: dense.
@@ -107,8 +110,8 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         self,
         compressor: Union[Compressor, str, None] = None,
         start_step: int = 2,
-        min_numel: int = 1024,
-        compress_1d: bool = False,
+        min_numel: Optional[int] = None,
+        compress_1d: Optional[bool] = None,
         small_param: Union[int, float, None] = None,
         beta: float = 1.0,
         seed: int = 0,
@@ -127,6 +130,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
                 )
         self.compressor = as_compressor(compressor)
         self.start_step = check_int("start_step", start_step, 2)
+        min_numel, compress_1d = size_rule(self.compressor.compresses_small_layers, min_numel, compress_1d)
         self.policy = SlotPolicy(
             min_numel=check_int("min_numel", min_numel, 1),
             compress_1d=check_bool("compress_1d", compress_1d),

@@ -154,14 +154,29 @@ def test_nonfinite_gradient_spares_the_memory(tmp_path: Path, policy: str) -> No
         assert not bool(torch.isfinite(records[0]["params"][-1]).all())
 
 
+@pytest.mark.parametrize("value", [float("nan"), 1e6])
+def test_cast_decides_on_the_result_without_a_flag(tmp_path: Path, value: float) -> None:
+    """fp16 sends no NaN/Inf flag: a NaN, or a finite 1e6 whose fp16 cast overflows (inf), shows in the averaged
+    bucket, identical on every rank, and is caught there (counted once; "zero": the step adds nothing)."""
+    records = fit(strategy(Cast(torch.float16), nonfinite="zero"), tmp_path, max_epochs=2, model=_NaNOnce(value))
+    assert_replicas_identical(records)
+    for rank in range(2):
+        assert records[rank]["stats"]["nonfinite_steps"] == 1
+        assert all(bool(torch.isfinite(p).all()) for p in records[rank]["params"])
+
+
 class _NaNOnce(TinyNet):
-    """Rank 1's gradient of ``body.2.weight`` holds a NaN at step 4 (injected before the comm hook runs)."""
+    """Rank 1's gradient of ``body.2.weight`` holds ``value`` (NaN) at step 4 (injected before the comm hook runs)."""
+
+    def __init__(self, value: float = float("nan")) -> None:
+        super().__init__()
+        self.value = value
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.trainer.global_step == 4 and self.global_rank == 1:
             def poison(grad: torch.Tensor) -> torch.Tensor:
                 handle.remove()
-                return grad.index_fill(0, torch.tensor([0]), float("nan"))
+                return grad.index_fill(0, torch.tensor([0]), self.value)
 
             handle = self.body[2].weight.register_hook(poison)
         return super().training_step(batch, batch_idx)

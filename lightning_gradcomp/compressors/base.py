@@ -56,6 +56,9 @@ class ReduceContext:
             return once it no longer reads its inputs: the engine then copies nothing back. Its contents are dead,
             except for a compressor that borrows its inputs (:attr:`Compressor.borrows_inputs`): then these are the
             inputs themselves. ``None`` when there are none (see :meth:`output`).
+        result_nonfinite: set while decoding by a compressor that :attr:`Compressor.propagates_nonfinite` and
+            checked its averaged values for NaN/Inf in the same pass (whether it found any); the engine then checks
+            only the dense slots itself. ``None``: the engine checks the whole bucket.
     """
 
     comm: Comm
@@ -66,6 +69,7 @@ class ReduceContext:
     seed: int = 0
     observed: bool = True
     outputs: Optional[Sequence[Tensor]] = None
+    result_nonfinite: Optional[bool] = None
 
     def output(self, index: int, like: Tensor) -> Tensor:
         """A zeroed fp32 tensor for slot ``index``'s averaged result: :attr:`outputs` ``[index]`` when there is one,
@@ -140,6 +144,12 @@ class Compressor(ABC):
     feedback the engine then passes views of the bucket (fp32, no loss scale) instead of fresh copies, saving a pass
     over the gradient; the bucket's compressed slots are overwritten with the result anyway (a result that is those
     very views is not copied again). Leave ``False`` when unsure."""
+
+    compresses_small_layers: ClassVar[bool] = False
+    """True when the compressor suits the layers the default size rule keeps dense (vectors, layers under 1024
+    elements) as well as the large ones: a cast rounds every element alike, whatever its layer. The strategies
+    then compress every layer unless the user sets ``min_numel`` / ``compress_1d``; a bucket is then one slot
+    back to back, with no dense part to all-reduce beside it."""
 
     propagates_nonfinite: ClassVar[bool] = False
     """True when the compressor keeps no state (no error feedback, nothing it stages or commits) and its averaged

@@ -9,6 +9,7 @@ from lightning_gradcomp.checks import check_dtype
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, contiguous_span, split_flat
 from lightning_gradcomp.compressors.registry import register
+from lightning_gradcomp.functional.half import scaled_cast, widen
 from lightning_gradcomp.presets import register_preset
 
 __all__ = ["Cast"]
@@ -29,6 +30,7 @@ class Cast(Compressor):
 
     borrows_inputs = True  # read by one pass, then overwritten by the result
     propagates_nonfinite = True  # stateless; NaN and Inf survive the 16-bit sum (so does an fp16 overflow)
+    compresses_small_layers = True  # biases and norms are cast too, as by PyTorch's fp16_compress_hook
 
     def __init__(self, dtype: torch.dtype | str = torch.float16) -> None:
         self.dtype: torch.dtype = check_dtype("dtype", dtype, _ALLOWED)
@@ -36,13 +38,15 @@ class Cast(Compressor):
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
         """One all-reduce of the concatenated, pre-divided 16-bit slots; the result is written into ``tensors``.
 
-        No concatenated fp32 copy: the slots are divided by W in place and cast into the 16-bit buffer (through one
-        view when they lie back to back), and the sum is widened back into them."""
+        No concatenated fp32 copy. When the slots lie back to back (every layer is cast by default, so a bucket is
+        one span) they are cast through one view, divided by W on the way (:func:`~.half.scaled_cast`), and the sum
+        is widened back with its NaN/Inf check in the same pass (:func:`~.half.widen`, reported in
+        ``ctx.result_nonfinite``); otherwise they are divided in place and concatenated into the 16-bit buffer."""
         counts = [t.numel() for t in tensors]
         span = contiguous_span(tensors)
         flat = torch.empty(sum(counts), dtype=self.dtype, device=tensors[0].device)
         if span is not None:
-            flat.copy_(span.div_(ctx.world_size))  # x / W in fp32 (in place), rounded once to 16 bits
+            scaled_cast(span, ctx.world_size, flat)  # x / W in fp32, rounded once to 16 bits
         else:
             torch._foreach_div_(tensors, ctx.world_size)  # one fused launch on CUDA, not one per slot
             torch.cat(tensors, out=flat)
@@ -51,7 +55,7 @@ class Cast(Compressor):
         def decode(done: torch.futures.Future) -> list[Tensor]:
             total = done.value()
             if span is not None:
-                span.copy_(total)
+                ctx.result_nonfinite = widen(total, span)  # None without the kernel: the engine checks
                 return tensors
             return [t.copy_(piece) for t, piece in zip(tensors, split_flat(total, counts))]
 

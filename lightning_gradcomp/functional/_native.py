@@ -33,11 +33,14 @@ Kernel functions (each reads ``x`` as flat; results are identical to the NumPy s
   last), the threshold pass and the trim to the ``k`` largest candidates.
 * :func:`exact`: the exact top-``k`` of a small tensor (the k-th largest ``|x|`` among the entries above a
   sampled threshold, then a pass at it).
-* ``stochastic_round``, ``dequantize``, ``pack`` and ``unpack`` (called by :mod:`.quantize` and
-  :mod:`.packing`, which check their arguments): stochastic rounding of fp32 groups with the counter-based
-  uniform draws of ``quantize.hashed_uniform`` computed in registers, decoding of ``uint8`` codes, and 2/4-bit
+* ``stochastic_round``, ``dequantize``, ``dequantize_add``, ``pack`` and ``unpack`` (called by :mod:`.quantize`
+  and :mod:`.packing`, which check their arguments): stochastic rounding of fp32 groups with the counter-based
+  uniform draws of ``quantize.hashed_uniform`` computed in registers, decoding of ``uint8`` codes (also straight
+  into ``base + alpha * d``, by an explicit fused multiply-add as torch's ``add`` computes it), and 2/4-bit
   (un)packing, each bit-identical to the torch steps it replaces (the build turns FMA contraction off, so every
-  fp32 step rounds as torch's does).
+  other fp32 step rounds as torch's does).
+* ``scaled_cast`` and ``widen`` (called by :mod:`.half`): ``x / d`` rounded to fp16/bf16 in one pass, and 16 bits
+  widened back to fp32 with a NaN/Inf check in the same pass (F16C conversions, as torch's vector loop uses).
 """
 
 from __future__ import annotations

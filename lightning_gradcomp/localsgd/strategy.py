@@ -42,7 +42,7 @@ from lightning_gradcomp.compressors.registry import as_compressor
 from lightning_gradcomp.distributed import DEFAULT_TIMEOUT
 from lightning_gradcomp.localsgd.engine import OUTERS, OuterSync
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta
-from lightning_gradcomp.plan import SlotPolicy
+from lightning_gradcomp.plan import SlotPolicy, size_rule
 from lightning_gradcomp.presets import register_preset, register_presets
 from lightning_gradcomp.replicas import DivergentReplicas
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
@@ -110,8 +110,9 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             follows the learning-rate schedule (use QSGD for unbiased quantization).
         fragments: F, number of parameter groups synchronized in turn; must divide ``local_steps`` and be at
             most the number of trainable parameter tensors (checked at setup).
-        min_numel: smallest tensor (elements) that is compressed; smaller ones join the dense all-reduce.
-        compress_1d: also compress 1-D tensors (biases, norm weights).
+        min_numel: smallest tensor (elements) that is compressed; smaller ones join the dense all-reduce. Default
+            1024, or 1 for a compressor that ``compresses_small_layers`` (the casts).
+        compress_1d: also compress 1-D tensors (biases, norm weights); default off, on for the casts.
         beta: error-feedback low-pass factor in (0, 1].
         seed: base seed of the compressor's generators.
         sync_at_end: synchronize the remaining local progress when ``fit`` ends (else every rank loads the
@@ -138,8 +139,8 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         outer_momentum: float = 0.9,
         compressor: Union[Compressor, str, None] = None,
         fragments: int = 1,
-        min_numel: int = 1024,
-        compress_1d: bool = False,
+        min_numel: Optional[int] = None,
+        compress_1d: Optional[bool] = None,
         beta: float = 1.0,
         seed: int = 0,
         sync_at_end: bool = True,
@@ -180,6 +181,7 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
                 f"`overlap` must be at most local_steps / fragments ({self.local_steps // self.fragments}"
                 f"): one fragment exchange is in flight at a time; got overlap={self.overlap}"
             )
+        min_numel, compress_1d = size_rule(self.compressor.compresses_small_layers, min_numel, compress_1d)
         self.policy = SlotPolicy(
             min_numel=check_int("min_numel", min_numel, 1), compress_1d=check_bool("compress_1d", compress_1d)
         )
