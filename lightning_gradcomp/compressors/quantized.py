@@ -320,12 +320,19 @@ def _generator(ctx: ReduceContext, codec: SlotCodec, device: torch.device, salt:
     return None if codec.levels == 0 else ctx.generator(device, shared=False, salt=salt)
 
 
-def _rank_ordered_mean(decoded: Tensor) -> Tensor:
-    """``sum_r decoded[r] / W`` summed strictly in rank order (identical on every rank)."""
-    acc = decoded[0].clone()
-    for r in range(1, decoded.shape[0]):
-        acc += decoded[r]
-    return acc.div_(decoded.shape[0])
+def _rank_ordered_mean(piece: Quantized) -> Tensor:
+    """``sum_r decode(piece[r]) / W`` over the ``W`` rows of ``piece``, summed strictly in rank order (identical on
+    every rank). Each row after the first is added straight from its codes (``decode_add``: the same single
+    rounding as ``acc += row``), so the rows are never decoded into a ``(W, n)`` temporary."""
+    rows = piece.codes.shape[0]
+
+    def row(r: int) -> Quantized:
+        return Quantized(piece.codes[r], piece.scales[r], piece.levels, piece.group_size)
+
+    acc = row(0).decode()
+    for r in range(1, rows):
+        row(r).decode_add(acc, 1.0, acc)
+    return acc.div_(rows)
 
 
 class DecodedMessages(Sequence[Tensor]):
@@ -488,7 +495,7 @@ class QuantizedCompressor(Compressor):
         device = messages[0].codes.device
         gathered = ctx.comm.all_gather(layout.pack(0, messages, device, whole_slots=True), shares=shares)
         for seg, piece in zip(layout.chunks[0].segments, layout.unpack(0, gathered)):
-            out[seg.slot][seg.start : seg.end] = self._exact_mean(ctx, seg.slot, _rank_ordered_mean(piece.decode()))
+            out[seg.slot][seg.start : seg.end] = self._exact_mean(ctx, seg.slot, _rank_ordered_mean(piece))
         return out
 
     def _reduce_alltoall(
@@ -510,7 +517,7 @@ class QuantizedCompressor(Compressor):
 
         replies = []
         for seg, piece in zip(layout.chunks[rank].segments, layout.unpack(rank, recv.view(world, size))):
-            message = self._owner_message(ctx, seg, _rank_ordered_mean(piece.decode()))
+            message = self._owner_message(ctx, seg, _rank_ordered_mean(piece))
             codec = codecs[seg.slot]
             owner_stream = _generator(ctx, codec, message.device, ctx.slots[seg.slot].name + "/owner")
             sent = codec.quantize(message, owner_stream)
