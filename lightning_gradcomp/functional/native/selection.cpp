@@ -807,26 +807,19 @@ __attribute__((target("avx2"))) int64_t cast_bf16_avx2(const float* x, int64_t n
     return j;
 }
 
-__attribute__((target("avx2,f16c"))) int64_t widen_fp16_avx2(const uint16_t* h, int64_t n, float* out, bool* bad) {
-    const __m128i exponent = _mm_set1_epi16(0x7c00);
+// 16-bit values (bf16 when Bf16, else fp16) into fp32; ORs "exponent all ones" (NaN or inf) into *bad.
+template <bool Bf16>
+__attribute__((target("avx2,f16c"))) int64_t widen_avx2(const uint16_t* h, int64_t n, float* out, bool* bad) {
+    const __m128i exponent = _mm_set1_epi16(Bf16 ? 0x7f80 : 0x7c00);
     __m128i seen = _mm_setzero_si128();
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j));
-        _mm256_storeu_ps(out + j, _mm256_cvtph_ps(v));
-        seen = _mm_or_si128(seen, _mm_cmpeq_epi16(_mm_and_si128(v, exponent), exponent));
-    }
-    *bad = *bad || !_mm_testz_si128(seen, seen);
-    return j;
-}
-
-__attribute__((target("avx2"))) int64_t widen_bf16_avx2(const uint16_t* h, int64_t n, float* out, bool* bad) {
-    const __m128i exponent = _mm_set1_epi16(0x7f80);
-    __m128i seen = _mm_setzero_si128();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+        if constexpr (Bf16) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+        } else {
+            _mm256_storeu_ps(out + j, _mm256_cvtph_ps(v));
+        }
         seen = _mm_or_si128(seen, _mm_cmpeq_epi16(_mm_and_si128(v, exponent), exponent));
     }
     *bad = *bad || !_mm_testz_si128(seen, seen);
@@ -857,7 +850,7 @@ bool widen(uintptr_t src, int64_t n, int kind, uintptr_t dst, int level) {
     int64_t j = 0;
 #if LGC_X86
     if (std::min(level, kLevel) >= 2 && f16c_supported())
-        j = kind == 0 ? widen_fp16_avx2(h, n, out, &bad) : widen_bf16_avx2(h, n, out, &bad);
+        j = kind == 0 ? widen_avx2<false>(h, n, out, &bad) : widen_avx2<true>(h, n, out, &bad);
 #endif
     const uint16_t exponent = kind == 0 ? 0x7c00 : 0x7f80;
     for (; j < n; ++j) {
