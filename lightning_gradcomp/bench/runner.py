@@ -95,9 +95,9 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def work_ms_of(row: dict[str, Any]) -> float:
-    """Compression work per step (ms): our communication thread's time minus its blocking waits for collectives;
-    for PyTorch's hooks, their body plus their Future callbacks minus the callbacks' waits (older results without
-    a thread time: the hook's time on the autograd thread)."""
+    """Compression work per step (ms): our communication thread's time minus its blocking waits for collectives, plus
+    our Future callbacks that ran on gloo's threads; for PyTorch's hooks, their body plus their Future callbacks
+    minus the callbacks' waits (older results without a thread time: the hook's time on the autograd thread)."""
     thread = row.get("thread_ms_per_step", 0.0)
     return thread - row.get("wait_ms_per_step", 0.0) if thread > 0 else row["hook_ms_per_step"]
 
@@ -330,8 +330,9 @@ def print_report(result: dict[str, Any]) -> None:
         console.print(
             f"references: clone {refs['clone_ms']:.2f} ms, rand_like {refs['rand_like_ms']:.2f} ms, "
             f"fp16 cast {refs['half_ms']:.2f} ms, each into a buffer allocated once; work = our "
-            "communication thread's time minus its blocking waits for collectives (compression, decoding, "
-            "packing); for PyTorch's hooks, their body plus their Future callbacks, minus waits; state = the "
+            "communication thread's time minus its blocking waits for collectives, plus our Future callbacks "
+            "run on gloo's threads (compression, decoding, packing); for PyTorch's hooks, their body plus their "
+            "Future callbacks, minus waits; state = the "
             "tensors a configuration keeps between steps beyond DDP's (memories, compressor state), "
             "in MiB and in fp32 copies of the model's gradient"
         )
