@@ -417,12 +417,13 @@ def sign_quantize(x: Tensor, bucket_size: int) -> Quantized:
         (1, [1, 0, 1, 1], [2.0, 2.0], [2.0, -2.0, 2.0, 2.0])
     """
     x = x.reshape(-1)
-    n = x.numel()
-    counts = torch.full((num_groups(n, bucket_size),), float(bucket_size), dtype=x.dtype, device=x.device)
-    if n % bucket_size:
-        counts[-1] = n % bucket_size
-    scales = (group_norms(x, bucket_size, 1) / counts).to(torch.float32)
-    return Quantized(torch.ge(x, 0).view(torch.uint8), scales, 0, int(bucket_size))  # bool is one byte of 0 or 1
+    size = int(bucket_size)
+    full = x.numel() // size * size
+    parts = [x[:full].reshape(-1, size).abs().sum(dim=-1).div_(size)] if full else []
+    if full < x.numel():  # the short last bucket: its own mean
+        parts.append(x[full:].abs().sum(dim=-1, keepdim=True).div_(x.numel() - full))
+    scales = x.new_empty(0) if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+    return Quantized(torch.ge(x, 0).view(torch.uint8), scales.to(torch.float32), 0, size)  # bool: one byte, 0 or 1
 
 
 def dequantize(
