@@ -41,7 +41,9 @@ from lightning_gradcomp.compressors.quantized import (
     Segment,
     SlotCodec,
     check_p,
+    owned_moved,
     owned_state,
+    stage_owned,
     state_copy,
 )
 from lightning_gradcomp.compressors.registry import register
@@ -189,15 +191,13 @@ class DIANA(QuantizedCompressor):
 
     def _owner_message(self, ctx: ReduceContext, seg: Segment, mean: Tensor) -> Tensor:
         name = ctx.slots[seg.slot].name
-        entry = self._owned.get(name)
-        if entry is not None and (int(entry["start"]) != seg.start or entry["value"].numel() != seg.numel):
+        if owned_moved(self._owned, name, seg):
             warnings.warn(
                 f"DIANA: the chunk of {name!r} owned by this rank moved; its master shift restarts at 0", stacklevel=2
             )
         own = owned_state(self._owned, name, seg, mean.device)
-        g_hat = own + mean
-        own.add_(mean, alpha=self.alpha)
-        return g_hat.sub_(self._pending[name][2][seg.start : seg.end])
+        stage_owned(self._owned, name, seg, torch.add(own, mean, alpha=self.alpha))  # h_own + alpha * mean
+        return torch.add(own, mean).sub_(self._pending[name][2][seg.start : seg.end])  # g_hat - H
 
     def _received(self, ctx: ReduceContext, seg: Segment, piece: Quantized, out: Tensor) -> None:
         _, _, shift, shift_new = self._pending[ctx.slots[seg.slot].name]

@@ -63,7 +63,9 @@ __all__ = [
     "check_aggregation",
     "check_p",
     "layer_rotation",
+    "owned_moved",
     "owned_state",
+    "stage_owned",
     "split_groups",
     "state_copy",
     "wire_bytes",
@@ -291,20 +293,30 @@ def wire_bytes(
     return float((world_size - 1) * payload * (2 if aggregation == "alltoall" else 1))
 
 
+def owned_moved(store: Union[StagedState, dict[str, dict[str, Any]]], name: str, seg: Segment) -> bool:
+    """Whether layer ``name`` has owned state for another range than ``seg`` (the chunk this rank owns moved)."""
+    entry = store.peek(name) if isinstance(store, StagedState) else store.get(name)
+    return entry is not None and (int(entry["start"]) != seg.start or entry["value"].numel() != seg.numel)
+
+
 def owned_state(
     store: Union[StagedState, dict[str, dict[str, Any]]], name: str, seg: Segment, device: torch.device
 ) -> Tensor:
-    """The fp32 state of the piece ``seg`` of layer ``name`` that this rank owns (zeros when new or moved).
+    """The committed fp32 state of the piece ``seg`` of layer ``name`` that this rank owns, to read only (zeros when
+    new or moved); :func:`stage_owned` stores its new value. No working copy is made.
 
-    ``store[name]`` is ``{"start": first element, "value": tensor}``; a different range replaces it.
+    ``store[name]`` is ``{"start": first element, "value": tensor}``.
     """
-    entry = store.get(name)
-    if entry is None or int(entry["start"]) != seg.start or entry["value"].numel() != seg.numel:
-        entry = {"start": seg.start, "value": torch.zeros(seg.numel, dtype=torch.float32, device=device)}
-        store[name] = entry
-    elif entry["value"].device != device:
-        entry["value"] = entry["value"].to(device)
-    return entry["value"]
+    entry = store.peek(name) if isinstance(store, StagedState) else store.get(name)
+    if entry is None or owned_moved(store, name, seg):
+        return torch.zeros(seg.numel, dtype=torch.float32, device=device)
+    value: Tensor = entry["value"]
+    return value if value.device == device else value.to(device)
+
+
+def stage_owned(store: Union[StagedState, dict[str, dict[str, Any]]], name: str, seg: Segment, value: Tensor) -> None:
+    """Store ``value`` as the new owned state of piece ``seg`` of layer ``name`` (staged until the step commits)."""
+    store[name] = {"start": seg.start, "value": value}
 
 
 def state_copy(store: Union[StagedState, dict[str, Any]]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
 from lightning_gradcomp.checks import check_bucket_size
@@ -15,6 +16,7 @@ from lightning_gradcomp.compressors.quantized import (
     Segment,
     SlotCodec,
     owned_state,
+    stage_owned,
     state_copy,
 )
 from lightning_gradcomp.compressors.registry import register
@@ -63,8 +65,9 @@ class SignSGD(QuantizedCompressor):
         return mean + owned_state(self._server, ctx.slots[seg.slot].name, seg, mean.device)
 
     def _owner_sent(self, ctx: ReduceContext, seg: Segment, message: Tensor, sent: Quantized) -> None:
-        server = owned_state(self._server, ctx.slots[seg.slot].name, seg, message.device)
-        sent.decode_add(message, -1.0, server)  # e <- v - c(v), in place
+        server = torch.empty_like(message)
+        sent.decode_add(message, -1.0, server)  # e <- v - c(v), straight from the codes
+        stage_owned(self._server, ctx.slots[seg.slot].name, seg, server)
 
     def state_dict(self) -> dict[str, Any]:
         return {"server": state_copy(self._server)}
