@@ -155,11 +155,17 @@ def test_nonfinite_gradient_spares_the_memory(tmp_path: Path, policy: str) -> No
 
 
 @pytest.mark.parametrize("value", [float("nan"), 1e6])
-def test_cast_decides_on_the_result_without_a_flag(tmp_path: Path, value: float) -> None:
+@pytest.mark.parametrize("size_rule", [{}, {"min_numel": 1024, "compress_1d": False}])
+def test_cast_decides_on_the_result_without_a_flag(tmp_path: Path, value: float, size_rule: dict) -> None:
     """fp16 sends no NaN/Inf flag: a NaN, or a finite 1e6 whose fp16 cast overflows (inf), shows in the averaged
-    bucket, identical on every rank, and is caught there (counted once; "zero": the step adds nothing)."""
-    records = fit(strategy(Cast(torch.float16), nonfinite="zero"), tmp_path, max_epochs=2, model=_NaNOnce(value))
+    bucket, identical on every rank, and is caught there (counted once; "zero": the step adds nothing). By default
+    every layer is cast (one span, checked by the kernel's widening pass); with the default size rule of the other
+    compressors, biases and small layers go dense in an async all-reduce and the whole bucket is checked."""
+    cast = strategy(Cast(torch.float16), nonfinite="zero", **size_rule)
+    records = fit(cast, tmp_path, max_epochs=2, model=_NaNOnce(value))
     assert_replicas_identical(records)
+    dense = {name for name, layer in records[0]["stats"]["layers"].items() if not layer["compressed"]}
+    assert bool(dense) == bool(size_rule)  # biases and the head go dense only under the explicit rule
     for rank in range(2):
         assert records[rank]["stats"]["nonfinite_steps"] == 1
         assert all(bool(torch.isfinite(p).all()) for p in records[rank]["params"])

@@ -64,12 +64,16 @@ OPTIONS: dict[str, dict[str, Any]] = {  # variants of the strategy's parameter o
     "topk-small-warmup": {"small_param": 0.5, "schedule": WarmupSchedule(steps=4, start=0.6, stages=2)},
     "qsgd-small-warmup": {"small_param": 6, "schedule": WarmupSchedule(steps=4, start=8, stages=2)},
     "powersgd-schedule": {**FLAT, "schedule": {2: 3, 3: 2, 4: 1}},
+    # the casts under the other compressors' size rule: dense slots between cast ones (async dense all-reduce,
+    # the slots divided and concatenated one by one, the whole bucket checked for NaN/Inf afterwards)
+    "fp16-size-rule": {"min_numel": 1024, "compress_1d": False},
 }
 VARIANTS.update({
     "cltk-small-schedule": lambda: CLTK(ratio=0.1),
     "topk-small-warmup": lambda: TopK(ratio=0.1),
     "qsgd-small-warmup": lambda: QSGD(bits=4, bucket_size=32),
     "powersgd-schedule": lambda: PowerSGD(rank=1),
+    "fp16-size-rule": lambda: compressors.Cast(torch.float16),
 })
 
 
@@ -148,8 +152,10 @@ def _check(name: str, world: int, results: list[dict[str, Any]]) -> list[str]:
     if not comp.dense and not compressed:
         problems.append("no layer was compressed")
     used = {p for c in results[0]["calls"] if c["step"] >= START_STEP for p in c["params"]}
-    if name in OPTIONS and len(used) < 3:  # the schedule's values, and small_param where set
+    if name in OPTIONS and comp.param_name is not None and len(used) < 3:  # the schedule's values, small_param
         problems.append(f"the parameter options had no effect: parameters used {sorted(used)}")
+    if OPTIONS.get(name, FLAT).get("min_numel", 1) > 1 and not any(c["plan"].dense for c in results[0]["calls"]):
+        problems.append("the size rule left no slot dense")
     return [f"{name} W={world}: {p}" for p in problems]
 
 
