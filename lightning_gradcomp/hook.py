@@ -61,6 +61,7 @@ from torch.futures import Future
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes, completed_future, then_same_numerics
 from lightning_gradcomp.commthread import CommThread
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
+from lightning_gradcomp.functional.finite import nonfinite_flag
 from lightning_gradcomp.hierarchy import Hierarchy
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy, build_plan
@@ -407,7 +408,7 @@ class GradCompHook:
         """
 
         def nonfinite(values: Tensor) -> bool:  # on the thread that completes, never the training thread
-            return not bool(torch.isfinite(values.sum(dtype=torch.float32)))
+            return bool(nonfinite_flag(values))
 
         def finish(_: Future) -> Tensor:
             if head is not None:
@@ -447,11 +448,7 @@ class GradCompHook:
         there is nothing to send)."""
         pieces = [buf[s.offset : s.end] for s in dense]
         if flag:  # NaN/Inf anywhere -> sum
-            pieces.append(
-                flag_value
-                if flag_value is not None
-                else (~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1)
-            )
+            pieces.append(flag_value if flag_value is not None else nonfinite_flag(buf))
         if not pieces:
             return False
         head = torch.cat(pieces).div_(self.comm.world_size)
@@ -482,11 +479,7 @@ class GradCompHook:
         width = local.numel + 1  # the shard and the node's NaN/Inf flag
         # (1) every slot to its owner, with this rank's flag (read only when compressing); row j of `rows` is what
         # local rank j sent us
-        flag = (
-            (~torch.isfinite(buf.sum(dtype=torch.float32))).to(buf.dtype).reshape(1)
-            if compressing
-            else buf.new_zeros(1)
-        )
+        flag = nonfinite_flag(buf) if compressing else buf.new_zeros(1)
         send = torch.cat(
             [piece for slots in shards.by_owner for piece in (*(buf[s.offset : s.end] for s in slots), flag)]
         )

@@ -865,6 +865,35 @@ bool widen(uintptr_t src, int64_t n, int kind, uintptr_t dst, int level) {
     return bad;
 }
 
+// ------------------------------------------------------------------------------------------ NaN/Inf scan
+// finite.nonfinite_flag: whether any of n fp32 values is NaN or infinite (exponent bits all ones), one read pass.
+#if LGC_X86
+__attribute__((target("avx2"))) int64_t any_nonfinite_avx2(const uint32_t* x, int64_t n, bool* bad) {
+    const __m256i exponent = _mm256_set1_epi32(0x7f800000);
+    __m256i seen = _mm256_setzero_si256();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
+        seen = _mm256_or_si256(seen, _mm256_cmpeq_epi32(_mm256_and_si256(v, exponent), exponent));
+    }
+    *bad = !_mm256_testz_si256(seen, seen);
+    return j;
+}
+#endif
+
+bool any_nonfinite(uintptr_t src, int64_t n, int level) {
+    std::optional<py::gil_scoped_release> release;
+    if (n >= kReleaseGil) release.emplace();
+    const uint32_t* x = reinterpret_cast<const uint32_t*>(src);
+    bool bad = false;
+    int64_t j = 0;
+#if LGC_X86
+    if (std::min(level, kLevel) >= 2) j = any_nonfinite_avx2(x, n, &bad);
+#endif
+    for (; j < n && !bad; ++j) bad = (x[j] & 0x7f800000u) == 0x7f800000u;
+    return bad;
+}
+
 // ------------------------------------------------------------------------------------------ bit packing
 // packing.pack_bits / unpack_bits for widths that divide 8 (2 or 4; 8 / bits codes per byte, little-endian
 // in the byte, the last byte zero-padded), on rows: byte = c0 | c1 << b | ..., each shift truncated to 8
@@ -931,6 +960,7 @@ PYBIND11_MODULE(LGC_MODULE_NAME, m) {
     m.def("dequantize_add", &dequantize_add);
     m.def("scaled_cast", &scaled_cast);
     m.def("widen", &widen);
+    m.def("any_nonfinite", &any_nonfinite);
     m.def("pack", &pack, pybind11::call_guard<pybind11::gil_scoped_release>());
     m.def("unpack", &unpack, pybind11::call_guard<pybind11::gil_scoped_release>());
     m.attr("level") = kLevel;
