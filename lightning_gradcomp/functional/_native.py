@@ -41,6 +41,8 @@ Kernel functions (each reads ``x`` as flat; results are identical to the NumPy s
   other fp32 step rounds as torch's does).
 * ``scaled_cast`` and ``widen`` (called by :mod:`.half`): ``x / d`` rounded to fp16/bf16 in one pass, and 16 bits
   widened back to fp32 with a NaN/Inf check in the same pass (F16C conversions, as torch's vector loop uses).
+* ``any_nonfinite`` (called by :mod:`.finite`): whether some fp32 value is NaN or infinite, one scan of the
+  exponent bits.
 """
 
 from __future__ import annotations
