@@ -22,6 +22,7 @@ from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.registry import as_compressor
 from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, is_collective_failure
+from lightning_gradcomp.functional.selection import prepare_native
 from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, HierarchySpec, check_hierarchy, group_size_for
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta
@@ -205,6 +206,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         """
         compressor = self.compressor.clone()
         compressor.prepare()
+        prepare_native()  # the engine's NaN/Inf scan of every compressed bucket runs in the compiled kernel too
         hook = GradCompHook(
             compressor,
             comm,

@@ -10,6 +10,7 @@ from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, contiguous_span, split_flat
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.functional.half import scaled_cast, widen
+from lightning_gradcomp.functional.selection import prepare_native
 from lightning_gradcomp.presets import register_preset
 
 __all__ = ["Cast"]
@@ -34,6 +35,11 @@ class Cast(Compressor):
 
     def __init__(self, dtype: torch.dtype | str = torch.float16) -> None:
         self.dtype: torch.dtype = check_dtype("dtype", dtype, _ALLOWED)
+
+    def prepare(self) -> None:
+        """Build or load the compiled kernel of the 16-bit passes now (the strategies' setup calls this), not in the
+        first ``reduce``."""
+        prepare_native()
 
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
         """One all-reduce of the concatenated, pre-divided 16-bit slots; the result is written into ``tensors``.

@@ -142,7 +142,8 @@ def load() -> ModuleType | None:
                 warnings.warn(
                     f"lightning_gradcomp: the compiled CPU kernel is unavailable "
                     f"({type(err).__name__}: {lines[0] if lines else 'no message'}); the selections "
-                    f"use NumPy and the quantizers torch instead (same results, slower). Set "
+                    f"use NumPy, and the quantizers, the casts and the NaN/Inf scan torch instead (same results, "
+                    f"slower). Set "
                     f"{DISABLE_ENV}=1 to skip building it.",
                     RuntimeWarning,
                     stacklevel=2,

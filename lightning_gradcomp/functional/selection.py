@@ -83,12 +83,13 @@ _SCRATCH_MAX = 1 << 25
 
 
 def prepare_native() -> bool:
-    """Build (once per machine, then cached) or load the compiled CPU kernel of the selections now.
+    """Build (once per machine, then cached) or load the compiled CPU kernel now: the selections', the quantizers',
+    the casts' and the engine's NaN/Inf scan.
 
-    Call it before training, so that the first CPU selection does not build it (7-20 s); the strategy's
-    setup does, through ``Compressor.prepare``. Returns whether the kernel is available: ``False`` when
-    ``LIGHTNING_GRADCOMP_NO_NATIVE=1`` or it cannot be built (then it has warned once, naming the reason, and
-    the selections use NumPy, with the same results).
+    Call it before training, so that the first CPU selection or compressed bucket does not build it (7-20 s);
+    the strategy's setup does, directly and through ``Compressor.prepare``. Returns whether the kernel is
+    available: ``False`` when ``LIGHTNING_GRADCOMP_NO_NATIVE=1`` or it cannot be built (then it has warned once,
+    naming the reason, and the selections use NumPy and the other passes torch, with the same results).
     """
     return _native.load() is not None
 

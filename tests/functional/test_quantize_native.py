@@ -9,7 +9,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from lightning_gradcomp.compressors import QSGD
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.comm import CommStats
+from lightning_gradcomp.compressors import QSGD, Cast, PowerSGD
 from lightning_gradcomp.functional import _native, quantize
 from lightning_gradcomp.functional.packing import pack_bits, packed_nbytes, unpack_bits
 from lightning_gradcomp.functional.quantize import Quantized, dequantize, stochastic_quantize
@@ -233,6 +235,26 @@ def test_quantizing_compressors_prepare_the_kernel(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(_native, "load", lambda: loads.append(1))
     QSGD(bits=4).prepare()
     assert loads == [1]
+
+
+def test_the_casts_and_the_strategy_prepare_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The casts' 16-bit passes and the engine's NaN/Inf scan use the kernel: it is built in setup, not in the first
+    compressed bucket."""
+    loads = []
+    monkeypatch.setattr(_native, "load", lambda: loads.append(1))
+    Cast(torch.float16).prepare()
+    assert loads == [1]
+    strategy = GradCompStrategy(compressor=PowerSGD(rank=2))  # no kernel of its own
+    strategy.make_hook(_FakeComm(), {})
+    assert loads == [1, 1]
+
+
+class _FakeComm:
+    """What ``make_hook`` reads of a ``Comm`` without a process group."""
+
+    def __init__(self) -> None:
+        self.stats = CommStats()
+        self.world_size, self.rank = 1, 0
 
 
 def test_without_the_kernel_the_torch_steps_run(monkeypatch: pytest.MonkeyPatch) -> None:
