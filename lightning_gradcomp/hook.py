@@ -431,8 +431,14 @@ class GradCompHook:
         The Future resolves to the summed, concatenated slots (:meth:`_write_dense` puts them back)."""
         if not dense:
             return None
-        head = torch.cat([buf[s.offset : s.end] for s in dense]).div_(self.comm.world_size)
-        return comm.all_reduce(head, async_op=True, shares=[(s.name, s.numel) for s in dense])
+        return comm.all_reduce(
+            self._dense_payload(buf, dense), async_op=True, shares=[(s.name, s.numel) for s in dense]
+        )
+
+    def _dense_payload(self, buf: Tensor, dense: tuple[LayerSlot, ...], flag: Optional[Tensor] = None) -> Tensor:
+        """The slots ``dense`` of ``buf``, then ``flag`` when given, concatenated and divided by W (the head)."""
+        pieces = [buf[s.offset : s.end] for s in dense]
+        return torch.cat(pieces if flag is None else [*pieces, flag]).div_(self.comm.world_size)
 
     @staticmethod
     def _write_dense(buf: Tensor, dense: tuple[LayerSlot, ...], head: Tensor) -> None:
@@ -446,12 +452,11 @@ class GradCompHook:
         """All-reduce ``dense`` (divided by W), plus a "NaN/Inf in ``buf``" flag (or ``flag_value``) when ``flag``,
         in **one** collective over ``comm``; write them back. Returns whether any rank flagged (skipped when
         there is nothing to send)."""
-        pieces = [buf[s.offset : s.end] for s in dense]
-        if flag:  # NaN/Inf anywhere -> sum
-            pieces.append(flag_value if flag_value is not None else nonfinite_flag(buf))
-        if not pieces:
+        if not dense and not flag:
             return False
-        head = torch.cat(pieces).div_(self.comm.world_size)
+        # the flags are summed: NaN/Inf anywhere makes the sum non-zero
+        marker = (flag_value if flag_value is not None else nonfinite_flag(buf)) if flag else None
+        head = self._dense_payload(buf, dense, marker)
         comm.all_reduce(head, shares=[(s.name, s.numel) for s in dense])
         self._write_dense(buf, dense, head)
         return flag and bool(head[-1] != 0)

@@ -293,28 +293,38 @@ def wire_bytes(
     return float((world_size - 1) * payload * (2 if aggregation == "alltoall" else 1))
 
 
-def owned_moved(store: Union[StagedState, dict[str, dict[str, Any]]], name: str, seg: Segment) -> bool:
-    """Whether layer ``name`` has owned state for another range than ``seg`` (the chunk this rank owns moved)."""
-    entry = store.peek(name) if isinstance(store, StagedState) else store.get(name)
+OwnedStore = Union[StagedState, dict[str, dict[str, Any]]]
+"""Per layer, ``{"start": first element, "value": tensor}``: the state of the piece of the layer this rank owns."""
+
+
+def _owned_entry(store: OwnedStore, name: str) -> Optional[dict[str, Any]]:
+    """The committed entry of ``name`` (no working copy), or ``None``."""
+    return store.peek(name) if isinstance(store, StagedState) else store.get(name)
+
+
+def _moved(entry: Optional[dict[str, Any]], seg: Segment) -> bool:
     return entry is not None and (int(entry["start"]) != seg.start or entry["value"].numel() != seg.numel)
 
 
-def owned_state(
-    store: Union[StagedState, dict[str, dict[str, Any]]], name: str, seg: Segment, device: torch.device
-) -> Tensor:
+def owned_moved(store: OwnedStore, name: str, seg: Segment) -> bool:
+    """Whether layer ``name`` has owned state for another range than ``seg`` (the chunk this rank owns moved)."""
+    return _moved(_owned_entry(store, name), seg)
+
+
+def owned_state(store: OwnedStore, name: str, seg: Segment, device: torch.device) -> Tensor:
     """The committed fp32 state of the piece ``seg`` of layer ``name`` that this rank owns, to read only (zeros when
     new or moved); :func:`stage_owned` stores its new value. No working copy is made.
 
     ``store[name]`` is ``{"start": first element, "value": tensor}``.
     """
-    entry = store.peek(name) if isinstance(store, StagedState) else store.get(name)
-    if entry is None or owned_moved(store, name, seg):
+    entry = _owned_entry(store, name)
+    if entry is None or _moved(entry, seg):
         return torch.zeros(seg.numel, dtype=torch.float32, device=device)
     value: Tensor = entry["value"]
     return value if value.device == device else value.to(device)
 
 
-def stage_owned(store: Union[StagedState, dict[str, dict[str, Any]]], name: str, seg: Segment, value: Tensor) -> None:
+def stage_owned(store: OwnedStore, name: str, seg: Segment, value: Tensor) -> None:
     """Store ``value`` as the new owned state of piece ``seg`` of layer ``name`` (staged until the step commits)."""
     store[name] = {"start": seg.start, "value": value}
 
@@ -351,8 +361,8 @@ class DecodedMessages(Sequence[Tensor]):
     """This rank's stage-1 messages, each decoded (fp32) on first access.
 
     QSGD and TernGrad need their own decoded message only for observers (``Reduction.local``), so the full
-    dequantization pass runs only when something reads it; SignSGD reads it at once, and DIANA adds it into its
-    shifts straight from the codes (:meth:`message`, ``Quantized.decode_add``).
+    dequantization pass runs only when something reads it. SignSGD and DIANA never decode it into a tensor: they
+    add it into their residuals and shifts straight from the codes (:meth:`message`, ``Quantized.decode_add``).
     """
 
     def __init__(self, messages: list[Quantized]) -> None:

@@ -30,8 +30,6 @@ def nonfinite_flag(x: Tensor, level: Optional[int] = None) -> Tensor:
     if x.device.type == "cpu" and x.dtype is torch.float32 and x.is_contiguous():
         kernel = _native.load()
         if kernel is not None:
-            bad = kernel.any_nonfinite(
-                x.data_ptr(), x.numel(), kernel.level if level is None else min(level, kernel.level)
-            )
+            bad = kernel.any_nonfinite(x.data_ptr(), x.numel(), _native._level(kernel, level))
             return torch.full((1,), float(bad), dtype=x.dtype)
     return (~torch.isfinite(x).all()).to(x.dtype).reshape(1)

@@ -30,7 +30,7 @@ def _kernel(src: Tensor, out: Tensor, level: Optional[int]) -> tuple[Optional[Mo
     kernel = _native.load()
     if kernel is None:
         return None, 0
-    return kernel, kernel.level if level is None else min(level, kernel.level)
+    return kernel, _native._level(kernel, level)
 
 
 def scaled_cast(src: Tensor, divisor: float, out: Tensor, level: Optional[int] = None) -> Tensor:

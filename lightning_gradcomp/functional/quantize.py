@@ -366,7 +366,7 @@ def _stochastic_native(
         p != math.inf,
         scales.data_ptr(),
         codes.data_ptr(),
-        _level(kernel, level),
+        _native._level(kernel, level),
     )
     return Quantized(codes, scales, int(levels), int(group_size))
 
@@ -418,11 +418,10 @@ def sign_quantize(x: Tensor, bucket_size: int) -> Quantized:
     """
     x = x.reshape(-1)
     size = int(bucket_size)
-    full = x.numel() // size * size
-    parts = [x[:full].reshape(-1, size).abs().sum(dim=-1).div_(size)] if full else []
-    if full < x.numel():  # the short last bucket: its own mean
-        parts.append(x[full:].abs().sum(dim=-1, keepdim=True).div_(x.numel() - full))
-    scales = x.new_empty(0) if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+    scales = _pnorms(x, size, 1.0)  # sum of |x| per bucket (a fresh tensor)
+    whole = x.numel() // size
+    scales[:whole].div_(size)
+    scales[whole:].div_(max(x.numel() - whole * size, 1))  # the short last bucket: its own mean
     return Quantized(torch.ge(x, 0).view(torch.uint8), scales.to(torch.float32), 0, size)  # bool: one byte, 0 or 1
 
 
@@ -510,18 +509,13 @@ def dequantize_add(
             kernel.dequantize_add(
                 codes.data_ptr(), n, scales.data_ptr(), group_size, levels, base.data_ptr(), float(alpha),
                 out.data_ptr(), 0.0 if alpha2 is None else float(alpha2), 0 if out2 is None else out2.data_ptr(),
-                _level(kernel, level),
+                _native._level(kernel, level),
             )  # fmt: skip
             return
     values = dequantize(codes, scales, levels, group_size)
     if out2 is not None:  # before ``out``, which may be ``base``
         torch.add(base, values, alpha=1.0 if alpha2 is None else alpha2, out=out2)
     torch.add(base, values, alpha=alpha, out=out)
-
-
-def _level(kernel: ModuleType, level: Optional[int]) -> int:
-    """The kernel's instruction-set level: its best unless a lower one is asked (tests)."""
-    return kernel.level if level is None else min(level, kernel.level)
 
 
 def _native_codes(codes: Tensor, scales: Tensor, group_size: int) -> bool:
@@ -565,7 +559,7 @@ def _dequantize_native(
         group_size,
         levels,
         out.data_ptr(),
-        _level(kernel, level),
+        _native._level(kernel, level),
     )
     return out
 
