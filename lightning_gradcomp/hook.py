@@ -354,18 +354,24 @@ class GradCompHook:
             else torch.full((1,), float(node_size), device=buf.device).mul_(1.0 if scale is None else scale)
         )
         grads = [buf[s.offset : s.end] for s in comp]
-        borrow = not use_ef and self.compressor.borrows_inputs and divisor is None and buf.dtype == torch.float32
-        tensors = [
-            self.memory.compensate(s.name, g, divisor) if use_ef else g if borrow else _unscaled(g, divisor)
-            for s, g in zip(comp, grads)
-        ]  # borrowed: views of the bucket, only read during reduce()
-        inputs = [t.clone() for t in tensors] if watchers else []
-        raw = None
-        if any(getattr(obs, "needs_gradients", False) for obs in watchers):  # without EF the inputs are g already
-            raw = [_unscaled(g, divisor) for g in grads] if use_ef else inputs
         # results may go straight into the bucket's slices: dead once the inputs are copies made from them, and the
         # inputs themselves when borrowed (a borrowing compressor may overwrite them)
         outputs = grads if buf.dtype == torch.float32 else None
+        needs_raw = any(getattr(obs, "needs_gradients", False) for obs in watchers)
+        raw = [_unscaled(g, divisor) for g in grads] if needs_raw and use_ef else None  # before clearing them
+        borrow = not use_ef and self.compressor.borrows_inputs and divisor is None and buf.dtype == torch.float32
+        clear = use_ef and self.compressor.sparse_outputs and outputs is not None  # zeroed while compensating
+        tensors = [
+            self.memory.compensate(s.name, g, divisor, clear=clear)
+            if use_ef
+            else g
+            if borrow
+            else _unscaled(g, divisor)
+            for s, g in zip(comp, grads)
+        ]  # borrowed: views of the bucket, only read during reduce()
+        inputs = [t.clone() for t in tensors] if watchers else []
+        if needs_raw and not use_ef:  # without EF the inputs are g already
+            raw = inputs
         ctx = ReduceContext(
             comm,
             step,
@@ -375,6 +381,7 @@ class GradCompHook:
             self.seed,
             observed=bool(watchers),
             outputs=outputs,
+            outputs_zeroed=clear,
         )
         reduction = reduce_with_feedback(
             self.compressor, self.memory if use_ef else None, tensors, ctx, watchers, inputs, raw

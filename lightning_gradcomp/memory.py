@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.checks import is_number
+from lightning_gradcomp.functional.feedback import compensate
 
 __all__ = ["ErrorFeedback", "validate_beta"]
 
@@ -70,21 +71,19 @@ class ErrorFeedback:
     def beta(self, value: float) -> None:
         self._beta = validate_beta(value)
 
-    def compensate(self, name: str, grad: Tensor, scale: Optional[Tensor] = None) -> Tensor:
+    def compensate(self, name: str, grad: Tensor, scale: Optional[Tensor] = None, *, clear: bool = False) -> Tensor:
         """Return a new fp32 tensor ``p = m + g / scale`` (``g / scale`` before the first update).
 
         Args:
             name: the layer.
             grad: this rank's gradient of the layer (any float dtype).
             scale: the loss scale ``g`` carries (a one-element tensor, fp16 AMP), or ``None`` for 1.
+            clear: also zero ``grad`` (in the same pass on CPU; see :func:`~.functional.feedback.compensate`).
         """
         memory = self.memories.get(name)
-        if memory is None or memory.shape != grad.shape:
-            out = grad.to(torch.float32, copy=True)
-            return out if scale is None else out.div_(scale)
-        if scale is None:
-            return memory + grad
-        return torch.addcdiv(memory, grad.to(torch.float32), scale)
+        if memory is not None and memory.shape != grad.shape:
+            memory = None
+        return compensate(memory, grad, scale, clear=clear)
 
     def update(self, name: str, residual: Tensor) -> None:
         """Stage ``m <- (1 - beta) m + beta * residual`` where ``residual = p - c`` (see :meth:`commit`).

@@ -56,6 +56,8 @@ class ReduceContext:
             return once it no longer reads its inputs: the engine then copies nothing back. Its contents are dead,
             except for a compressor that borrows its inputs (:attr:`Compressor.borrows_inputs`): then these are the
             inputs themselves. ``None`` when there are none (see :meth:`output`).
+        outputs_zeroed: whether the engine already zeroed :attr:`outputs` (for a compressor with
+            :attr:`Compressor.sparse_outputs`, while it compensated): :meth:`output` then hands them out as they are.
         result_nonfinite: set while decoding by a compressor that :attr:`Compressor.propagates_nonfinite` and
             checked its averaged values for NaN/Inf in the same pass (whether it found any); the engine then checks
             only the dense slots itself. ``None``: the engine checks the whole bucket.
@@ -69,13 +71,14 @@ class ReduceContext:
     seed: int = 0
     observed: bool = True
     outputs: Optional[Sequence[Tensor]] = None
+    outputs_zeroed: bool = False
     result_nonfinite: Optional[bool] = None
 
     def output(self, index: int, like: Tensor) -> Tensor:
         """A zeroed fp32 tensor for slot ``index``'s averaged result: :attr:`outputs` ``[index]`` when there is one,
         else a fresh one of ``like``'s size and device."""
         if self.outputs is not None:
-            return self.outputs[index].zero_()
+            return self.outputs[index] if self.outputs_zeroed else self.outputs[index].zero_()
         return torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
 
     @property
@@ -150,6 +153,12 @@ class Compressor(ABC):
     elements) as well as the large ones: a cast rounds every element alike, whatever its layer. The strategies
     then compress every layer unless the user sets ``min_numel`` / ``compress_1d``; a bucket is then one slot
     back to back, with no dense part to all-reduce beside it."""
+
+    sparse_outputs: ClassVar[bool] = False
+    """True when the compressor writes its averaged results through :meth:`ReduceContext.output` (zeroed tensors it
+    adds a few entries into: a sparsifier) and uses error feedback. The engine then zeroes the bucket's compressed
+    slots in the same pass that compensates them (the gradient is dead once ``p = m + g`` is formed), instead of a
+    second pass over the bucket when :meth:`ReduceContext.output` is called. Leave ``False`` when unsure."""
 
     propagates_nonfinite: ClassVar[bool] = False
     """True when the compressor keeps no state (no error feedback, nothing it stages or commits) and its averaged

@@ -48,6 +48,7 @@ class SparseCompressor(Compressor):
     """
 
     param_name = "ratio"
+    sparse_outputs = True
 
     def __init__(self, ratio: float, value_dtype: torch.dtype | str = torch.float32) -> None:
         self.ratio: float = float(check_number("ratio", ratio, 0.0, 1.0))

@@ -58,15 +58,18 @@ class TopK(SparseCompressor):
 
         total = sum(ks)
         averaged = [ctx.output(i, t) for i, t in enumerate(tensors)]
+        touched: list[list[Tensor]] = [[] for _ in ks]
         for raw in gathered:  # rank order: identical summation on every rank
             idx, vals = unpack_bytes(raw, [(torch.int32, total), (self.value_dtype, total)])
             vals, idx = vals.to(torch.float32), idx.long()
             pos = 0
-            for out, k in zip(averaged, ks):
+            for out, k, seen in zip(averaged, ks, touched):
                 out.index_add_(0, idx[pos : pos + k], vals[pos : pos + k])
+                seen.append(idx[pos : pos + k])
                 pos += k
-        for out in averaged:
-            out.div_(ctx.world_size)
+        for out, seen in zip(averaged, touched):  # the other entries are zeros, and 0 / W = 0: divide the sums only
+            where = torch.cat(seen)
+            out.index_put_((where,), out.index_select(0, where).div_(ctx.world_size))
         return Reduction(averaged=completed_future(averaged), residuals=residuals)
 
 

@@ -894,6 +894,49 @@ bool any_nonfinite(uintptr_t src, int64_t n, int level) {
     return bad;
 }
 
+// ------------------------------------------------------------------------------------------ error feedback
+// feedback.compensate: p = m + g (or m + g / d when d > 0), fp32, one pass; with clear, g = 0 in the same pass
+// (the engine's sparsifiers write their few kept entries into g's zeroed storage). Each value is one fp32 add
+// (after one fp32 division), as torch's add / addcdiv round it.
+#if LGC_X86
+template <bool Divide, bool Clear>
+__attribute__((target("avx2"))) int64_t compensate_avx2(const float* m, float* g, int64_t n, float d, float* p) {
+    const __m256 div = _mm256_set1_ps(d), zero = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_loadu_ps(g + j);
+        if constexpr (Divide) v = _mm256_div_ps(v, div);
+        _mm256_storeu_ps(p + j, _mm256_add_ps(_mm256_loadu_ps(m + j), v));
+        if constexpr (Clear) _mm256_storeu_ps(g + j, zero);
+    }
+    return j;
+}
+#endif
+
+void compensate(uintptr_t memory, uintptr_t grad, int64_t n, double divisor, uintptr_t out, bool clear, int level) {
+    std::optional<py::gil_scoped_release> release;
+    if (n >= kReleaseGil) release.emplace();
+    const float* m = reinterpret_cast<const float*>(memory);
+    float* g = reinterpret_cast<float*>(grad);
+    float* p = reinterpret_cast<float*>(out);
+    const float d = static_cast<float>(divisor);
+    const bool divide = divisor > 0;
+    int64_t j = 0;
+#if LGC_X86
+    if (std::min(level, kLevel) >= 2) {
+        if (divide)
+            j = clear ? compensate_avx2<true, true>(m, g, n, d, p) : compensate_avx2<true, false>(m, g, n, d, p);
+        else
+            j = clear ? compensate_avx2<false, true>(m, g, n, d, p) : compensate_avx2<false, false>(m, g, n, d, p);
+    }
+#endif
+    for (; j < n; ++j) {
+        const float v = divide ? g[j] / d : g[j];
+        p[j] = m[j] + v;
+        if (clear) g[j] = 0.0f;
+    }
+}
+
 // ------------------------------------------------------------------------------------------ bit packing
 // packing.pack_bits / unpack_bits for widths that divide 8 (2 or 4; 8 / bits codes per byte, little-endian
 // in the byte, the last byte zero-padded), on rows: byte = c0 | c1 << b | ..., each shift truncated to 8
@@ -961,6 +1004,7 @@ PYBIND11_MODULE(LGC_MODULE_NAME, m) {
     m.def("scaled_cast", &scaled_cast);
     m.def("widen", &widen);
     m.def("any_nonfinite", &any_nonfinite);
+    m.def("compensate", &compensate);
     m.def("pack", &pack, pybind11::call_guard<pybind11::gil_scoped_release>());
     m.def("unpack", &unpack, pybind11::call_guard<pybind11::gil_scoped_release>());
     m.attr("level") = kLevel;

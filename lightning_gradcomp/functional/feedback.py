@@ -1,0 +1,81 @@
+"""Error-feedback compensation ``p = m + g / s``: the one pass every error-feedback compressor starts with.
+
+On contiguous fp32 CPU tensors the compiled kernel (:mod:`._native`) computes ``p`` in one pass and, when asked,
+zeroes ``g`` in the same pass (``clear``): a sparsifier's averaged result is mostly zeros and goes into ``g``'s
+storage, so clearing it while ``g`` is in cache saves a second pass over a cold bucket. The values are torch's
+bits (one fp32 division, then one fp32 add, as ``torch.addcdiv`` / ``m + g`` round them). Other devices, dtypes
+or ``LIGHTNING_GRADCOMP_NO_NATIVE=1`` take the torch steps, then ``g.zero_()``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.functional import _native
+
+__all__ = ["compensate"]
+
+
+def compensate(
+    memory: Optional[Tensor],
+    grad: Tensor,
+    scale: Optional[Tensor] = None,
+    *,
+    clear: bool = False,
+    level: Optional[int] = None,
+) -> Tensor:
+    """A new fp32 tensor ``p = memory + grad / scale`` (``grad / scale`` when ``memory`` is ``None``).
+
+    Args:
+        memory: the error-feedback memory (fp32, ``grad``'s shape), or ``None`` before the first update.
+        grad: the gradient (any float dtype).
+        scale: a one-element tensor ``grad`` is divided by (the loss scale), or ``None`` for 1.
+        clear: also set ``grad`` to zero (after it was read).
+        level: highest kernel instruction-set level to use (tests); ``None``: the CPU's best.
+
+    Example::
+
+        >>> g = torch.tensor([1.0, 2.0])
+        >>> compensate(torch.tensor([0.5, -2.0]), g, torch.tensor([2.0]), clear=True).tolist(), g.tolist()
+        ([1.0, -1.0], [0.0, 0.0])
+    """
+    if memory is not None and _fits_kernel(memory, grad, scale):
+        kernel = _native.load()
+        divisor = 0.0 if scale is None else float(scale)  # a CPU tensor: no device sync
+        if kernel is not None and (scale is None or divisor > 0.0):
+            out = torch.empty_like(memory)
+            kernel.compensate(
+                memory.data_ptr(),
+                grad.data_ptr(),
+                grad.numel(),
+                divisor,
+                out.data_ptr(),
+                clear,
+                _native._level(kernel, level),
+            )
+            return out
+    if memory is None:
+        out = grad.to(torch.float32, copy=True)
+        out = out if scale is None else out.div_(scale)
+    elif scale is None:
+        out = memory + grad
+    else:
+        out = torch.addcdiv(memory, grad.to(torch.float32), scale)
+    if clear:
+        grad.zero_()
+    return out
+
+
+def _fits_kernel(memory: Tensor, grad: Tensor, scale: Optional[Tensor]) -> bool:
+    """Whether the kernel can compute ``memory + grad / scale``: contiguous fp32 CPU tensors of one size."""
+    return (
+        memory.device.type == grad.device.type == "cpu"
+        and memory.dtype is grad.dtype is torch.float32
+        and memory.shape == grad.shape
+        and memory.is_contiguous()
+        and grad.is_contiguous()
+        and (scale is None or (scale.device.type == "cpu" and scale.dtype is torch.float32 and scale.numel() == 1))
+    )

@@ -1,0 +1,87 @@
+"""Error-feedback compensation ``p = m + g / s``: the kernel's pass gives torch's bits (``m + g``, ``addcdiv``) on
+every class of input (lengths around the vector width, extremes, NaN/Inf, signed zeros), at the portable level and
+the CPU's best, and ``clear`` zeroes the gradient; other inputs take torch's steps with the same contract."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+
+from lightning_gradcomp.functional import _native
+from lightning_gradcomp.functional.feedback import compensate
+
+kernel = _native.load()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="the compiled kernel could not be built here")
+LEVELS = sorted({0, kernel.level if kernel is not None else 0})
+
+
+def _torch_reference(m: Optional[torch.Tensor], g: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    if m is None:
+        out = g.to(torch.float32, copy=True)
+        return out if scale is None else out.div_(scale)
+    return m + g if scale is None else torch.addcdiv(m, g.to(torch.float32), scale)
+
+
+def _values(n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * torch.logspace(-42, 38, max(n, 1))[:n]  # subnormals to ~1e38
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.4e38, -3.4e38, 1e-45])
+    if n:
+        picks = torch.randint(0, n, (min(n, 8),), generator=gen)
+        x[picks] = special[: picks.numel()]
+    return x
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 31, 100, 4099, 70_001])
+@pytest.mark.parametrize("scale", [None, 1.0, 1024.0, 3.0, 2.0**-20])
+@pytest.mark.parametrize("clear", [False, True])
+def test_the_kernel_gives_torchs_bits(n: int, level: int, scale: Optional[float], clear: bool) -> None:
+    m, g = _values(n, 1), _values(n, 2)
+    s = None if scale is None else torch.tensor([scale])
+    expected = _torch_reference(m, g, s)
+    g_before = g.clone()
+    p = compensate(m, g, s, clear=clear, level=level)
+    assert p.dtype == torch.float32 and p.shape == m.shape
+    assert torch.equal(p.view(torch.int32), expected.view(torch.int32)) or (
+        torch.equal(torch.isnan(p), torch.isnan(expected)) and torch.equal(p[~p.isnan()], expected[~p.isnan()])
+    )  # NaN payloads are unspecified; every other bit matches
+    if clear:
+        assert torch.equal(g, torch.zeros(n))
+    else:  # untouched, bit for bit
+        assert torch.equal(g.view(torch.int32), g_before.view(torch.int32))
+
+
+@pytest.mark.parametrize("clear", [False, True])
+@pytest.mark.parametrize(
+    "case",
+    ["no memory", "fp16 gradient", "bf16 gradient", "strided gradient", "no kernel"],
+)
+def test_other_inputs_take_torchs_steps(case: str, clear: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    n = 37
+    m: Optional[torch.Tensor] = torch.randn(n)
+    g = torch.randn(n)
+    scale: Optional[torch.Tensor] = torch.tensor([4.0])
+    if case == "no memory":
+        m = None
+    elif case.endswith("gradient") and "strided" not in case:
+        g = g.to(torch.float16 if case.startswith("fp16") else torch.bfloat16)
+    elif case == "strided gradient":
+        g = torch.randn(n, 2)[:, 0]
+    else:
+        monkeypatch.setattr(_native, "load", lambda: None)
+    expected = _torch_reference(m, g, scale)
+    p = compensate(m, g, scale, clear=clear)
+    assert p.dtype == torch.float32 and torch.equal(p, expected)
+    assert (g == 0).all() == clear
+
+
+@needs_kernel
+@pytest.mark.parametrize("value", [0.0, -2.0])
+def test_a_non_positive_scale_takes_torchs_steps(value: float) -> None:
+    m, g = torch.randn(20), torch.randn(20)
+    scale = torch.tensor([value])
+    assert torch.equal(compensate(m, g, scale), torch.addcdiv(m, g, scale))

@@ -1,0 +1,82 @@
+"""``Compressor.sparse_outputs``: the engine zeroes a sparsifier's output slots of the bucket in the pass that
+compensates them, and the training is the same bits as when the compressor zeroes them itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from helpers.distributed import run_workers
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.comm import Comm
+from lightning_gradcomp.compressors import CLTK, RandomK, TopK
+from lightning_gradcomp.compressors.base import ReduceContext, Reduction
+from lightning_gradcomp.hook import gradcomp_comm_hook
+
+CASES: dict[str, tuple[type, dict[str, Any]]] = {
+    "TopK": (TopK, {"ratio": 0.05}),
+    "TopK fp16": (TopK, {"ratio": 0.05, "value_dtype": torch.float16}),
+    "RandomK": (RandomK, {"ratio": 0.05}),
+    "CLTK": (CLTK, {"ratio": 0.05}),
+    "CLTK approx": (CLTK, {"ratio": 0.05, "selection": "approx", "value_dtype": torch.bfloat16}),
+}
+
+
+def _recording(base: type, sparse: bool) -> type:
+    class Recording(base):  # type: ignore[misc, valid-type]
+        sparse_outputs = sparse
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.zeroed: list[bool] = []
+
+        def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
+            self.zeroed.append(ctx.outputs_zeroed and all(bool((o == 0).all()) for o in ctx.outputs or []))
+            return super().reduce(tensors, ctx)
+
+    return Recording
+
+
+def _train(rank: int, world: int) -> dict[tuple[str, bool], Any]:
+    out = {}
+    for name, (base, kwargs) in CASES.items():
+        for sparse in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(33, 130), nn.Tanh(), nn.Linear(130, 77), nn.Tanh(), nn.Linear(77, 5))
+            ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)
+            hook = GradCompStrategy(compressor=_recording(base, sparse)(**kwargs), min_numel=1).make_hook(
+                Comm(), {id(p): n for n, p in model.named_parameters()}
+            )
+            ddp.register_comm_hook(hook, gradcomp_comm_hook)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            hook.attach_optimizer(optimizer)
+            data = torch.Generator().manual_seed(rank)
+            for _ in range(4):
+                optimizer.zero_grad()
+                ddp(torch.randn(8, 33, generator=data)).square().mean().backward()
+                optimizer.step()
+            hook.close()
+            out[(name, sparse)] = {
+                "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                "memory": {k: v.clone() for k, v in hook.memory.memories.items()},
+                "zeroed": hook.compressor.zeroed,
+            }
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_zeroing_while_compensating_gives_the_same_bits(world: int) -> None:
+    results = run_workers(_train, world)
+    for name in CASES:
+        plain, fused = [r[(name, False)] for r in results], [r[(name, True)] for r in results]
+        assert all(f["zeroed"] and all(f["zeroed"]) for f in fused), name  # the engine zeroed every output
+        assert not any(any(p["zeroed"]) for p in plain), name
+        for a, b in zip(plain, fused):
+            assert torch.equal(a["params"], b["params"]), name
+            assert a["memory"].keys() == b["memory"].keys() and a["memory"]
+            assert all(torch.equal(a["memory"][k], b["memory"][k]) for k in a["memory"]), name
+        assert all(torch.equal(r["params"], fused[0]["params"]) for r in fused), name  # replicas identical
