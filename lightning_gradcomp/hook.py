@@ -338,14 +338,6 @@ class GradCompHook:
             and node_flag is None
             and not watchers
         )
-        head: Optional[Future] = None
-        if check_after:
-            head = self._head_async(buf, dense, comm)
-        elif self._head(buf, dense, comm, flag=True, flag_value=node_flag):
-            return self._reduce_nonfinite(buf, comp, comm)
-        if not comp:  # a hierarchy rank owning no compressed slot of this bucket (same on its cross-node group)
-            return completed_future(buf)
-
         if scale is not None:
             scale = scale.to(device=buf.device, dtype=torch.float32).reshape(1)
         divisor = (
@@ -359,16 +351,43 @@ class GradCompHook:
         outputs = grads if buf.dtype == torch.float32 else None
         needs_raw = any(getattr(obs, "needs_gradients", False) for obs in watchers)
         raw = [_unscaled(g, divisor) for g in grads] if needs_raw and use_ef else None  # before clearing them
+        # error feedback compensates ahead of the flag: the kernel's pass checks g for NaN/Inf on the way (no pass
+        # of the flag's own); a discarded p changes nothing. The pass zeroes a sparsifier's output slots too, unless
+        # a NaN/Inf would need the gradient back (nonfinite="dense")
+        early = use_ef and node_flag is None and bool(comp)
+        clear = (
+            use_ef
+            and self.compressor.sparse_outputs
+            and outputs is not None
+            and (not early or self.nonfinite == "zero")
+        )
+        compensated = (
+            [self.memory.compensate_checked(s.name, g, divisor, clear=clear) for s, g in zip(comp, grads)]
+            if early
+            else None
+        )
+        flags = [bad for _, bad in compensated] if compensated is not None else [None]
+        comp_flag = any(flags) if all(bad is not None for bad in flags) else None  # None: scan the whole bucket
+        head: Optional[Future] = None
+        if check_after:
+            head = self._head_async(buf, dense, comm)
+        elif self._head(buf, dense, comm, flag=True, flag_value=node_flag, comp_flag=comp_flag):
+            return self._reduce_nonfinite(buf, comp, comm)
+        if not comp:  # a hierarchy rank owning no compressed slot of this bucket (same on its cross-node group)
+            return completed_future(buf)
+
         borrow = not use_ef and self.compressor.borrows_inputs and divisor is None and buf.dtype == torch.float32
-        clear = use_ef and self.compressor.sparse_outputs and outputs is not None  # zeroed while compensating
-        tensors = [
-            self.memory.compensate(s.name, g, divisor, clear=clear)
-            if use_ef
-            else g
-            if borrow
-            else _unscaled(g, divisor)
-            for s, g in zip(comp, grads)
-        ]  # borrowed: views of the bucket, only read during reduce()
+        if compensated is not None:
+            tensors = [p for p, _ in compensated]
+        else:
+            tensors = [
+                self.memory.compensate(s.name, g, divisor, clear=clear)
+                if use_ef
+                else g
+                if borrow
+                else _unscaled(g, divisor)
+                for s, g in zip(comp, grads)
+            ]  # borrowed: views of the bucket, only read during reduce()
         inputs = [t.clone() for t in tensors] if watchers else []
         if needs_raw and not use_ef:  # without EF the inputs are g already
             raw = inputs
@@ -454,16 +473,28 @@ class GradCompHook:
             buf[slot.offset : slot.end].copy_(piece)
 
     def _head(
-        self, buf: Tensor, dense: tuple[LayerSlot, ...], comm: Comm, flag: bool, flag_value: Optional[Tensor] = None
+        self,
+        buf: Tensor,
+        dense: tuple[LayerSlot, ...],
+        comm: Comm,
+        flag: bool,
+        flag_value: Optional[Tensor] = None,
+        comp_flag: Optional[bool] = None,
     ) -> bool:
         """All-reduce ``dense`` (divided by W), plus a "NaN/Inf in ``buf``" flag (or ``flag_value``) when ``flag``,
-        in **one** collective over ``comm``; write them back. Returns whether any rank flagged (skipped when
-        there is nothing to send)."""
+        in **one** collective over ``comm``; write them back. ``comp_flag``: whether the compressed slots hold
+        NaN/Inf, checked already (error-feedback compensation): then only the dense slots are scanned. Returns
+        whether any rank flagged (skipped when there is nothing to send)."""
         if not dense and not flag:
             return False
         # the flags are summed: NaN/Inf anywhere makes the sum non-zero
-        marker = (flag_value if flag_value is not None else nonfinite_flag(buf)) if flag else None
-        head = self._dense_payload(buf, dense, marker)
+        if not flag:
+            head = self._dense_payload(buf, dense)
+        elif flag_value is not None or comp_flag is None:
+            head = self._dense_payload(buf, dense, flag_value if flag_value is not None else nonfinite_flag(buf))
+        else:  # x / W is NaN/Inf exactly where x is: scan the divided dense slots
+            head = self._dense_payload(buf, dense, buf.new_zeros(1))
+            head[-1:] = buf.new_ones(1) if comp_flag else nonfinite_flag(head[:-1])
         comm.all_reduce(head, shares=[(s.name, s.numel) for s in dense])
         self._write_dense(buf, dense, head)
         return flag and bool(head[-1] != 0)

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.checks import is_number
-from lightning_gradcomp.functional.feedback import compensate
+from lightning_gradcomp.functional.feedback import compensate_checked
 
 __all__ = ["ErrorFeedback", "validate_beta"]
 
@@ -80,10 +80,17 @@ class ErrorFeedback:
             scale: the loss scale ``g`` carries (a one-element tensor, fp16 AMP), or ``None`` for 1.
             clear: also zero ``grad`` (in the same pass on CPU; see :func:`~.functional.feedback.compensate`).
         """
+        return self.compensate_checked(name, grad, scale, clear=clear)[0]
+
+    def compensate_checked(
+        self, name: str, grad: Tensor, scale: Optional[Tensor] = None, *, clear: bool = False
+    ) -> tuple[Tensor, Optional[bool]]:
+        """:meth:`compensate`, and whether ``grad`` holds NaN/Inf (``None``: not checked; see
+        :func:`~.functional.feedback.compensate_checked`)."""
         memory = self.memories.get(name)
         if memory is not None and memory.shape != grad.shape:
             memory = None
-        return compensate(memory, grad, scale, clear=clear)
+        return compensate_checked(memory, grad, scale, clear=clear)
 
     def update(self, name: str, residual: Tensor) -> None:
         """Stage ``m <- (1 - beta) m + beta * residual`` where ``residual = p - c`` (see :meth:`commit`).

@@ -1,5 +1,6 @@
 """``Compressor.sparse_outputs``: the engine zeroes a sparsifier's output slots of the bucket in the pass that
-compensates them, and the training is the same bits as when the compressor zeroes them itself."""
+compensates them (with ``nonfinite="zero"``: under ``"dense"`` a NaN/Inf would need the gradient back), and the
+training is the same bits as when the compressor zeroes them itself."""
 
 from __future__ import annotations
 
@@ -41,16 +42,16 @@ def _recording(base: type, sparse: bool) -> type:
     return Recording
 
 
-def _train(rank: int, world: int) -> dict[tuple[str, bool], Any]:
+def _train(rank: int, world: int, nonfinite: str) -> dict[tuple[str, bool], Any]:
     out = {}
     for name, (base, kwargs) in CASES.items():
         for sparse in (False, True):
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(33, 130), nn.Tanh(), nn.Linear(130, 77), nn.Tanh(), nn.Linear(77, 5))
             ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)
-            hook = GradCompStrategy(compressor=_recording(base, sparse)(**kwargs), min_numel=1).make_hook(
-                Comm(), {id(p): n for n, p in model.named_parameters()}
-            )
+            hook = GradCompStrategy(
+                compressor=_recording(base, sparse)(**kwargs), min_numel=1, nonfinite=nonfinite
+            ).make_hook(Comm(), {id(p): n for n, p in model.named_parameters()})
             ddp.register_comm_hook(hook, gradcomp_comm_hook)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             hook.attach_optimizer(optimizer)
@@ -68,12 +69,13 @@ def _train(rank: int, world: int) -> dict[tuple[str, bool], Any]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3, 5])
-def test_zeroing_while_compensating_gives_the_same_bits(world: int) -> None:
-    results = run_workers(_train, world)
+@pytest.mark.parametrize(("world", "nonfinite"), [(2, "zero"), (3, "zero"), (5, "zero"), (3, "dense")])
+def test_zeroing_while_compensating_gives_the_same_bits(world: int, nonfinite: str) -> None:
+    results = run_workers(_train, world, nonfinite)
     for name in CASES:
         plain, fused = [r[(name, False)] for r in results], [r[(name, True)] for r in results]
-        assert all(f["zeroed"] and all(f["zeroed"]) for f in fused), name  # the engine zeroed every output
+        assert all(f["zeroed"] for f in fused), name
+        assert all(all(f["zeroed"]) == (nonfinite == "zero") for f in fused), name  # the engine zeroed every output
         assert not any(any(p["zeroed"]) for p in plain), name
         for a, b in zip(plain, fused):
             assert torch.equal(a["params"], b["params"]), name

@@ -140,8 +140,11 @@ def test_frozen_layers_are_left_out(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("policy", ["zero", "dense"])
-def test_nonfinite_gradient_spares_the_memory(tmp_path: Path, policy: str) -> None:
-    records = fit(strategy(TopK(0.05), nonfinite=policy), tmp_path, max_epochs=2, model=_NaNOnce())
+@pytest.mark.parametrize("target", ["weight", "bias"])
+def test_nonfinite_gradient_spares_the_memory(tmp_path: Path, policy: str, target: str) -> None:
+    """A NaN in a compressed slot (checked in the compensation's pass) or in a dense one (the bias: scanned with
+    the dense slots) is caught alike."""
+    records = fit(strategy(TopK(0.05), nonfinite=policy), tmp_path, max_epochs=2, model=_NaNOnce(target=target))
     for rank in range(2):
         assert records[rank]["stats"]["nonfinite_steps"] >= 1
         assert records[rank]["memory"] and all(bool(torch.isfinite(m).all()) for m in records[rank]["memory"].values())
@@ -172,11 +175,13 @@ def test_cast_decides_on_the_result_without_a_flag(tmp_path: Path, value: float,
 
 
 class _NaNOnce(TinyNet):
-    """Rank 1's gradient of ``body.2.weight`` holds ``value`` (NaN) at step 4 (injected before the comm hook runs)."""
+    """Rank 1's gradient of ``body.2.<target>`` holds ``value`` (NaN) at step 4 (injected before the comm hook
+    runs)."""
 
-    def __init__(self, value: float = float("nan")) -> None:
+    def __init__(self, value: float = float("nan"), target: str = "weight") -> None:
         super().__init__()
         self.value = value
+        self.target = target
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.trainer.global_step == 4 and self.global_rank == 1:
@@ -184,7 +189,7 @@ class _NaNOnce(TinyNet):
                 handle.remove()
                 return grad.index_fill(0, torch.tensor([0]), self.value)
 
-            handle = self.body[2].weight.register_hook(poison)
+            handle = getattr(self.body[2], self.target).register_hook(poison)
         return super().training_step(batch, batch_idx)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -3,8 +3,10 @@
 On contiguous fp32 CPU tensors the compiled kernel (:mod:`._native`) computes ``p`` in one pass and, when asked,
 zeroes ``g`` in the same pass (``clear``): a sparsifier's averaged result is mostly zeros and goes into ``g``'s
 storage, so clearing it while ``g`` is in cache saves a second pass over a cold bucket. The values are torch's
-bits (one fp32 division, then one fp32 add, as ``torch.addcdiv`` / ``m + g`` round them). Other devices, dtypes
-or ``LIGHTNING_GRADCOMP_NO_NATIVE=1`` take the torch steps, then ``g.zero_()``.
+bits (one fp32 division, then one fp32 add, as ``torch.addcdiv`` / ``m + g`` round them), and the same pass tells
+whether ``g`` holds a NaN or an infinity: the engine's NaN/Inf flag of the compressed slots, without a pass of its
+own. Other devices, dtypes or ``LIGHTNING_GRADCOMP_NO_NATIVE=1`` take the torch steps, then ``g.zero_()``, and do
+not check.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import Tensor
 
 from lightning_gradcomp.functional import _native
 
-__all__ = ["compensate"]
+__all__ = ["compensate", "compensate_checked"]
 
 
 def compensate(
@@ -29,6 +31,28 @@ def compensate(
 ) -> Tensor:
     """A new fp32 tensor ``p = memory + grad / scale`` (``grad / scale`` when ``memory`` is ``None``).
 
+    See :func:`compensate_checked` for the arguments.
+
+    Example::
+
+        >>> g = torch.tensor([1.0, 2.0])
+        >>> compensate(torch.tensor([0.5, -2.0]), g, torch.tensor([2.0]), clear=True).tolist(), g.tolist()
+        ([1.0, -1.0], [0.0, 0.0])
+    """
+    return compensate_checked(memory, grad, scale, clear=clear, level=level)[0]
+
+
+def compensate_checked(
+    memory: Optional[Tensor],
+    grad: Tensor,
+    scale: Optional[Tensor] = None,
+    *,
+    clear: bool = False,
+    level: Optional[int] = None,
+) -> tuple[Tensor, Optional[bool]]:
+    """``(p, nonfinite)``: a new fp32 tensor ``p = memory + grad / scale`` (``grad / scale`` when ``memory`` is
+    ``None``), and whether ``grad`` holds a NaN or an infinity (``None``: not checked, on the torch steps).
+
     Args:
         memory: the error-feedback memory (fp32, ``grad``'s shape), or ``None`` before the first update.
         grad: the gradient (any float dtype).
@@ -38,16 +62,16 @@ def compensate(
 
     Example::
 
-        >>> g = torch.tensor([1.0, 2.0])
-        >>> compensate(torch.tensor([0.5, -2.0]), g, torch.tensor([2.0]), clear=True).tolist(), g.tolist()
-        ([1.0, -1.0], [0.0, 0.0])
+        >>> p, bad = compensate_checked(torch.tensor([0.5, -2.0]), torch.tensor([1.0, float("inf")]))
+        >>> p.tolist(), bad in (True, None)  # None where the kernel is unavailable
+        ([1.5, inf], True)
     """
     if memory is not None and _fits_kernel(memory, grad, scale):
         kernel = _native.load()
         divisor = 0.0 if scale is None else float(scale)  # a CPU tensor: no device sync
         if kernel is not None and (scale is None or divisor > 0.0):
             out = torch.empty_like(memory)
-            kernel.compensate(
+            bad = kernel.compensate(
                 memory.data_ptr(),
                 grad.data_ptr(),
                 grad.numel(),
@@ -56,7 +80,7 @@ def compensate(
                 clear,
                 _native._level(kernel, level),
             )
-            return out
+            return out, bool(bad)
     if memory is None:
         out = grad.to(torch.float32, copy=True)
         out = out if scale is None else out.div_(scale)
@@ -66,7 +90,7 @@ def compensate(
         out = torch.addcdiv(memory, grad.to(torch.float32), scale)
     if clear:
         grad.zero_()
-    return out
+    return out, None
 
 
 def _fits_kernel(memory: Tensor, grad: Tensor, scale: Optional[Tensor]) -> bool:

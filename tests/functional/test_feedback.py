@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.functional import _native
-from lightning_gradcomp.functional.feedback import compensate
+from lightning_gradcomp.functional.feedback import compensate, compensate_checked
 
 kernel = _native.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the compiled kernel could not be built here")
@@ -85,3 +85,25 @@ def test_a_non_positive_scale_takes_torchs_steps(value: float) -> None:
     m, g = torch.randn(20), torch.randn(20)
     scale = torch.tensor([value])
     assert torch.equal(compensate(m, g, scale), torch.addcdiv(m, g, scale))
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("n", [1, 8, 9, 1000])
+def test_the_kernel_flags_exactly_a_nan_or_inf_gradient(n: int, level: int) -> None:
+    m = torch.randn(n)
+    finite = torch.randn(n) * 1e30  # m + g may overflow nowhere: |g| <~ 5e30
+    finite[0] = torch.finfo(torch.float32).max
+    assert compensate_checked(m, finite.clone(), level=level)[1] is False
+    for position in sorted({0, n // 2, n - 1}):
+        for value in (float("nan"), float("inf"), -float("inf")):
+            g = finite.clone()
+            g[position] = value
+            p, bad = compensate_checked(m, g, torch.tensor([2.0]), clear=True, level=level)
+            assert bad is True and bool(torch.isfinite(p).all()) is False
+
+
+def test_the_torch_steps_do_not_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_native, "load", lambda: None)
+    assert compensate_checked(torch.zeros(3), torch.tensor([1.0, float("nan"), 2.0]))[1] is None
+    assert compensate_checked(None, torch.ones(3))[1] is None
