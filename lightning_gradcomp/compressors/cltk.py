@@ -147,14 +147,14 @@ class CLTK(SparseCompressor):
         world = ctx.world_size
         values = torch.zeros(sum(ks), dtype=torch.float32, device=device)
         for t, idx, v in zip(tensors, indices, split_flat(values, ks)):
-            v[: idx.numel()] = t[idx]
+            v[: idx.numel()] = t.index_select(0, idx)
         if self.value_dtype == torch.float32:
             sent, local, divisor = values, values, world
         else:  # pre-divided by W (no 16-bit overflow); the cast's rounding stays in the residual
             sent, divisor = values.div(world).to(self.value_dtype), 1
             local = sent.to(torch.float32).mul_(world)  # this rank's contribution c as the wire carries it
         for t, idx, v, c in zip(tensors, indices, split_flat(values, ks), split_flat(local, ks)):
-            t[idx] = v[: idx.numel()] - c[: idx.numel()]  # residual p - c, in p's storage
+            t.index_copy_(0, idx, v[: idx.numel()] - c[: idx.numel()])  # residual p - c, in p's storage
         fut = ctx.comm.all_reduce(sent, async_op=True, shares=ctx.shares(ks))
 
         def decode(f: torch.futures.Future) -> list[Tensor]:

@@ -66,7 +66,7 @@ class RandomK(SparseCompressor):
             for slot, t, k in zip(ctx.slots, tensors, ks)
         ]
         indices = [i for i, _ in picks]
-        values = [t[i] for t, i in zip(tensors, indices)]
+        values = [t.index_select(0, i) for t, i in zip(tensors, indices)]
         if self.unbiased:
             values = [v * sizes.to(v.dtype) for v, (_, sizes) in zip(values, picks)]
         sent = torch.cat(values).to(self.value_dtype)
@@ -74,7 +74,7 @@ class RandomK(SparseCompressor):
         if self.uses_error_feedback:
             residuals = []
             for t, idx, v, s in zip(tensors, indices, values, split_flat(sent, ks)):
-                t[idx] = v - s.to(torch.float32)
+                t.index_copy_(0, idx, v - s.to(torch.float32))
                 residuals.append(t)
         sent = sent.div_(ctx.world_size) if self.value_dtype != torch.float32 else sent
         fut = ctx.comm.all_reduce(sent, async_op=True, shares=ctx.shares(ks))

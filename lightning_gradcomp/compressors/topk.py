@@ -44,7 +44,7 @@ class TopK(SparseCompressor):
         """Select locally, all-gather one packed byte payload, sum the ranks' entries in rank order."""
         ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
         indices = [exact_topk_indices(t, k) for t, k in zip(tensors, ks)]
-        values = torch.cat([t[i] for t, i in zip(tensors, indices)])
+        values = torch.cat([t.index_select(0, i) for t, i in zip(tensors, indices)])
         sent = values.to(self.value_dtype)
         flat_idx = torch.cat(indices).to(torch.int32)
         gathered = ctx.comm.all_gather(pack_bytes([flat_idx, sent]), shares=ctx.shares(ks))
@@ -52,7 +52,7 @@ class TopK(SparseCompressor):
         residuals = []
         pos = 0
         for t, idx, k in zip(tensors, indices, ks):
-            t[idx] = values[pos : pos + k] - sent[pos : pos + k].to(torch.float32)  # p - c, in place
+            t.index_copy_(0, idx, values[pos : pos + k] - sent[pos : pos + k].to(torch.float32))  # p - c, in place
             residuals.append(t)
             pos += k
 
