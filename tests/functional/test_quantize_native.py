@@ -41,8 +41,8 @@ def _inputs(kind: str, n: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=gen)
     if kind == "special":  # zero groups, negative zeros, subnormal groups and values, huge values
-        x[n // 5: n // 3] = 0.0
-        x[n // 3: n // 2] = torch.randn(n // 2 - n // 3, generator=gen) * 1e-41  # subnormal scales
+        x[n // 5 : n // 3] = 0.0
+        x[n // 3 : n // 2] = torch.randn(n // 2 - n // 3, generator=gen) * 1e-41  # subnormal scales
         x[::11] = -0.0
         x[3::29] *= 1e-39
         x[5::37] *= 3e37
@@ -67,6 +67,22 @@ def _assert_same(a: Quantized, b: Quantized) -> None:
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+# ------------------------------------------------------------------------------------------------ sign codes
+@needs_kernel
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("kind", ["normal", "special", "nonfinite"])
+@pytest.mark.parametrize("n", [0, *SIZES, 7, 8, 9, 15, 16, 17])
+def test_sign_codes_are_torchs(n: int, kind: str, level: int) -> None:
+    """Scaled sign's codes: ``x >= 0`` as torch.ge gives it (NaN: 0, -0.0: 1), at every tail length."""
+    x = _inputs(kind, n, n)
+    codes = quantize.sign_codes(x, level=level)
+    assert codes.dtype == torch.uint8 and torch.equal(codes, torch.ge(x, 0).to(torch.uint8))
+    with _torch_path():
+        assert torch.equal(quantize.sign_codes(x), codes)
+        reference = quantize.sign_quantize(x, 7)
+    _assert_same(quantize.sign_quantize(x, 7), reference)
 
 
 # ------------------------------------------------------------------------------------------------ rounding
@@ -153,8 +169,8 @@ def test_dequantize_is_bit_identical(n: int, group_size: int, level: int) -> Non
         scales.view(-1)[3::13] = float("nan")
         scales.view(-1)[4::17] = 3e38
         wide = torch.zeros(3, n + 5, dtype=torch.uint8)  # rows with a stride, as a received payload's
-        wide[:, 2:2 + n] = codes
-        for c, s in ((codes[0], scales[0]), (codes, scales), (wide[:, 2:2 + n], scales)):
+        wide[:, 2 : 2 + n] = codes
+        for c, s in ((codes[0], scales[0]), (codes, scales), (wide[:, 2 : 2 + n], scales)):
             with _torch_path():
                 ref = dequantize(c, s, levels, group_size)
             got = quantize._dequantize_native(kernel, c, s, levels, group_size, level=level)
@@ -179,7 +195,7 @@ def test_dequantize_add_is_bit_identical_to_decode_then_torch_add(n: int, group_
         scales[4::17] = 3e38
         base = _inputs("special" if levels % 2 else "nonfinite", n, levels)
         decoded = dequantize(codes, scales, levels, group_size)
-        for alpha, alpha2 in ((0.37, 1.0), (1.0, 1 / 129), (2.0 ** -7, None)):
+        for alpha, alpha2 in ((0.37, 1.0), (1.0, 1 / 129), (2.0**-7, None)):
             want = torch.add(base, decoded, alpha=alpha)
             want2 = None if alpha2 is None else torch.add(base, decoded, alpha=alpha2)
             out, out2 = torch.full((n,), 7.0), None if alpha2 is None else torch.full((n,), 7.0)

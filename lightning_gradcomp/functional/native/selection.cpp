@@ -894,6 +894,44 @@ bool any_nonfinite(uintptr_t src, int64_t n, int level) {
     return bad;
 }
 
+// ------------------------------------------------------------------------------------------ sign codes
+// quantize.sign_quantize's codes: 1 where x >= 0, else 0 (NaN: 0), one byte each, as torch.ge(x, 0) gives them.
+struct SpreadTable {  // the 8 bits of a compare mask as 8 bytes of 0 or 1 (bit i -> byte i)
+    uint64_t bytes[256];
+    SpreadTable() {
+        for (int b = 0; b < 256; ++b) {
+            uint64_t v = 0;
+            for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>((b >> i) & 1) << (8 * i);
+            bytes[b] = v;
+        }
+    }
+};
+const SpreadTable kSpread;
+
+#if LGC_X86
+__attribute__((target("avx2"))) int64_t sign_codes_avx2(const float* x, int64_t n, uint8_t* out) {
+    const __m256 zero = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), zero, _CMP_GE_OQ));
+        std::memcpy(out + j, &kSpread.bytes[bits], 8);
+    }
+    return j;
+}
+#endif
+
+void sign_codes(uintptr_t src, int64_t n, uintptr_t dst, int level) {
+    std::optional<py::gil_scoped_release> release;
+    if (n >= kReleaseGil) release.emplace();
+    const float* x = reinterpret_cast<const float*>(src);
+    uint8_t* out = reinterpret_cast<uint8_t*>(dst);
+    int64_t j = 0;
+#if LGC_X86
+    if (std::min(level, kLevel) >= 2) j = sign_codes_avx2(x, n, out);
+#endif
+    for (; j < n; ++j) out[j] = x[j] >= 0.0f ? 1 : 0;
+}
+
 // ------------------------------------------------------------------------------------------ error feedback
 // feedback.compensate: p = m + g (or m + g / d when d > 0), fp32, one pass; with clear, g = 0 in the same pass
 // (the engine's sparsifiers write their few kept entries into g's zeroed storage). Each value is one fp32 add
@@ -1019,6 +1057,7 @@ PYBIND11_MODULE(LGC_MODULE_NAME, m) {
     m.def("widen", &widen);
     m.def("any_nonfinite", &any_nonfinite);
     m.def("compensate", &compensate);
+    m.def("sign_codes", &sign_codes);
     m.def("pack", &pack, pybind11::call_guard<pybind11::gil_scoped_release>());
     m.def("unpack", &unpack, pybind11::call_guard<pybind11::gil_scoped_release>());
     m.attr("level") = kLevel;
