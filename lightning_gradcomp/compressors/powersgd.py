@@ -35,6 +35,7 @@ from lightning_gradcomp.functional.lowrank import (
     matrix_shape,
     orthogonalize,
     random_factor,
+    thin_matmul,
 )
 from lightning_gradcomp.plan import LayerSlot
 from lightning_gradcomp.presets import register_preset
@@ -109,7 +110,7 @@ class PowerSGD(Compressor):
         p_flat = torch.empty(sum(p_counts), dtype=torch.float32, device=device)
         ps = [piece.view(n, r) for piece, (n, _), r in zip(torch.split(p_flat, p_counts), shapes, ranks)]
         for mat, q, p in zip(mats, qs, ps):
-            torch.matmul(mat, q, out=p)
+            thin_matmul(mat, q, p)
         ctx.comm.all_reduce(p_flat, shares=ctx.shares(p_counts))
         ps = [orthogonalize(p) for p in ps]
 
@@ -117,7 +118,7 @@ class PowerSGD(Compressor):
         q_flat = torch.empty(sum(q_counts), dtype=torch.float32, device=device)
         qs = [piece.view(m, r) for piece, (_, m), r in zip(torch.split(q_flat, q_counts), shapes, ranks)]
         for mat, p, q in zip(mats, ps, qs):
-            torch.matmul(mat.T, p, out=q)
+            thin_matmul(mat, p, q, transpose=True)
             mat.addmm_(p, q.T, alpha=-1.0)  # residual p - c in the engine's tensor, before Q is overwritten
         fut = ctx.comm.all_reduce(q_flat, async_op=True, shares=ctx.shares(q_counts))
         assert fut is not None

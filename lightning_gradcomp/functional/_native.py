@@ -43,6 +43,11 @@ Kernel functions (each reads ``x`` as flat; results are identical to the NumPy s
   widened back to fp32 with a NaN/Inf check in the same pass (F16C conversions, as torch's vector loop uses).
 * ``any_nonfinite`` (called by :mod:`.finite`): whether some fp32 value is NaN or infinite, one scan of the
   exponent bits.
+* ``compensate`` (called by :mod:`.feedback`): error feedback's ``p = m + g / s`` in one pass, checking ``g`` for
+  NaN/Inf and optionally zeroing it on the way (torch's bits).
+* ``sign_codes`` (called by :mod:`.quantize`): scaled sign's ``x >= 0`` bytes (torch's).
+* ``thin_matmul`` and ``thin_matmul_t`` (called by :mod:`.lowrank`): PowerSGD's ``M Q`` and ``M^T P`` for up to
+  ``thin_max`` (32) columns, reading ``M`` once, in a fixed summation order of their own (not BLAS's bits).
 """
 
 from __future__ import annotations

@@ -2,15 +2,26 @@
 
 A gradient of shape ``(d0, d1, ...)`` is viewed as an ``n x m`` matrix with ``n = d0`` and
 ``m = d1 * d2 * ...``. A rank-``r`` approximation ``P Q^T`` needs ``(n + m) r`` numbers instead of ``n m``.
+
+The two products of a power iteration, ``M Q`` and ``M^T P`` with a thin factor (``r`` columns), are
+:func:`thin_matmul`: on contiguous fp32 CPU tensors the compiled kernel (:mod:`._native`) reads ``M`` once per
+product. One core's BLAS runs these skinny shapes at a tenth of that speed (on the bench transformer's layers at rank
+4: 7.4 ms against 0.27 ms for a copy of the same matrices). The kernel sums in a fixed order of its own (deterministic
+on every CPU, but not BLAS's bits); PowerSGD uses it only for each rank's local contributions, which the all-reduces
+then make identical, so replicas stay identical even where some ranks run without the kernel.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from types import ModuleType
+from typing import Optional
 
 import torch
 from torch import Tensor
+
+from lightning_gradcomp.functional import _native
 
 __all__ = [
     "adapt_factor",
@@ -20,6 +31,7 @@ __all__ = [
     "matrix_shape",
     "orthogonalize",
     "random_factor",
+    "thin_matmul",
 ]
 
 
@@ -132,3 +144,53 @@ def adapt_factor(factor: Tensor, rank: int, generator: torch.Generator) -> Tenso
     basis = orthogonalize(factor) if old else factor
     extra = orthogonalize(extra - basis @ (basis.T @ extra))
     return torch.cat([factor, extra], dim=1)
+
+
+def thin_matmul(
+    mat: Tensor, factor: Tensor, out: Tensor, *, transpose: bool = False, level: Optional[int] = None
+) -> Tensor:
+    """``out = mat @ factor`` (``transpose``: ``mat.T @ factor``) for a 2-D ``mat`` and a thin ``factor``.
+
+    Args:
+        mat: the ``n x m`` matrix.
+        factor: ``m x r`` (``n x r`` with ``transpose``).
+        out: the ``n x r`` (``m x r``) result, written in place and returned.
+        transpose: multiply by ``mat``'s transpose.
+        level: highest kernel instruction-set level to use (tests); ``None``: the CPU's best.
+
+    Contiguous fp32 CPU tensors with ``r`` up to the kernel's limit (32) take the compiled kernel (its own fixed
+    summation order); anything else ``torch.matmul``.
+
+    Example::
+
+        >>> m = torch.arange(6.0).view(2, 3)
+        >>> thin_matmul(m, torch.ones(3, 1), torch.empty(2, 1)).tolist()
+        [[3.0], [12.0]]
+        >>> thin_matmul(m, torch.ones(2, 1), torch.empty(3, 1), transpose=True).tolist()
+        [[3.0], [5.0], [7.0]]
+    """
+    n, m = mat.shape
+    r = factor.shape[1]
+    inner, outer = (n, m) if transpose else (m, n)
+    if factor.shape != (inner, r) or out.shape != (outer, r):
+        raise ValueError(
+            f"`thin_matmul` of a {n} x {m} matrix{' (transposed)' if transpose else ''} takes a factor of shape "
+            f"({inner}, r) and an out of ({outer}, r), got {tuple(factor.shape)} and {tuple(out.shape)}"
+        )
+    kernel = _thin_kernel(mat, factor, out, r)
+    if kernel is None:
+        return torch.matmul(mat.T if transpose else mat, factor, out=out)
+    run = kernel.thin_matmul_t if transpose else kernel.thin_matmul
+    factor = factor.contiguous()  # kept alive through the call
+    run(mat.data_ptr(), n, m, factor.data_ptr(), r, out.data_ptr(), _native._level(kernel, level))
+    return out
+
+
+def _thin_kernel(mat: Tensor, factor: Tensor, out: Tensor, r: int) -> Optional[ModuleType]:
+    """The compiled kernel when it can compute the product (CPU fp32, contiguous ``mat`` and ``out``)."""
+    if not (mat.device.type == factor.device.type == out.device.type == "cpu"):
+        return None
+    if not (mat.dtype is factor.dtype is out.dtype is torch.float32 and mat.is_contiguous() and out.is_contiguous()):
+        return None
+    kernel = _native.load()
+    return kernel if kernel is not None and 1 <= r <= kernel.thin_max and mat.numel() > 0 else None

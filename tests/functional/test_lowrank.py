@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gradcomp.functional import orthogonalize
+from lightning_gradcomp.functional import _native, orthogonalize
 from lightning_gradcomp.functional.lowrank import (adapt_factor, effective_rank, lowrank_numel, lowrank_saves,
-                                                   matrix_shape, random_factor)
+                                                   matrix_shape, random_factor, thin_matmul)
 
 
 def _assert_orthonormal(q: torch.Tensor, atol: float = 1e-5) -> None:
@@ -92,3 +92,48 @@ def test_adapt_factor_grow_keeps_columns_and_adds_orthogonal_ones() -> None:
     assert float((q.T @ extra).abs().max()) < 1e-4
     again = adapt_factor(q, 5, torch.Generator().manual_seed(0))
     assert torch.equal(out, again)
+
+
+# ------------------------------------------------------------------------------------------------ thin products
+_kernel = _native.load()
+_LEVELS = sorted({0, _kernel.level if _kernel is not None else 0})
+
+
+@pytest.mark.parametrize("level", _LEVELS)
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize(("n", "m", "r"), [(1, 1, 1), (7, 9, 1), (33, 17, 3), (1000, 256, 4), (256, 1024, 4),
+                                           (64, 27, 8), (15, 8, 16), (40, 300, 32), (5, 6, 33)])
+def test_thin_matmul_matches_float64(n: int, m: int, r: int, transpose: bool, level: int) -> None:
+    """``M Q`` and ``M^T P`` within fp32 rounding of the float64 product, at the portable level and the CPU's
+    best alike (the same bits: one summation order), for row counts around the vector width and r past the
+    kernel's limit (33: torch.matmul)."""
+    gen = torch.Generator().manual_seed(n * m + r)
+    mat = torch.randn(n, m, generator=gen)
+    factor = torch.randn(m if not transpose else n, r, generator=gen)
+    out = torch.empty(n if not transpose else m, r)
+    got = thin_matmul(mat, factor, out, transpose=transpose, level=level)
+    assert got is out
+    exact = (mat.double().T if transpose else mat.double()) @ factor.double()
+    inner = n if transpose else m
+    assert (got.double() - exact).abs().max() <= 4 * inner * 2.0**-24 * (mat.abs().max() * factor.abs().max()).double()
+    best = thin_matmul(mat, factor, torch.empty_like(out), transpose=transpose)
+    assert torch.equal(got, best)  # deterministic, level-independent
+    strided = factor.T.contiguous().T  # the same values, column-major: copied for the kernel (and kept alive)
+    assert torch.equal(thin_matmul(mat, strided, torch.empty_like(out), transpose=transpose, level=level), got)
+
+
+def test_thin_matmul_takes_torch_for_other_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    mat = torch.randn(6, 4, dtype=torch.float64)
+    factor = torch.randn(4, 2, dtype=torch.float64)
+    assert torch.equal(thin_matmul(mat, factor, torch.empty(6, 2, dtype=torch.float64)), mat @ factor)
+    strided = torch.randn(4, 6).T  # not contiguous
+    assert torch.equal(thin_matmul(strided, torch.ones(4, 2), torch.empty(6, 2)), strided @ torch.ones(4, 2))
+    monkeypatch.setattr(_native, "load", lambda: None)
+    mat32, f32 = torch.randn(6, 4), torch.randn(4, 2)
+    assert torch.equal(thin_matmul(mat32, f32, torch.empty(6, 2)), torch.matmul(mat32, f32))
+
+
+@pytest.mark.parametrize(("factor", "out"), [((5, 2), (6, 2)), ((4, 2), (6, 3)), ((6, 2), (6, 2))])
+def test_thin_matmul_checks_shapes(factor: tuple[int, int], out: tuple[int, int]) -> None:
+    with pytest.raises(ValueError, match="takes a factor of shape"):
+        thin_matmul(torch.randn(6, 4), torch.randn(*factor), torch.empty(*out))
