@@ -125,14 +125,21 @@ class PowerSGD(Compressor):
         names = [slot.name for slot in ctx.slots]
         world = ctx.world_size
 
+        outputs = ctx.outputs  # the bucket's slices, dead once the inputs are the engine's copies (error feedback)
+
         def decode(f: Future) -> list[Tensor]:
             summed = f.value().div_(world)
             out = []
-            for name, p, piece, (_, m), r in zip(names, ps, torch.split(summed, q_counts), shapes, ranks):
+            for i, (name, p, piece, (n, m), r) in enumerate(
+                zip(names, ps, torch.split(summed, q_counts), shapes, ranks)
+            ):
                 q = piece.view(m, r)
                 if self.warm_start:
                     self._factors[name] = q
-                out.append((p @ q.T).reshape(-1))
+                if outputs is None:
+                    out.append((p @ q.T).reshape(-1))
+                else:  # straight into the bucket: no fresh n x m tensor, no copy back
+                    out.append(torch.matmul(p, q.T, out=outputs[i].view(n, m)).reshape(-1))
             return out
 
         return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=tensors)
