@@ -361,13 +361,7 @@ class GradCompHook:
             and outputs is not None
             and (not early or self.nonfinite == "zero")
         )
-        compensated = (
-            [self.memory.compensate_checked(s.name, g, divisor, clear=clear) for s, g in zip(comp, grads)]
-            if early
-            else None
-        )
-        flags = [bad for _, bad in compensated] if compensated is not None else [None]
-        comp_flag = any(flags) if all(bad is not None for bad in flags) else None  # None: scan the whole bucket
+        compensated, comp_flag = self._compensate(comp, grads, divisor, clear) if early else (None, None)
         head: Optional[Future] = None
         if check_after:
             head = self._head_async(buf, dense, comm)
@@ -378,7 +372,7 @@ class GradCompHook:
 
         borrow = not use_ef and self.compressor.borrows_inputs and divisor is None and buf.dtype == torch.float32
         if compensated is not None:
-            tensors = [p for p, _ in compensated]
+            tensors = compensated
         else:
             tensors = [
                 self.memory.compensate(s.name, g, divisor, clear=clear)
@@ -417,6 +411,16 @@ class GradCompHook:
 
         done = then_same_numerics(reduction.averaged, write_back, self.stats)
         return self._checked(buf, dense, head, done, ctx) if check_after else done
+
+    def _compensate(
+        self, comp: tuple[LayerSlot, ...], grads: list[Tensor], divisor: Optional[Tensor], clear: bool
+    ) -> tuple[list[Tensor], Optional[bool]]:
+        """Error feedback's ``p = m + g / divisor`` of every compressed slot (``clear``: zeroing ``g`` in the same
+        pass), and whether some ``g`` holds NaN/Inf (``None``: not checked, on the torch steps; the head then scans
+        the whole bucket)."""
+        pairs = [self.memory.compensate_checked(s.name, g, divisor, clear=clear) for s, g in zip(comp, grads)]
+        flags = [bad for _, bad in pairs]
+        return [p for p, _ in pairs], None if any(bad is None for bad in flags) else any(flags)
 
     def _checked(
         self, buf: Tensor, dense: tuple[LayerSlot, ...], head: Optional[Future], done: Future, ctx: ReduceContext

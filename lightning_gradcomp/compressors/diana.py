@@ -160,15 +160,17 @@ class DIANA(QuantizedCompressor):
             return torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
         return value if value.device == like.device else value.to(like.device)
 
-    def _encode_inputs(self, tensors: list[Tensor], ctx: ReduceContext) -> list[Tensor]:
-        """``g_i - h_i`` (in the engine's storage); the new shifts go into buffers staged by :meth:`_reduced`."""
+    def _encode_inputs(self, tensors: list[Tensor], ctx: ReduceContext) -> tuple[list[Tensor], Optional[list[Tensor]]]:
+        """``g_i - h_i``, subtracted in the quantization pass (the gradient is left as it is); the new shifts go into
+        buffers staged by :meth:`_reduced`."""
         self._pending = {}
+        shifts = []
         for slot, g in zip(ctx.slots, tensors):
             local = self._committed(self._local, slot.name, g)
             shift = self._committed(self._shift, slot.name, g)
             self._pending[slot.name] = (local, torch.empty_like(local), shift, torch.empty_like(shift))
-            g.sub_(local)
-        return tensors
+            shifts.append(local)
+        return tensors, shifts
 
     def _after_encode(
         self, tensors: list[Tensor], decoded: DecodedMessages, ctx: ReduceContext

@@ -101,12 +101,12 @@ class SlotCodec:
         """Bits per element on the wire."""
         return code_bits(self.levels)
 
-    def quantize(self, x: Tensor, generator: Optional[torch.Generator]) -> Quantized:
-        """Encode a flat tensor (``generator`` is unused by scaled sign)."""
+    def quantize(self, x: Tensor, generator: Optional[torch.Generator], minus: Optional[Tensor] = None) -> Quantized:
+        """Encode a flat tensor, or ``x - minus`` (``generator`` is unused by scaled sign)."""
         if self.levels == 0:
-            return sign_quantize(x, self.group_size)
+            return sign_quantize(x if minus is None else x - minus, self.group_size)
         assert generator is not None
-        return stochastic_quantize(x, self.levels, self.group_size, self.p, generator)
+        return stochastic_quantize(x, self.levels, self.group_size, self.p, generator, minus=minus)
 
 
 @dataclass(frozen=True)
@@ -397,7 +397,7 @@ class QuantizedCompressor(Compressor):
         aggregation: ``"alltoall"`` (bandwidth-optimal two-stage, default) or ``"allgather"`` (exact).
     """
 
-    borrows_inputs = True  # quantization reads them (DIANA subtracts its shift in place); nothing keeps them
+    borrows_inputs = True  # quantization only reads them (DIANA subtracts its shift in that pass); nothing keeps them
     bucket_cap_mb = 4.0  # 1/16-1/8 of the dense bytes still travel: overlap them with backward (docs/benchmarks.md)
 
     def __init__(self, aggregation: str = "alltoall") -> None:
@@ -428,9 +428,11 @@ class QuantizedCompressor(Compressor):
             errors += quantization_errors(stat, [c.bits], c.group_size, c.p)
         return sizes, errors
 
-    def _encode_inputs(self, tensors: list[Tensor], ctx: ReduceContext) -> list[Tensor]:
-        """What is quantized at stage 1 (default: the tensors themselves)."""
-        return tensors
+    def _encode_inputs(self, tensors: list[Tensor], ctx: ReduceContext) -> tuple[list[Tensor], Optional[list[Tensor]]]:
+        """What is quantized at stage 1: ``(x, shifts)``, slot ``i`` being encoded as ``x[i] - shifts[i]`` when
+        ``shifts`` is given (the subtraction fused into the quantization pass; DIANA's ``g_i - h_i``). Default: the
+        tensors themselves, no shifts."""
+        return tensors, None
 
     def _after_encode(
         self, tensors: list[Tensor], decoded: DecodedMessages, ctx: ReduceContext
@@ -485,9 +487,10 @@ class QuantizedCompressor(Compressor):
         """Quantize, exchange (all-to-all + all-gather, or one all-gather), decode; see the module docstring."""
         codecs = [self.codec(p) for p in ctx.params]
         numels = [t.numel() for t in tensors]
-        inputs = self._encode_inputs(tensors, ctx)
+        inputs, shifts = self._encode_inputs(tensors, ctx)
         messages = [
-            c.quantize(x, _generator(ctx, c, x.device, slot.name)) for x, c, slot in zip(inputs, codecs, ctx.slots)
+            c.quantize(x, _generator(ctx, c, x.device, slot.name), None if shifts is None else shifts[i])
+            for i, (x, c, slot) in enumerate(zip(inputs, codecs, ctx.slots))
         ]
         residuals, local = self._after_encode(tensors, DecodedMessages(messages), ctx)
         shares = ctx.shares([n * c.bits + 32 * num_groups(n, c.group_size) for n, c in zip(numels, codecs)])

@@ -276,7 +276,9 @@ def _uniform_like(y: Tensor, generator: torch.Generator) -> Tensor:
     return hashed_uniform(y.numel(), _draw_key(generator), dtype=y.dtype).view(y.shape)
 
 
-def stochastic_quantize(x: Tensor, levels: int, group_size: int, p: PNorm, generator: torch.Generator) -> Quantized:
+def stochastic_quantize(
+    x: Tensor, levels: int, group_size: int, p: PNorm, generator: torch.Generator, minus: Optional[Tensor] = None
+) -> Quantized:
     """Unbiased stochastic rounding of a flat tensor to ``levels`` levels per sign, per-group ``p``-norm scale.
 
     ``xi = floor(L |x| / s + u)`` with ``u ~ U[0, 1)`` rounds up with probability ``frac(L |x| / s)``.
@@ -287,6 +289,9 @@ def stochastic_quantize(x: Tensor, levels: int, group_size: int, p: PNorm, gener
         group_size: elements per scale.
         p: norm of the scale (2 or inf; 1 is allowed but gives large variance).
         generator: source of the uniform draws (on ``x``'s device).
+        minus: quantize ``x - minus`` instead (``x``'s shape and dtype): the same codes and scales, but the compiled
+            kernel subtracts group by group without writing the difference out (max-norm scales; other norms, and
+            the torch steps, subtract first).
 
     Returns:
         :class:`Quantized` with ``n`` codes in ``[0, 2L]`` and ``ceil(n / group_size)`` fp32 scales.
@@ -307,13 +312,20 @@ def stochastic_quantize(x: Tensor, levels: int, group_size: int, p: PNorm, gener
     if levels < 1:
         raise ValueError(f"`levels` must be >= 1, got {levels!r}")
     x = x.reshape(-1)
+    norm = parse_p(p)
+    if minus is not None and minus.numel() != x.numel():
+        raise ValueError(f"`minus` must have as many elements as `x` ({x.numel()}), got {minus.numel()}")
     kernel = _native_for(x) if levels <= 127 and x.numel() < _native.MAX_NUMEL else None
+    fused = minus is not None and norm == math.inf and minus.dtype is x.dtype and minus.device == x.device
+    if minus is not None and (kernel is None or not fused):
+        x, minus = x - minus.reshape(-1), None
     if kernel is not None:
-        return _stochastic_native(kernel, x.contiguous(), levels, group_size, parse_p(p), generator)
+        shift = None if minus is None else minus.reshape(-1).contiguous()
+        return _stochastic_native(kernel, x.contiguous(), levels, group_size, norm, generator, minus=shift)
     n = x.numel()
     grouped = _grouped(x, group_size)
     mag = grouped.abs()
-    scales = _pnorms(x, int(group_size), parse_p(p)).to(torch.float32)
+    scales = _pnorms(x, int(group_size), norm).to(torch.float32)
     wire = scales.to(x.dtype)  # probabilities use the scale exactly as it is sent
     inverse = levels / torch.where(wire > 0, wire, torch.ones_like(wire))
     # A group whose scale is zero, or so small (subnormal) that levels / scale overflows, is sent as zeros.
@@ -344,8 +356,10 @@ def _stochastic_native(
     p: float,
     generator: torch.Generator,
     level: Optional[int] = None,
+    minus: Optional[Tensor] = None,
 ) -> Quantized:
     """:func:`stochastic_quantize` of a contiguous fp32 CPU tensor (fewer than 2**32 entries): one kernel call.
+    ``minus`` (contiguous fp32, max-norm only) is subtracted group by group in the kernel.
 
     The kernel takes the max-norm itself; other norms are the torch steps' (a NaN norm, whatever its bits, makes
     the group unusable).
@@ -358,8 +372,11 @@ def _stochastic_native(
         scales = _pnorms(x, int(group_size), p)  # the torch steps' norms
     key = _draw_key(generator)  # the torch steps' key: the same draws, and the generator advances alike
     codes = torch.empty(n, dtype=torch.uint8)
+    if minus is not None and p != math.inf:
+        raise ValueError("`minus` is fused for max-norm scales only")
     kernel.stochastic_round(
         x.data_ptr(),
+        0 if minus is None else minus.data_ptr(),
         n,
         key,
         group_size,

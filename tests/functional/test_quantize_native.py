@@ -107,6 +107,40 @@ def test_stochastic_round_is_bit_identical(n: int, group_size: int, p: float, le
 
 
 @needs_kernel
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("p", [math.inf, 2.0])
+@pytest.mark.parametrize("group_size", [1, 7, 128, 1500])
+@pytest.mark.parametrize("n", SIZES)
+def test_quantizing_a_difference_is_quantizing_its_value(n: int, group_size: int, p: float, level: int) -> None:
+    """``minus`` (DIANA's ``g - h``): the kernel subtracts group by group and gives the codes and scales of the
+    materialized difference, as do the torch steps; ``x`` and ``minus`` are left as they were."""
+    for levels in (1, 7):
+        for kind in ("gauss", "special", "nonfinite"):
+            x, shift = _inputs(kind, n, n + levels), _inputs("gauss", n, group_size) * 0.5
+            before = (x.clone(), shift.clone())
+            seed = 7 * levels + n
+            reference = stochastic_quantize(x - shift, levels, group_size, p, torch.Generator().manual_seed(seed))
+            gen = torch.Generator().manual_seed(seed)
+            if p == math.inf:
+                _assert_same(
+                    quantize._stochastic_native(kernel, x, levels, group_size, p, gen, level, shift), reference
+                )
+            _assert_same(
+                stochastic_quantize(x, levels, group_size, p, torch.Generator().manual_seed(seed), shift), reference
+            )
+            with _torch_path():
+                _assert_same(
+                    stochastic_quantize(x, levels, group_size, p, torch.Generator().manual_seed(seed), shift), reference
+                )
+            assert _bits_equal(x, before[0]) and _bits_equal(shift, before[1])
+
+
+def test_quantizing_a_difference_checks_its_size() -> None:
+    with pytest.raises(ValueError, match="`minus` must have as many elements"):
+        stochastic_quantize(torch.ones(4), 1, 2, "inf", torch.Generator(), torch.ones(3))
+
+
+@needs_kernel
 @pytest.mark.parametrize("p", [1, 2, "inf"])
 def test_public_quantizer_uses_the_kernel_and_the_same_stream(p: object, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []

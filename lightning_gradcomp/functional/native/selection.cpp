@@ -586,19 +586,26 @@ __attribute__((target("avx2"))) void dequantize_avx2(const uint8_t* c, int64_t m
 #endif
 
 // Codes of x[0:n] and the usable scales of its groups (given: scales holds the p-norms on entry).
-void stochastic_round_impl(const float* x, int64_t n, uint64_t key, int64_t group_size, float levels,
-                           bool given, float* scales, uint8_t* codes, int level) {
+void stochastic_round_impl(const float* source, const float* minus, int64_t n, uint64_t key, int64_t group_size,
+                           float levels, bool given, float* scales, uint8_t* codes, int level) {
     const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
     const bool wide = LGC_X86 && std::min(level, kLevel) >= 2;
+    thread_local std::vector<float> difference;  // one group of source - minus (fp32, as torch subtracts)
+    if (minus != nullptr) grow(difference, std::min(group_size, n));
     for (int64_t start = 0, g = 0; start < n; start += group_size, ++g) {
         const int64_t m = std::min(group_size, n - start);
+        const float* src = source + start;
+        if (minus != nullptr) {  // the group's x - minus, read from cache by both passes below
+            for (int64_t j = 0; j < m; ++j) difference[j] = source[start + j] - minus[start + j];
+            src = difference.data();
+        }
         float scale = scales[g];
         if (!given) {
             uint32_t top;
 #if LGC_X86
-            top = wide ? max_abs_avx2(x + start, m) : max_abs_generic(x + start, m);
+            top = wide ? max_abs_avx2(src, m) : max_abs_generic(src, m);
 #else
-            top = max_abs_generic(x + start, m);
+            top = max_abs_generic(src, m);
 #endif
             scale = bits_float(top);
         }
@@ -606,21 +613,22 @@ void stochastic_round_impl(const float* x, int64_t n, uint64_t key, int64_t grou
         scales[g] = scale;
 #if LGC_X86
         if (wide) {
-            round_avx2(x + start, static_cast<uint32_t>(start), k0, k1, m, inverse, levels, codes + start);
+            round_avx2(src, static_cast<uint32_t>(start), k0, k1, m, inverse, levels, codes + start);
             continue;
         }
 #endif
-        round_generic(x + start, static_cast<uint32_t>(start), k0, k1, m, inverse, levels, codes + start);
+        round_generic(src, static_cast<uint32_t>(start), k0, k1, m, inverse, levels, codes + start);
     }
 }
 
-// n < 2^32 (the caller checks): the draw index is the entry's 32-bit position.
-void stochastic_round(uintptr_t x, int64_t n, uint64_t key, int64_t group_size, int levels, bool given,
-                      uintptr_t scales, uintptr_t codes, int level) {
+// n < 2^32 (the caller checks): the draw index is the entry's 32-bit position. minus (0: none) is subtracted from
+// x first, group by group, without writing x - minus anywhere but a group-sized scratch.
+void stochastic_round(uintptr_t x, uintptr_t minus, int64_t n, uint64_t key, int64_t group_size, int levels,
+                      bool given, uintptr_t scales, uintptr_t codes, int level) {
     std::optional<py::gil_scoped_release> release;
     if (n >= kReleaseGil) release.emplace();
-    stochastic_round_impl(reinterpret_cast<const float*>(x), n, key, group_size,
-                          static_cast<float>(levels), given, reinterpret_cast<float*>(scales),
+    stochastic_round_impl(reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(minus), n, key,
+                          group_size, static_cast<float>(levels), given, reinterpret_cast<float*>(scales),
                           reinterpret_cast<uint8_t*>(codes), level);
 }
 
