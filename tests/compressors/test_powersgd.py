@@ -46,6 +46,23 @@ def test_bytes_replicas_and_error_feedback(world: int) -> None:
                                        atol=1e-5, rtol=1e-4)
 
 
+def _mixed_kernel_worker(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 runs without the compiled kernel (BLAS products), the others with it."""
+    if rank == 1:
+        from lightning_gradcomp.functional import _native
+
+        _native.load = lambda: None  # type: ignore[assignment]  # this forked rank only
+    return reduce_worker(rank, world, PowerSGD(rank=3), [(64, 40), (33, 7, 5), (130, 257)], None, 3)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_with_and_without_the_kernel_stay_identical(world: int) -> None:
+    """The kernel's ``M Q`` / ``M^T P`` round differently from BLAS, but they are only each rank's contribution to an
+    all-reduce; the decoding every rank must agree on stays torch's, so the averaged result is the same bits on a rank
+    without the kernel."""
+    _identical(run_workers(_mixed_kernel_worker, world))
+
+
 def _shared_column_space_worker(rank: int, world: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(5)
     u = torch.randn(30, 2, generator=gen)  # same on every rank
