@@ -425,8 +425,13 @@ def block_quantize(x: Tensor, p: PNorm, block_size: int, generator: torch.Genera
     return stochastic_quantize(x, 1, block_size, p, generator)
 
 
-def sign_quantize(x: Tensor, bucket_size: int) -> Quantized:
+def sign_quantize(x: Tensor, bucket_size: int, level: Optional[int] = None) -> Quantized:
     """Scaled sign: 1 bit per element, scale = mean ``|x|`` of each bucket (deterministic, biased).
+
+    On a contiguous fp32 CPU tensor the compiled kernel writes the codes and the means in one pass, summing each
+    bucket's ``|x|`` in a fixed order of its own (the same bits at every instruction-set ``level``, not torch's
+    summation order: a message's scales are computed on the rank that sends them, so ranks never need to agree).
+    Elsewhere torch's steps (``abs().sum()`` per bucket).
 
     Example::
 
@@ -436,6 +441,14 @@ def sign_quantize(x: Tensor, bucket_size: int) -> Quantized:
     """
     x = x.reshape(-1)
     size = int(bucket_size)
+    kernel = _native_for(x) if x.is_contiguous() else None
+    if kernel is not None:
+        codes = torch.empty(x.numel(), dtype=torch.uint8)
+        means = torch.empty(num_groups(x.numel(), size), dtype=torch.float32)
+        kernel.sign_quantize(
+            x.data_ptr(), x.numel(), size, codes.data_ptr(), means.data_ptr(), _native._level(kernel, level)
+        )
+        return Quantized(codes, means, 0, size)
     scales = _pnorms(x, size, 1.0)  # sum of |x| per bucket (a fresh tensor)
     whole = x.numel() // size
     scales[:whole].div_(size)

@@ -81,8 +81,32 @@ def test_sign_codes_are_torchs(n: int, kind: str, level: int) -> None:
     assert codes.dtype == torch.uint8 and torch.equal(codes, torch.ge(x, 0).to(torch.uint8))
     with _torch_path():
         assert torch.equal(quantize.sign_codes(x), codes)
-        reference = quantize.sign_quantize(x, 7)
-    _assert_same(quantize.sign_quantize(x, 7), reference)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["normal", "special", "nonfinite"])
+@pytest.mark.parametrize("group_size", [1, 5, 8, 9, 512, 1500])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 17, 511, 513, 4097, 100_003])
+def test_sign_quantize_in_one_pass(n: int, group_size: int, kind: str) -> None:
+    """Codes as torch.ge gives them; each bucket's mean ``|x|`` within fp32 rounding of torch's (its own summation
+    order: the same bits at every level); NaN/Inf buckets alike; a short last bucket divided by its own length."""
+    x = _inputs(kind, n, n + group_size)
+    with _torch_path():
+        reference = quantize.sign_quantize(x, group_size)
+    got = [quantize.sign_quantize(x, group_size, level=level) for level in LEVELS]
+    for q in got:
+        assert q.codes.dtype == torch.uint8 and torch.equal(q.codes, reference.codes)
+        assert q.scales.dtype == torch.float32 and q.scales.shape == reference.scales.shape
+        assert (q.levels, q.group_size) == (0, group_size)
+        assert _bits_equal(q.scales, got[0].scales)
+    exact = x.double().abs()
+    sums = torch.stack([exact[i: i + group_size].sum() for i in range(0, n, group_size)])
+    means = torch.stack([exact[i: i + group_size].mean() for i in range(0, n, group_size)])
+    finite = torch.isfinite(sums) & (sums < 1e38)  # sums of huge values overflow fp32 in any order
+    assert torch.equal(torch.isinf(got[0].scales[finite]), torch.zeros(int(finite.sum()), dtype=torch.bool))
+    torch.testing.assert_close(got[0].scales.double()[finite], means[finite], rtol=4 * min(group_size, n) * 2.0**-24,
+                               atol=1e-44)
+    assert torch.equal(torch.isnan(got[0].scales), torch.isnan(reference.scales))
 
 
 # ------------------------------------------------------------------------------------------------ rounding

@@ -928,6 +928,70 @@ __attribute__((target("avx2"))) int64_t sign_codes_avx2(const float* x, int64_t 
 }
 #endif
 
+// quantize.sign_quantize: the codes above and, per group of group_size (the last one shorter), the mean |x| in one
+// pass. Each group's |x| are summed in 8 lanes (entry j of the group into lane j % 8, in order), the lanes pairwise
+// ((0+4)+(2+6)) + ((1+5)+(3+7)), then the group's last m % 8 entries in order; the sum is divided by the group's
+// length. The same bits at every level (the scalar loop keeps the lanes too); not torch's summation order.
+#if LGC_X86
+// The 8 lanes of v summed as ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)).
+__attribute__((target("avx2"))) inline float lanes_sum(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // lanes i + (i + 4)
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));                               // + (i + 2)
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));                      // + (i + 1)
+}
+
+__attribute__((target("avx2"))) float abs_sum_codes_avx2(const float* x, int64_t m, uint8_t* out, int64_t* done) {
+    const __m256 zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        acc = _mm256_add_ps(acc, _mm256_andnot_ps(sign, v));
+        const int bits = _mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_GE_OQ));
+        std::memcpy(out + j, &kSpread.bytes[bits], 8);
+    }
+    *done = j;
+    return lanes_sum(acc);
+}
+#endif
+
+void sign_quantize(uintptr_t src, int64_t n, int64_t group_size, uintptr_t codes, uintptr_t scales, int level) {
+    std::optional<py::gil_scoped_release> release;
+    if (n >= kReleaseGil) release.emplace();
+    const float* x = reinterpret_cast<const float*>(src);
+    uint8_t* out = reinterpret_cast<uint8_t*>(codes);
+    float* mean = reinterpret_cast<float*>(scales);
+    const bool wide = LGC_X86 && std::min(level, kLevel) >= 2;
+    for (int64_t start = 0, g = 0; start < n; start += group_size, ++g) {
+        const int64_t m = std::min(group_size, n - start);
+        const float* v = x + start;
+        uint8_t* c = out + start;
+        float total;
+        int64_t j = 0;
+#if LGC_X86
+        if (wide) {
+            total = abs_sum_codes_avx2(v, m, c, &j);
+        } else
+#endif
+        {
+            float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (; j + 8 <= m; j += 8)
+                for (int k = 0; k < 8; ++k) {
+                    lanes[k] += std::fabs(v[j + k]);
+                    c[j + k] = v[j + k] >= 0.0f ? 1 : 0;
+                }
+            const float h0 = lanes[0] + lanes[4], h1 = lanes[1] + lanes[5], h2 = lanes[2] + lanes[6],
+                        h3 = lanes[3] + lanes[7];
+            total = (h0 + h2) + (h1 + h3);
+        }
+        for (; j < m; ++j) {
+            total += std::fabs(v[j]);
+            c[j] = v[j] >= 0.0f ? 1 : 0;
+        }
+        mean[g] = total / static_cast<float>(m);
+    }
+}
+
 void sign_codes(uintptr_t src, int64_t n, uintptr_t dst, int level) {
     std::optional<py::gil_scoped_release> release;
     if (n >= kReleaseGil) release.emplace();
@@ -948,12 +1012,6 @@ void sign_codes(uintptr_t src, int64_t n, uintptr_t dst, int level) {
 constexpr int64_t kThinMax = 32;
 
 #if LGC_X86
-__attribute__((target("avx2"))) inline float lanes_sum(__m256 v) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // lanes i + (i + 4)
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));                               // + (i + 2)
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));                      // + (i + 1)
-}
-
 __attribute__((target("avx2"))) void thin_mq_avx2(const float* M, int64_t n, int64_t m, const float* qt, int64_t r,
                                                    float* out) {
     const int64_t body = m / 8 * 8;
@@ -1170,6 +1228,7 @@ PYBIND11_MODULE(LGC_MODULE_NAME, m) {
     m.def("any_nonfinite", &any_nonfinite);
     m.def("compensate", &compensate);
     m.def("sign_codes", &sign_codes);
+    m.def("sign_quantize", &sign_quantize);
     m.def("thin_matmul", &thin_matmul);
     m.def("thin_matmul_t", &thin_matmul_t);
     m.attr("thin_max") = kThinMax;
