@@ -77,6 +77,24 @@ def test_residuals_are_p_minus_local_sign_and_server_memory_is_checkpointed() ->
     assert comp.state_dict() == {"server": {}}
 
 
+def _mixed_kernel_steps(rank: int, world: int, aggregation: str) -> dict[str, Any]:
+    """Rank 1 runs without the compiled kernel (torch's scales), the others with it."""
+    if rank == 1:
+        from lightning_gradcomp.functional import _native
+
+        _native.load = lambda: None  # type: ignore[assignment]  # this forked rank only
+    return _reduce_steps(rank, world, aggregation, 3)
+
+
+@pytest.mark.parametrize(("world", "aggregation"), [(2, "alltoall"), (3, "alltoall"), (3, "allgather")])
+def test_ranks_with_and_without_the_kernel_agree(world: int, aggregation: str) -> None:
+    """The kernel's bucket means round differently from torch's, but each is computed by the rank that sends it: the
+    averaged result is the same bits on every rank."""
+    results = run_workers(_mixed_kernel_steps, world, aggregation)
+    for step in range(3):
+        assert all(torch.equal(r["outs"][step], results[0]["outs"][step]) for r in results[1:])
+
+
 def test_server_memory_makes_repeated_sign_averages_converge() -> None:
     """With constant inputs, server error feedback makes the running mean of outputs approach the true mean."""
     results = run_workers(_reduce_steps, 2, "alltoall", 60)
