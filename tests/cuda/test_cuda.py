@@ -91,3 +91,26 @@ def test_compressor_on_cuda_without_host_syncs(name: str) -> None:
     if not registry.create(name).dense:
         assert result["compressed"] == 3
     assert result["counts"] == {}, f"host syncs on the training thread: {result['counts']}"
+
+
+def test_the_cpu_kernels_entry_points_take_torchs_steps_on_cuda() -> None:
+    """The functions that use the compiled CPU kernel run torch's steps on CUDA tensors, on the device: compensation
+    (and no NaN/Inf answer, so the engine scans the bucket), scaled sign, DIANA's fused subtraction and the thin
+    products."""
+    from lightning_gradcomp.functional.feedback import compensate_checked
+    from lightning_gradcomp.functional.lowrank import thin_matmul
+    from lightning_gradcomp.functional.quantize import sign_quantize, stochastic_quantize
+
+    device = torch.device("cuda", 0)
+    m, g = torch.randn(1000, device=device), torch.randn(1000, device=device)
+    scale = torch.tensor([4.0], device=device)
+    p, bad = compensate_checked(m, g.clone(), scale, clear=True)
+    assert p.device == device and bad is None and torch.equal(p, torch.addcdiv(m, g, scale))
+    q = sign_quantize(g, 64)
+    assert q.codes.device == device and torch.equal(q.codes, torch.ge(g, 0).view(torch.uint8))
+    gen = torch.Generator(device=device)
+    fused = stochastic_quantize(g, 1, 128, "inf", gen.manual_seed(3), minus=m)
+    plain = stochastic_quantize(g - m, 1, 128, "inf", gen.manual_seed(3))
+    assert torch.equal(fused.codes, plain.codes) and torch.equal(fused.scales, plain.scales)
+    mat, factor = torch.randn(40, 30, device=device), torch.randn(30, 4, device=device)
+    torch.testing.assert_close(thin_matmul(mat, factor, torch.empty(40, 4, device=device)), mat @ factor)
