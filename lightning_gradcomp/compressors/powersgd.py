@@ -35,6 +35,7 @@ from lightning_gradcomp.functional.lowrank import (
     matrix_shape,
     orthogonalize,
     random_factor,
+    subtract_product,
     thin_matmul,
 )
 from lightning_gradcomp.plan import LayerSlot
@@ -119,7 +120,7 @@ class PowerSGD(Compressor):
         qs = [piece.view(m, r) for piece, (_, m), r in zip(torch.split(q_flat, q_counts), shapes, ranks)]
         for mat, p, q in zip(mats, ps, qs):
             thin_matmul(mat, p, q, transpose=True)
-            mat.addmm_(p, q.T, alpha=-1.0)  # residual p - c in the engine's tensor, before Q is overwritten
+            subtract_product(mat, p, q)  # residual p - c in the engine's tensor, before Q is overwritten
         fut = ctx.comm.all_reduce(q_flat, async_op=True, shares=ctx.shares(q_counts))
         assert fut is not None
         names = [slot.name for slot in ctx.slots]

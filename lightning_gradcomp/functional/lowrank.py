@@ -31,6 +31,7 @@ __all__ = [
     "matrix_shape",
     "orthogonalize",
     "random_factor",
+    "subtract_product",
     "thin_matmul",
 ]
 
@@ -194,3 +195,36 @@ def _thin_kernel(mat: Tensor, factor: Tensor, out: Tensor, r: int) -> Optional[M
         return None
     kernel = _native.load()
     return kernel if kernel is not None and 1 <= r <= kernel.thin_max and mat.numel() > 0 else None
+
+
+def subtract_product(mat: Tensor, left: Tensor, right: Tensor, *, level: Optional[int] = None) -> Tensor:
+    """``mat -= left @ right.T`` in place (PowerSGD's residual ``M - P Q^T``) and return ``mat``.
+
+    Args:
+        mat: the ``n x m`` matrix, updated in place.
+        left: ``n x r``.
+        right: ``m x r``.
+        level: highest kernel instruction-set level to use (tests); ``None``: the CPU's best.
+
+    Contiguous fp32 CPU tensors with ``r`` up to the kernel's limit (32) take the compiled kernel, one read and write
+    of ``mat`` (entry ``(i, j)`` subtracts ``sum_c left[i, c] right[j, c]``, summed in order); anything else
+    ``mat.addmm_(left, right.T, alpha=-1)``.
+
+    Example::
+
+        >>> subtract_product(torch.ones(2, 3), torch.ones(2, 1), torch.arange(3.0).view(3, 1)).tolist()
+        [[1.0, 0.0, -1.0], [1.0, 0.0, -1.0]]
+    """
+    n, m = mat.shape
+    r = left.shape[1]
+    if left.shape != (n, r) or right.shape != (m, r):
+        raise ValueError(
+            f"`subtract_product` of a {n} x {m} matrix takes factors of shapes ({n}, r) and ({m}, r), got "
+            f"{tuple(left.shape)} and {tuple(right.shape)}"
+        )
+    kernel = _thin_kernel(mat, right, left.contiguous(), r)  # left: CPU fp32 like the others
+    if kernel is None:
+        return mat.addmm_(left, right.T, alpha=-1.0)
+    left, right = left.contiguous(), right.contiguous()  # kept alive through the call
+    kernel.subtract_product(mat.data_ptr(), n, m, left.data_ptr(), right.data_ptr(), r, _native._level(kernel, level))
+    return mat

@@ -7,7 +7,7 @@ import torch
 
 from lightning_gradcomp.functional import _native, orthogonalize
 from lightning_gradcomp.functional.lowrank import (adapt_factor, effective_rank, lowrank_numel, lowrank_saves,
-                                                   matrix_shape, random_factor, thin_matmul)
+                                                   matrix_shape, random_factor, subtract_product, thin_matmul)
 
 
 def _assert_orthonormal(q: torch.Tensor, atol: float = 1e-5) -> None:
@@ -137,3 +137,26 @@ def test_thin_matmul_takes_torch_for_other_inputs(monkeypatch: pytest.MonkeyPatc
 def test_thin_matmul_checks_shapes(factor: tuple[int, int], out: tuple[int, int]) -> None:
     with pytest.raises(ValueError, match="takes a factor of shape"):
         thin_matmul(torch.randn(6, 4), torch.randn(*factor), torch.empty(*out))
+
+
+@pytest.mark.parametrize("level", _LEVELS)
+@pytest.mark.parametrize(("n", "m", "r"), [(1, 1, 1), (7, 9, 1), (33, 17, 3), (1000, 256, 4), (64, 40, 32), (5, 6, 33)])
+def test_subtract_product_matches_float64(n: int, m: int, r: int, level: int) -> None:
+    """``M - P Q^T`` in place, within fp32 rounding of the float64 result, the same bits at every level (r = 33:
+    torch's addmm_); column-major factors give the same result in the kernel."""
+    gen = torch.Generator().manual_seed(n + m + r)
+    mat, left, right = torch.randn(n, m, generator=gen), torch.randn(n, r, generator=gen), torch.randn(m, r, generator=gen)
+    exact = mat.double() - left.double() @ right.double().T
+    got = mat.clone()
+    assert subtract_product(got, left, right, level=level) is got
+    bound = 4 * (r + 1) * 2.0**-24 * (mat.abs().max() + r * left.abs().max() * right.abs().max()).double()
+    assert (got.double() - exact).abs().max() <= bound
+    assert torch.equal(got, subtract_product(mat.clone(), left, right))
+    if r <= 32:  # the kernel copies column-major factors; BLAS (r = 33) may round them differently
+        strided = subtract_product(mat.clone(), left.T.contiguous().T, right.T.contiguous().T, level=level)
+        assert torch.equal(got, strided)
+
+
+def test_subtract_product_checks_shapes() -> None:
+    with pytest.raises(ValueError, match="takes factors of shapes"):
+        subtract_product(torch.randn(6, 4), torch.randn(6, 2), torch.randn(5, 2))

@@ -1047,6 +1047,53 @@ __attribute__((target("avx2"))) void thin_mtp_avx2(const float* M, int64_t n, in
 }
 #endif
 
+#if LGC_X86
+__attribute__((target("avx2"))) void subtract_product_avx2(float* M, int64_t n, int64_t m, const float* p,
+                                                            const float* qt, int64_t r) {
+    const int64_t body = m / 8 * 8;
+    for (int64_t i = 0; i < n; ++i) {
+        float* row = M + i * m;
+        const float* w = p + i * r;
+        for (int64_t j = 0; j < body; j += 8) {
+            __m256 acc = _mm256_mul_ps(_mm256_set1_ps(w[0]), _mm256_loadu_ps(qt + j));
+            for (int64_t c = 1; c < r; ++c)
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(w[c]), _mm256_loadu_ps(qt + c * m + j)));
+            _mm256_storeu_ps(row + j, _mm256_sub_ps(_mm256_loadu_ps(row + j), acc));
+        }
+        for (int64_t j = body; j < m; ++j) {
+            float acc = w[0] * qt[j];
+            for (int64_t c = 1; c < r; ++c) acc += w[c] * qt[c * m + j];
+            row[j] -= acc;
+        }
+    }
+}
+#endif
+
+// M (n x m) -= P (n x r) @ Q (m x r)^T in place, one read and write of M: entry (i, j) subtracts
+// sum_c P[i, c] Q[j, c], summed over c in order. All row-major contiguous fp32.
+void subtract_product(uintptr_t mat, int64_t n, int64_t m, uintptr_t left, uintptr_t right, int64_t r, int level) {
+    std::optional<py::gil_scoped_release> release;
+    if (n * m >= kReleaseGil) release.emplace();
+    float* M = reinterpret_cast<float*>(mat);
+    const float* P = reinterpret_cast<const float*>(left);
+    const float* Q = reinterpret_cast<const float*>(right);
+    std::vector<float> qt(static_cast<size_t>(r * m));  // Q^T: each column contiguous
+    for (int64_t j = 0; j < m; ++j)
+        for (int64_t c = 0; c < r; ++c) qt[c * m + j] = Q[j * r + c];
+#if LGC_X86
+    if (std::min(level, kLevel) >= 2) {
+        subtract_product_avx2(M, n, m, P, qt.data(), r);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < m; ++j) {
+            float acc = P[i * r] * qt[j];
+            for (int64_t c = 1; c < r; ++c) acc += P[i * r + c] * qt[c * m + j];
+            M[i * m + j] -= acc;
+        }
+}
+
 // out (n x r) = M (n x m) @ Q (m x r), all row-major contiguous fp32.
 void thin_matmul(uintptr_t mat, int64_t n, int64_t m, uintptr_t factor, int64_t r, uintptr_t dst, int level) {
     std::optional<py::gil_scoped_release> release;
@@ -1231,6 +1278,7 @@ PYBIND11_MODULE(LGC_MODULE_NAME, m) {
     m.def("sign_quantize", &sign_quantize);
     m.def("thin_matmul", &thin_matmul);
     m.def("thin_matmul_t", &thin_matmul_t);
+    m.def("subtract_product", &subtract_product);
     m.attr("thin_max") = kThinMax;
     m.def("pack", &pack, pybind11::call_guard<pybind11::gil_scoped_release>());
     m.def("unpack", &unpack, pybind11::call_guard<pybind11::gil_scoped_release>());
