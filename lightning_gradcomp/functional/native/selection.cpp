@@ -1047,6 +1047,14 @@ __attribute__((target("avx2"))) void thin_mtp_avx2(const float* M, int64_t n, in
 }
 #endif
 
+// The r columns of a row-major m x r matrix, each contiguous (its transpose, r x m).
+std::vector<float> columns(const float* Q, int64_t m, int64_t r) {
+    std::vector<float> qt(static_cast<size_t>(r * m));
+    for (int64_t j = 0; j < m; ++j)
+        for (int64_t c = 0; c < r; ++c) qt[c * m + j] = Q[j * r + c];
+    return qt;
+}
+
 #if LGC_X86
 __attribute__((target("avx2"))) void subtract_product_avx2(float* M, int64_t n, int64_t m, const float* p,
                                                             const float* qt, int64_t r) {
@@ -1077,9 +1085,7 @@ void subtract_product(uintptr_t mat, int64_t n, int64_t m, uintptr_t left, uintp
     float* M = reinterpret_cast<float*>(mat);
     const float* P = reinterpret_cast<const float*>(left);
     const float* Q = reinterpret_cast<const float*>(right);
-    std::vector<float> qt(static_cast<size_t>(r * m));  // Q^T: each column contiguous
-    for (int64_t j = 0; j < m; ++j)
-        for (int64_t c = 0; c < r; ++c) qt[c * m + j] = Q[j * r + c];
+    const std::vector<float> qt = columns(Q, m, r);
 #if LGC_X86
     if (std::min(level, kLevel) >= 2) {
         subtract_product_avx2(M, n, m, P, qt.data(), r);
@@ -1101,9 +1107,7 @@ void thin_matmul(uintptr_t mat, int64_t n, int64_t m, uintptr_t factor, int64_t 
     const float* M = reinterpret_cast<const float*>(mat);
     const float* Q = reinterpret_cast<const float*>(factor);
     float* out = reinterpret_cast<float*>(dst);
-    std::vector<float> qt(static_cast<size_t>(r * m));  // Q^T: each column contiguous
-    for (int64_t j = 0; j < m; ++j)
-        for (int64_t c = 0; c < r; ++c) qt[c * m + j] = Q[j * r + c];
+    const std::vector<float> qt = columns(Q, m, r);
 #if LGC_X86
     if (std::min(level, kLevel) >= 2) {
         thin_mq_avx2(M, n, m, qt.data(), r, out);
