@@ -932,6 +932,12 @@ __attribute__((target("avx2"))) int64_t sign_codes_avx2(const float* x, int64_t 
 // pass. Each group's |x| are summed in 8 lanes (entry j of the group into lane j % 8, in order), the lanes pairwise
 // ((0+4)+(2+6)) + ((1+5)+(3+7)), then the group's last m % 8 entries in order; the sum is divided by the group's
 // length. The same bits at every level (the scalar loop keeps the lanes too); not torch's summation order.
+// 8 lanes summed as ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)): the order of lanes_sum below, for the scalar loops.
+inline float lanes_sum(const float* lanes) {
+    const float h0 = lanes[0] + lanes[4], h1 = lanes[1] + lanes[5], h2 = lanes[2] + lanes[6], h3 = lanes[3] + lanes[7];
+    return (h0 + h2) + (h1 + h3);
+}
+
 #if LGC_X86
 // The 8 lanes of v summed as ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)).
 __attribute__((target("avx2"))) inline float lanes_sum(__m256 v) {
@@ -980,9 +986,7 @@ void sign_quantize(uintptr_t src, int64_t n, int64_t group_size, uintptr_t codes
                     lanes[k] += std::fabs(v[j + k]);
                     c[j + k] = v[j + k] >= 0.0f ? 1 : 0;
                 }
-            const float h0 = lanes[0] + lanes[4], h1 = lanes[1] + lanes[5], h2 = lanes[2] + lanes[6],
-                        h3 = lanes[3] + lanes[7];
-            total = (h0 + h2) + (h1 + h3);
+            total = lanes_sum(lanes);
         }
         for (; j < m; ++j) {
             total += std::fabs(v[j]);
@@ -1121,10 +1125,7 @@ void thin_matmul(uintptr_t mat, int64_t n, int64_t m, uintptr_t factor, int64_t 
             const int64_t body = m / 8 * 8;
             for (int64_t j = 0; j < body; j += 8)
                 for (int k = 0; k < 8; ++k) lanes[k] += row[j + k] * qt[c * m + j + k];
-            float h[4], q[2];
-            for (int k = 0; k < 4; ++k) h[k] = lanes[k] + lanes[k + 4];
-            for (int k = 0; k < 2; ++k) q[k] = h[k] + h[k + 2];
-            float total = q[0] + q[1];
+            float total = lanes_sum(lanes);
             for (int64_t j = body; j < m; ++j) total += row[j] * qt[c * m + j];
             out[i * r + c] = total;
         }
