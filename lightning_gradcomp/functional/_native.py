@@ -87,6 +87,7 @@ __all__ = [
     "approx",
     "at_least",
     "exact",
+    "for_fp32",
     "load",
     "source",
 ]
@@ -271,6 +272,14 @@ def _compiler() -> list[str]:
         if found:
             return [found]
     raise RuntimeError("no C++ compiler found (install g++ or clang++, or set CXX)")
+
+
+def for_fp32(*tensors: Tensor) -> ModuleType | None:
+    """The kernel when every tensor is a contiguous fp32 CPU tensor (the fp32 passes read and write them through raw
+    pointers), else ``None``; ``None`` too where the kernel is unavailable (see :func:`load`)."""
+    if all(t.device.type == "cpu" and t.dtype is torch.float32 and t.is_contiguous() for t in tensors):
+        return load()
+    return None
 
 
 def _check(x: Tensor) -> None:

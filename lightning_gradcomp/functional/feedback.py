@@ -11,6 +11,7 @@ not check.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -66,10 +67,10 @@ def compensate_checked(
         >>> p.tolist(), bad in (True, None)  # None where the kernel is unavailable
         ([1.5, inf], True)
     """
-    if memory is not None and _fits_kernel(memory, grad, scale):
-        kernel = _native.load()
+    kernel = None if memory is None else _kernel_for(memory, grad, scale)
+    if memory is not None and kernel is not None:
         divisor = 0.0 if scale is None else float(scale)  # a CPU tensor: no device sync
-        if kernel is not None and (scale is None or divisor > 0.0):
+        if scale is None or divisor > 0.0:
             out = torch.empty_like(memory)
             bad = kernel.compensate(
                 memory.data_ptr(),
@@ -93,13 +94,11 @@ def compensate_checked(
     return out, None
 
 
-def _fits_kernel(memory: Tensor, grad: Tensor, scale: Optional[Tensor]) -> bool:
-    """Whether the kernel can compute ``memory + grad / scale``: contiguous fp32 CPU tensors of one size."""
-    return (
-        memory.device.type == grad.device.type == "cpu"
-        and memory.dtype is grad.dtype is torch.float32
-        and memory.shape == grad.shape
-        and memory.is_contiguous()
-        and grad.is_contiguous()
-        and (scale is None or (scale.device.type == "cpu" and scale.dtype is torch.float32 and scale.numel() == 1))
-    )
+def _kernel_for(memory: Tensor, grad: Tensor, scale: Optional[Tensor]) -> Optional[ModuleType]:
+    """The kernel when it can compute ``memory + grad / scale``: contiguous fp32 CPU tensors of one size, a CPU fp32
+    one-element ``scale``."""
+    if memory.shape != grad.shape:
+        return None
+    if scale is not None and not (scale.device.type == "cpu" and scale.dtype is torch.float32 and scale.numel() == 1):
+        return None
+    return _native.for_fp32(memory, grad)

@@ -27,9 +27,8 @@ def nonfinite_flag(x: Tensor, level: Optional[int] = None) -> Tensor:
         >>> nonfinite_flag(torch.tensor([1.0, float("nan")])).item()
         1.0
     """
-    if x.device.type == "cpu" and x.dtype is torch.float32 and x.is_contiguous():
-        kernel = _native.load()
-        if kernel is not None:
-            bad = kernel.any_nonfinite(x.data_ptr(), x.numel(), _native._level(kernel, level))
-            return torch.full((1,), float(bad), dtype=x.dtype)
+    kernel = _native.for_fp32(x)
+    if kernel is not None:
+        bad = kernel.any_nonfinite(x.data_ptr(), x.numel(), _native._level(kernel, level))
+        return torch.full((1,), float(bad), dtype=x.dtype)
     return (~torch.isfinite(x).all()).to(x.dtype).reshape(1)

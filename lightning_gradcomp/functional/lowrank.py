@@ -178,7 +178,7 @@ def thin_matmul(
             f"`thin_matmul` of a {n} x {m} matrix{' (transposed)' if transpose else ''} takes a factor of shape "
             f"({inner}, r) and an out of ({outer}, r), got {tuple(factor.shape)} and {tuple(out.shape)}"
         )
-    kernel = _thin_kernel(mat, factor, out, r)
+    kernel = _thin_kernel(r, (mat, out), (factor,))
     if kernel is None:
         return torch.matmul(mat.T if transpose else mat, factor, out=out)
     run = kernel.thin_matmul_t if transpose else kernel.thin_matmul
@@ -187,14 +187,14 @@ def thin_matmul(
     return out
 
 
-def _thin_kernel(mat: Tensor, factor: Tensor, out: Tensor, r: int) -> Optional[ModuleType]:
-    """The compiled kernel when it can compute the product (CPU fp32, contiguous ``mat`` and ``out``)."""
-    if not (mat.device.type == factor.device.type == out.device.type == "cpu"):
+def _thin_kernel(r: int, direct: Sequence[Tensor], copied: Sequence[Tensor]) -> Optional[ModuleType]:
+    """The compiled kernel when it can take ``r`` columns, the tensors ``direct`` as they are (contiguous fp32 CPU: it
+    reads or writes them through their pointers; the first is the matrix, not empty) and ``copied`` once the caller
+    has made them contiguous (fp32 CPU)."""
+    if not all(t.device.type == "cpu" and t.dtype is torch.float32 for t in copied) or direct[0].numel() == 0:
         return None
-    if not (mat.dtype is factor.dtype is out.dtype is torch.float32 and mat.is_contiguous() and out.is_contiguous()):
-        return None
-    kernel = _native.load()
-    return kernel if kernel is not None and 1 <= r <= kernel.thin_max and mat.numel() > 0 else None
+    kernel = _native.for_fp32(*direct)
+    return kernel if kernel is not None and 1 <= r <= kernel.thin_max else None
 
 
 def subtract_product(mat: Tensor, left: Tensor, right: Tensor, *, level: Optional[int] = None) -> Tensor:
@@ -222,7 +222,7 @@ def subtract_product(mat: Tensor, left: Tensor, right: Tensor, *, level: Optiona
             f"`subtract_product` of a {n} x {m} matrix takes factors of shapes ({n}, r) and ({m}, r), got "
             f"{tuple(left.shape)} and {tuple(right.shape)}"
         )
-    kernel = _thin_kernel(mat, right, left.contiguous(), r)  # left: CPU fp32 like the others
+    kernel = _thin_kernel(r, (mat,), (left, right))
     if kernel is None:
         return mat.addmm_(left, right.T, alpha=-1.0)
     left, right = left.contiguous(), right.contiguous()  # kept alive through the call

@@ -441,7 +441,7 @@ def sign_quantize(x: Tensor, bucket_size: int, level: Optional[int] = None) -> Q
     """
     x = x.reshape(-1)
     size = int(bucket_size)
-    kernel = _native_for(x) if x.is_contiguous() else None
+    kernel = _native.for_fp32(x)
     if kernel is not None:
         codes = torch.empty(x.numel(), dtype=torch.uint8)
         means = torch.empty(num_groups(x.numel(), size), dtype=torch.float32)
@@ -468,7 +468,7 @@ def sign_codes(x: Tensor, level: Optional[int] = None) -> Tensor:
         [1, 1, 0, 0]
     """
     x = x.reshape(-1)
-    kernel = _native_for(x) if x.is_contiguous() else None
+    kernel = _native.for_fp32(x)
     if kernel is None:
         return torch.ge(x, 0).view(torch.uint8)  # bool: one byte, 0 or 1
     codes = torch.empty(x.numel(), dtype=torch.uint8)
