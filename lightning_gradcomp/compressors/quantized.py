@@ -193,8 +193,12 @@ class WireLayout:
             parts.append(torch.zeros(pad, dtype=torch.uint8, device=device))
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
 
-    def unpack(self, index: int, payload: Tensor) -> list[Quantized]:
-        """Parse chunk ``index`` from ``payload`` of shape ``(..., payload_nbytes)``: one entry per segment."""
+    def unpack(self, index: int, payload: Tensor, *, packed: bool = False) -> list[Quantized]:
+        """Parse chunk ``index`` from ``payload`` of shape ``(..., payload_nbytes)``: one entry per segment.
+
+        ``packed``: leave the codes bit-packed in ``payload`` (views, ``Quantized.numel`` set) where they decode
+        straight from there (1, 2 and 4 bits); otherwise each run of codes is unpacked into one byte per code.
+        """
         chunk = self.chunks[index]
         lead = payload.shape[:-1]
         start = chunk.scale_offset
@@ -206,16 +210,19 @@ class WireLayout:
         out: list[Quantized] = []
         g = 0
         for bits, first, last, offset, numel in chunk.runs:
-            codes = unpack_bits(payload[..., offset : offset + packed_nbytes(numel, bits)], bits, numel)
+            run = payload[..., offset : offset + packed_nbytes(numel, bits)]
+            keep = packed and bits in (1, 2, 4)
+            codes = run if keep else unpack_bits(run, bits, numel)
             pos = 0
             for seg in chunk.segments[first:last]:
                 codec = self.codecs[seg.slot]
                 ng = seg.group_end - seg.group_start
-                out.append(
-                    Quantized(
-                        codes[..., pos : pos + seg.numel], scales[..., g : g + ng], codec.levels, codec.group_size
-                    )
-                )
+                piece_scales = scales[..., g : g + ng]
+                if keep:
+                    piece = Quantized(codes, piece_scales, codec.levels, codec.group_size, seg.numel, pos)
+                else:
+                    piece = Quantized(codes[..., pos : pos + seg.numel], piece_scales, codec.levels, codec.group_size)
+                out.append(piece)
                 pos += seg.numel
                 g += ng
         return out
@@ -349,7 +356,7 @@ def _rank_ordered_mean(piece: Quantized) -> Tensor:
     rows = piece.codes.shape[0]
 
     def row(r: int) -> Quantized:
-        return Quantized(piece.codes[r], piece.scales[r], piece.levels, piece.group_size)
+        return piece._replace(codes=piece.codes[r], scales=piece.scales[r])
 
     acc = row(0).decode()
     for r in range(1, rows):
@@ -519,7 +526,7 @@ class QuantizedCompressor(Compressor):
         layout = self.layout(ctx, numels, codecs, 1)
         device = messages[0].codes.device
         gathered = ctx.comm.all_gather(layout.pack(0, messages, device, whole_slots=True), shares=shares)
-        for seg, piece in zip(layout.chunks[0].segments, layout.unpack(0, gathered)):
+        for seg, piece in zip(layout.chunks[0].segments, layout.unpack(0, gathered, packed=True)):
             out[seg.slot][seg.start : seg.end] = self._exact_mean(ctx, seg.slot, _rank_ordered_mean(piece))
         return out
 
@@ -541,7 +548,7 @@ class QuantizedCompressor(Compressor):
         ctx.comm.all_to_all(recv, send, shares=shares)
 
         replies = []
-        for seg, piece in zip(layout.chunks[rank].segments, layout.unpack(rank, recv.view(world, size))):
+        for seg, piece in zip(layout.chunks[rank].segments, layout.unpack(rank, recv.view(world, size), packed=True)):
             message = self._owner_message(ctx, seg, _rank_ordered_mean(piece))
             codec = codecs[seg.slot]
             owner_stream = _generator(ctx, codec, message.device, ctx.slots[seg.slot].name + "/owner")
@@ -551,7 +558,7 @@ class QuantizedCompressor(Compressor):
         gathered = ctx.comm.all_gather(layout.pack(rank, replies, device), shares=shares)
 
         for j in range(world):
-            for seg, piece in zip(layout.chunks[j].segments, layout.unpack(j, gathered[j])):
+            for seg, piece in zip(layout.chunks[j].segments, layout.unpack(j, gathered[j], packed=True)):
                 self._received(ctx, seg, piece, out[seg.slot][seg.start : seg.end])
         return out
 

@@ -24,7 +24,9 @@ in fp32, computed inside the compiled kernel at no extra pass.
 
 **Compiled CPU path.** When the optional kernel of :mod:`._native` is available, stochastic rounding of an
 fp32 CPU tensor is one kernel call (the same key and the same draws as the torch steps), and
-:func:`dequantize` of ``uint8`` codes into fp32 is one call too. Each element goes through the same fp32
+:func:`dequantize` of ``uint8`` codes into fp32 is one call too, also straight from codes still bit-packed in a
+received payload (:attr:`Quantized.numel`: the codes are unpacked 512 at a time in the kernel's registers and
+stack, never written out as bytes). Each element goes through the same fp32
 operations in the same order as the torch steps (no FMA), so codes, scales and values are bit-identical,
 NaN and infinity included; the ``p = 1`` and ``p = 2`` norms are the same torch calls on both.
 ``LIGHTNING_GRADCOMP_NO_NATIVE=1`` or a failed build selects the torch steps.
@@ -41,6 +43,7 @@ from torch import Tensor
 
 from lightning_gradcomp.checks import is_int, is_number
 from lightning_gradcomp.functional import _native
+from lightning_gradcomp.functional.packing import packed_nbytes, unpack_bits
 
 __all__ = [
     "Quantized",
@@ -70,37 +73,58 @@ class Quantized(NamedTuple):
     """Codes and scales of a quantized flat tensor.
 
     Attributes:
-        codes: ``uint8`` codes, shape ``(..., n)``, values in ``[0, 2**code_bits(levels))``.
+        codes: ``uint8`` codes, shape ``(..., n)``, values in ``[0, 2**code_bits(levels))``; or, when ``numel`` is
+            set, rows of codes *bit-packed* ``bits`` wide (as :func:`.packing.pack_bits` writes them), of which this
+            tensor holds the codes ``first, ..., first + numel - 1`` of each row (a view into a received payload).
         scales: fp32 scales, shape ``(..., num_groups(n, group_size))``.
         levels: ``L >= 1`` for stochastic rounding, ``0`` for scaled sign.
         group_size: elements sharing one scale.
+        numel: ``None`` (one code per byte), or the number of bit-packed codes per row.
+        first: index of the first packed code in each row of ``codes`` (only with ``numel``).
 
     Example::
 
         >>> q = Quantized(torch.tensor([0, 1, 2], dtype=torch.uint8), torch.tensor([4.0]), levels=1, group_size=3)
         >>> q.bits, q.decode().tolist()
         (2, [-4.0, 0.0, 4.0])
+        >>> packed = Quantized(torch.tensor([0b100100], dtype=torch.uint8), torch.tensor([4.0]), 1, 3, numel=3)
+        >>> packed.decode().tolist(), packed.unpacked().codes.tolist()
+        ([-4.0, 0.0, 4.0], [0, 1, 2])
     """
 
     codes: Tensor
     scales: Tensor
     levels: int
     group_size: int
+    numel: Optional[int] = None
+    first: int = 0
 
     @property
     def bits(self) -> int:
         """Bits per code on the wire."""
         return code_bits(self.levels)
 
+    @property
+    def size(self) -> int:
+        """Codes per row (``n``)."""
+        return self.codes.shape[-1] if self.numel is None else self.numel
+
+    def unpacked(self) -> Quantized:
+        """The same codes one per byte (``self`` when they already are)."""
+        if self.numel is None:
+            return self
+        codes = unpack_bits(self.codes, self.bits, self.first + self.numel)[..., self.first :]
+        return Quantized(codes, self.scales, self.levels, self.group_size)
+
     def decode(self, dtype: torch.dtype = torch.float32, out: Optional[Tensor] = None) -> Tensor:
         """The dequantized tensor, shape ``(..., n)`` (written into ``out`` when given, see :func:`dequantize`)."""
-        return dequantize(self.codes, self.scales, self.levels, self.group_size, dtype=dtype, out=out)
+        return _decode(self, dtype, out)
 
     def decode_add(
         self, base: Tensor, alpha: float, out: Tensor, alpha2: Optional[float] = None, out2: Optional[Tensor] = None
     ) -> None:
         """``out = base + alpha * decode()`` (and ``out2 = base + alpha2 * decode()``), see :func:`dequantize_add`."""
-        dequantize_add(self.codes, self.scales, self.levels, self.group_size, base, alpha, out, alpha2, out2)
+        _decode_add(self, base, alpha, out, alpha2, out2)
 
 
 def parse_p(p: PNorm) -> float:
@@ -498,22 +522,29 @@ def dequantize(
         >>> dequantize(codes, torch.tensor([4.0, 1.0]), 1, 2, out=buffer) is buffer
         True
     """
-    n = codes.shape[-1]
-    if out is not None and (out.shape != codes.shape or out.dtype != dtype):
-        raise ValueError(f"`out` must be {dtype} of shape {tuple(codes.shape)}, got {out.dtype} {tuple(out.shape)}")
-    if dtype is torch.float32 and _native_codes(codes, scales, group_size):
+    return _decode(Quantized(codes, scales, levels, group_size), dtype, out)
+
+
+def _decode(q: Quantized, dtype: torch.dtype, out: Optional[Tensor], level: Optional[int] = None) -> Tensor:
+    """:func:`dequantize` of ``q`` (its codes packed or not)."""
+    shape = (*q.codes.shape[:-1], q.size)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != dtype):
+        raise ValueError(f"`out` must be {dtype} of shape {shape}, got {out.dtype} {tuple(out.shape)}")
+    if dtype is torch.float32 and _native_codes(q):
         kernel = _native.load()
         if kernel is not None:
             direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
-            values = _dequantize_native(kernel, codes, scales, levels, group_size, out=out if direct else None)
+            values = _dequantize_native(kernel, q, out=out if direct else None, level=level)
             return values if out is None or direct else out.copy_(values)
-    values = _grouped(codes, group_size).to(dtype)
-    if levels == 0:
-        step = scales.to(dtype).unsqueeze(-1)
+    q = q.unpacked()
+    n = q.codes.shape[-1]
+    values = _grouped(q.codes, q.group_size).to(dtype)
+    if q.levels == 0:
+        step = q.scales.to(dtype).unsqueeze(-1)
         result = _ungrouped(values.mul_(2.0).sub_(1.0).mul_(step), n)
     else:
-        step = (scales.to(dtype) / float(levels)).unsqueeze(-1)
-        result = _ungrouped(values.sub_(float(levels)).mul_(step), n)
+        step = (q.scales.to(dtype) / float(q.levels)).unsqueeze(-1)
+        result = _ungrouped(values.sub_(float(q.levels)).mul_(step), n)
     return result if out is None else out.copy_(result)
 
 
@@ -543,7 +574,20 @@ def dequantize_add(
         >>> out.tolist()
         [-1.0, 1.0, 3.0]
     """
-    n = codes.shape[-1]
+    _decode_add(Quantized(codes, scales, levels, group_size), base, alpha, out, alpha2, out2, level)
+
+
+def _decode_add(
+    q: Quantized,
+    base: Tensor,
+    alpha: float,
+    out: Tensor,
+    alpha2: Optional[float] = None,
+    out2: Optional[Tensor] = None,
+    level: Optional[int] = None,
+) -> None:
+    """:func:`dequantize_add` of ``q`` (its codes packed or not)."""
+    n = q.size
     outputs = [out] if out2 is None else [out, out2]
     for tensor in (base, *outputs):
         if tensor.dtype != torch.float32 or tensor.shape != (n,):
@@ -551,26 +595,36 @@ def dequantize_add(
                 f"`base` and the outputs must be fp32 of shape {(n,)}, got {tensor.dtype} {tuple(tensor.shape)}"
             )
     if (
-        codes.dim() == 1
-        and _native_codes(codes, scales, group_size)
+        q.codes.dim() == 1
+        and _native_codes(q)
         and all(t.device.type == "cpu" and t.is_contiguous() for t in (base, *outputs))
     ):
         kernel = _native.load()
         if kernel is not None:
+            bits, first = _storage(q)
             kernel.dequantize_add(
-                codes.data_ptr(), n, scales.data_ptr(), group_size, levels, base.data_ptr(), float(alpha),
-                out.data_ptr(), 0.0 if alpha2 is None else float(alpha2), 0 if out2 is None else out2.data_ptr(),
-                _native._level(kernel, level),
+                q.codes.data_ptr(), bits, first, n, q.scales.data_ptr(), q.group_size, q.levels, base.data_ptr(),
+                float(alpha), out.data_ptr(), 0.0 if alpha2 is None else float(alpha2),
+                0 if out2 is None else out2.data_ptr(), _native._level(kernel, level),
             )  # fmt: skip
             return
-    values = dequantize(codes, scales, levels, group_size)
+    values = _decode(q, torch.float32, None)
     if out2 is not None:  # before ``out``, which may be ``base``
         torch.add(base, values, alpha=1.0 if alpha2 is None else alpha2, out=out2)
     torch.add(base, values, alpha=alpha, out=out)
 
 
-def _native_codes(codes: Tensor, scales: Tensor, group_size: int) -> bool:
-    """Whether the kernel can decode ``codes``: 1-D or 2-D ``uint8`` rows (unit stride) with matching fp32 scales."""
+def _storage(q: Quantized) -> tuple[int, int]:
+    """``(bits, first)`` of ``q``'s code storage as the kernel reads it: 8 bits (one code per byte) when unpacked."""
+    return (8, 0) if q.numel is None else (q.bits, q.first)
+
+
+def _native_codes(q: Quantized) -> bool:
+    """Whether the kernel can decode ``q``: 1-D or 2-D ``uint8`` rows (unit stride) with matching fp32 scales, the
+    codes one per byte or packed 1, 2 or 4 bits wide."""
+    codes, scales, n = q.codes, q.scales, q.size
+    if q.numel is not None and (q.bits not in (1, 2, 4) or codes.shape[-1] < packed_nbytes(q.first + n, q.bits)):
+        return False
     return (
         codes.device.type == "cpu"
         and scales.device.type == "cpu"
@@ -578,7 +632,7 @@ def _native_codes(codes: Tensor, scales: Tensor, group_size: int) -> bool:
         and scales.dtype is torch.float32
         and 1 <= codes.dim() <= 2
         and codes.shape[:-1] == scales.shape[:-1]
-        and scales.shape[-1] == num_groups(codes.shape[-1], group_size)
+        and scales.shape[-1] == num_groups(n, q.group_size)
         and (codes.shape[-1] <= 1 or codes.stride(-1) == 1)
         and (scales.shape[-1] <= 1 or scales.stride(-1) == 1)
     )
@@ -586,32 +640,23 @@ def _native_codes(codes: Tensor, scales: Tensor, group_size: int) -> bool:
 
 def _dequantize_native(
     kernel: ModuleType,
-    codes: Tensor,
-    scales: Tensor,
-    levels: int,
-    group_size: int,
+    q: Quantized,
     level: Optional[int] = None,
     out: Optional[Tensor] = None,
 ) -> Tensor:
-    """:func:`dequantize` of ``uint8`` codes into fp32 in one kernel call: ``(code - L) * (scale / L)`` (``L = 0``:
-    ``(2 code - 1) * scale``), into ``out`` (contiguous fp32 CPU, ``codes``' shape) when given."""
+    """:func:`dequantize` of ``q``'s codes into fp32 in one kernel call: ``(code - L) * (scale / L)`` (``L = 0``:
+    ``(2 code - 1) * scale``), into ``out`` (contiguous fp32 CPU, ``(..., n)``) when given."""
+    codes, scales = q.codes, q.scales
     if out is None:
-        out = torch.empty(codes.shape, dtype=torch.float32)
+        out = torch.empty((*codes.shape[:-1], q.size), dtype=torch.float32)
     rows = codes.shape[0] if codes.dim() == 2 else 1
     code_stride = codes.stride(0) if codes.dim() == 2 else 0
     scale_stride = scales.stride(0) if scales.dim() == 2 else 0
+    bits, first = _storage(q)
     kernel.dequantize(
-        codes.data_ptr(),
-        rows,
-        codes.shape[-1],
-        code_stride,
-        scales.data_ptr(),
-        scale_stride,
-        group_size,
-        levels,
-        out.data_ptr(),
-        _native._level(kernel, level),
-    )
+        codes.data_ptr(), rows, q.size, code_stride, bits, first, scales.data_ptr(), scale_stride, q.group_size,
+        q.levels, out.data_ptr(), _native._level(kernel, level),
+    )  # fmt: skip
     return out
 
 

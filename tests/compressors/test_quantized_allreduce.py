@@ -143,6 +143,10 @@ def test_every_chunk_round_trips_whatever_its_byte_size(numels: list[int], parts
                 want = messages[seg.slot]
                 assert torch.equal(piece.codes, want.codes[seg.start:seg.end].expand_as(piece.codes))
                 assert torch.equal(piece.scales, want.scales[seg.group_start:seg.group_end].expand_as(piece.scales))
+            for piece, kept in zip(pieces, layout.unpack(j, rows, packed=True)):  # codes left in the payload
+                assert (kept.numel is not None) == (levels != 3)  # 1, 2 and 4 bits decode packed; 3 bits unpack
+                assert torch.equal(kept.unpacked().codes, piece.codes)
+                assert torch.equal(kept.decode(), piece.decode())
 
 
 def _one_layer(rank: int, world: int, comp: Compressor, numel: int) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from torch import Tensor
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.comm import CommStats
@@ -231,7 +232,7 @@ def test_dequantize_is_bit_identical(n: int, group_size: int, level: int) -> Non
         for c, s in ((codes[0], scales[0]), (codes, scales), (wide[:, 2 : 2 + n], scales)):
             with _torch_path():
                 ref = dequantize(c, s, levels, group_size)
-            got = quantize._dequantize_native(kernel, c, s, levels, group_size, level=level)
+            got = quantize._dequantize_native(kernel, Quantized(c, s, levels, group_size), level=level)
             assert got.dtype == torch.float32 and _bits_equal(got, ref)
             assert _bits_equal(dequantize(c, s, levels, group_size), ref)
 
@@ -266,6 +267,50 @@ def test_dequantize_add_is_bit_identical_to_decode_then_torch_add(n: int, group_
         in_place = base.clone()  # ``out`` may be ``base``
         quantize.dequantize_add(codes, scales, levels, group_size, in_place, 0.5, in_place, level=level)
         assert _bits_equal(in_place, torch.add(base, decoded, alpha=0.5))
+
+
+def _packed_piece(codes: Tensor, scales: Tensor, levels: int, group_size: int, first: int, pad: int) -> Quantized:
+    """``codes`` (rows, n) bit-packed behind ``first`` other codes, in rows of ``pad`` extra bytes (a payload's)."""
+    bits = quantize.code_bits(levels)
+    lead = torch.randint(0, 1 << bits, (*codes.shape[:-1], first), dtype=torch.uint8)
+    packed = pack_bits(torch.cat([lead, codes], dim=-1), bits)
+    rows = torch.full((*packed.shape[:-1], packed.shape[-1] + pad), 0xA5, dtype=torch.uint8)
+    rows[..., : packed.shape[-1]] = packed
+    return Quantized(rows, scales, levels, group_size, numel=codes.shape[-1], first=first)
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("group_size", [1, 7, 128, 512, 1500])
+@pytest.mark.parametrize("n", SIZES)
+def test_packed_codes_decode_as_unpacked(n: int, group_size: int, level: int) -> None:
+    """Codes still bit-packed in a payload (any first code, 1, 2 and 4 bits, rows with a stride) decode, and add, to
+    the bits of their unpacked bytes."""
+    gen = torch.Generator().manual_seed(7 * n + group_size)
+    groups = quantize.num_groups(n, group_size)
+    for levels in (0, 1, 7):  # 1, 2 and 4 bits
+        for first in (0, 1, 3, 13):
+            codes = torch.randint(0, 2 * levels + 1 if levels else 2, (3, n), generator=gen, dtype=torch.uint8)
+            scales = torch.randn(3, groups, generator=gen).abs()
+            scales.view(-1)[::5] = float("inf")
+            piece = _packed_piece(codes, scales, levels, group_size, first, pad=3)
+            assert piece.size == n and torch.equal(piece.unpacked().codes, codes)
+            for q, c, s in ((piece, codes, scales), (piece._replace(codes=piece.codes[1], scales=scales[1]), codes[1], scales[1])):
+                want = dequantize(c, s, levels, group_size)
+                got = quantize._dequantize_native(kernel, q, level=level)
+                assert _bits_equal(got, want) and _bits_equal(q.decode(), want)
+                with _torch_path():
+                    assert _bits_equal(q.decode(), want)
+            base = torch.randn(n, generator=gen)
+            row = piece._replace(codes=piece.codes[2], scales=scales[2])
+            decoded = dequantize(codes[2], scales[2], levels, group_size)
+            out, out2 = torch.empty(n), torch.empty(n)
+            quantize._decode_add(row, base, 0.37, out, 1.0, out2, level=level)
+            assert _bits_equal(out, torch.add(base, decoded, alpha=0.37)) and _bits_equal(out2, base + decoded)
+            with _torch_path():
+                ref = torch.empty(n)
+                row.decode_add(base, 0.37, ref)
+            assert _bits_equal(ref, out)
 
 
 def test_dequantize_add_checks_its_outputs() -> None:

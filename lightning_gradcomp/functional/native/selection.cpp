@@ -639,42 +639,134 @@ inline void sign_generic(const uint8_t* c, int64_t m, float scale, float* out) {
     }
 }
 
-// quantize.dequantize into fp32: rows of n codes (row strides in entries) with their groups' scales; out is
-// (rows, n), contiguous. value = (float(code) - L) * (scale / L), or (float(code) * 2 - 1) * scale for L = 0
-// (scaled sign), torch's steps.
-void dequantize(uintptr_t codes, int64_t rows, int64_t n, int64_t code_stride, uintptr_t scales,
-                int64_t scale_stride, int64_t group_size, int levels, uintptr_t out, int level) {
+// Codes first, ..., first + len - 1 of a row stored `bits` wide (1, 2, 4 or 8; 8 / bits codes per byte, little-endian
+// in the byte, as pack writes them). Width 8 is one code per byte: the row itself. Narrower codes are unpacked into
+// buf (len <= kCodeChunk), which stays in L1: the row's codes are never written out as bytes.
+constexpr int64_t kCodeChunk = 512;
+
+// The codes of every byte value, little-endian: entry v holds (v >> (B * k)) & mask at byte k, k < 8 / B.
+template <int B> struct UnpackTable {
+    uint8_t codes[256][8 / B];
+    UnpackTable() {
+        for (unsigned v = 0; v < 256; ++v)
+            for (int k = 0; k < 8 / B; ++k) codes[v][k] = static_cast<uint8_t>((v >> (B * k)) & ((1u << B) - 1));
+    }
+};
+
+template <int B> const UnpackTable<B>& unpack_table() {
+    static const UnpackTable<B> table;  // thread-safe initialisation (C++11)
+    return table;
+}
+
+template <int B> void unpack_span(const uint8_t* row, int64_t first, int64_t len, uint8_t* out) {
+    constexpr int per = 8 / B;
+    constexpr unsigned mask = (1u << B) - 1;
+    const UnpackTable<B>& table = unpack_table<B>();
+    int64_t i = first, k = 0;
+    for (; k < len && i % per != 0; ++k, ++i) out[k] = static_cast<uint8_t>((row[i / per] >> (B * (i % per))) & mask);
+    for (; k + per <= len; k += per, i += per) std::memcpy(out + k, table.codes[row[i / per]], per);
+    for (; k < len; ++k, ++i) out[k] = static_cast<uint8_t>((row[i / per] >> (B * (i % per))) & mask);
+}
+
+inline const uint8_t* codes_at(const uint8_t* row, int bits, int64_t first, int64_t len, uint8_t* buf) {
+    switch (bits) {
+        case 1: unpack_span<1>(row, first, len, buf); return buf;
+        case 2: unpack_span<2>(row, first, len, buf); return buf;
+        case 4: unpack_span<4>(row, first, len, buf); return buf;
+        default: return row + first;
+    }
+}
+
+// The value of one code, torch's steps: (float(code) - L) * (scale / L), or (float(code) * 2 - 1) * scale for L = 0.
+inline float code_value(unsigned code, float top, float step) {
+    const float v = top == 0.0f ? static_cast<float>(code) * 2.0f - 1.0f : static_cast<float>(code) - top;
+    return v * step;
+}
+
+#if LGC_X86
+// len values from codes idx, ..., idx + len - 1 of a row packed B bits wide: eight codes (B bytes) per step, shifted
+// apart in the lanes of one vector; the same fp32 steps as code_value.
+template <int B>
+__attribute__((target("avx2"))) void decode_packed_avx2(const uint8_t* row, int64_t idx, int64_t len, float top,
+                                                         float step, float* out) {
+    constexpr int per = 8 / B;
+    constexpr unsigned mask = (1u << B) - 1;
+    auto scalar = [&](int64_t j) { out[j] = code_value((row[(idx + j) / per] >> (B * ((idx + j) % per))) & mask, top, step); };
+    int64_t j = 0;
+    for (; j < len && (idx + j) % per != 0; ++j) scalar(j);
+    const __m256i shifts = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
+    const __m256i low = _mm256_set1_epi32(static_cast<int32_t>(mask));
+    const __m256 t = _mm256_set1_ps(top), s = _mm256_set1_ps(step), two = _mm256_set1_ps(2.0f), one = _mm256_set1_ps(1.0f);
+    const uint8_t* p = row + (idx + j) / per;
+    for (; j + 8 <= len; j += 8, p += B) {
+        uint32_t word = 0;
+        std::memcpy(&word, p, B);
+        const __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int32_t>(word)), shifts), low);
+        const __m256 f = _mm256_cvtepi32_ps(c);
+        const __m256 v = top == 0.0f ? _mm256_sub_ps(_mm256_mul_ps(f, two), one) : _mm256_sub_ps(f, t);
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(v, s));
+    }
+    for (; j < len; ++j) scalar(j);
+}
+#endif
+
+// len values (len <= kCodeChunk) from codes idx, ..., idx + len - 1 of a row stored `bits` wide (codes_at); buf is
+// scratch for the generic path.
+inline void decode_span(const uint8_t* row, int bits, int64_t idx, int64_t len, float top, float step, bool wide,
+                        uint8_t* buf, float* out) {
+#if LGC_X86
+    if (wide && bits < 8) {
+        if (bits == 1) decode_packed_avx2<1>(row, idx, len, top, step, out);
+        else if (bits == 2) decode_packed_avx2<2>(row, idx, len, top, step, out);
+        else decode_packed_avx2<4>(row, idx, len, top, step, out);
+        return;
+    }
+#endif
+    const uint8_t* src = codes_at(row, bits, idx, len, buf);
+    if (top == 0.0f) {  // scaled sign
+        sign_generic(src, len, step, out);
+        return;
+    }
+#if LGC_X86
+    if (wide) {
+        dequantize_avx2(src, len, top, step, out);
+        return;
+    }
+#endif
+    dequantize_generic(src, len, top, step, out);
+}
+
+// quantize.dequantize into fp32: rows of n codes (row strides in bytes; codes first, ..., first + n - 1 of each row,
+// stored `bits` wide as codes_at reads them) with their groups' scales; out is (rows, n), contiguous.
+// value = (float(code) - L) * (scale / L), or (float(code) * 2 - 1) * scale for L = 0 (scaled sign), torch's steps.
+void dequantize(uintptr_t codes, int64_t rows, int64_t n, int64_t code_stride, int bits, int64_t first,
+                uintptr_t scales, int64_t scale_stride, int64_t group_size, int levels, uintptr_t out, int level) {
     std::optional<py::gil_scoped_release> release;
     if (rows * n >= kReleaseGil) release.emplace();
     const float top = static_cast<float>(levels);
     const bool wide = LGC_X86 && std::min(level, kLevel) >= 2;
+    alignas(32) uint8_t buf[kCodeChunk];
     for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* c = reinterpret_cast<const uint8_t*>(codes) + r * code_stride;
         const float* s = reinterpret_cast<const float*>(scales) + r * scale_stride;
         float* o = reinterpret_cast<float*>(out) + r * n;
         for (int64_t start = 0, g = 0; start < n; start += group_size, ++g) {
             const int64_t m = std::min(group_size, n - start);
-            if (levels == 0) {  // scaled sign: (code * 2 - 1) * scale, torch's steps
-                sign_generic(c + start, m, s[g], o + start);
-                continue;
+            const float step = levels == 0 ? s[g] : s[g] / top;
+            for (int64_t off = 0; off < m; off += kCodeChunk) {
+                const int64_t len = std::min(kCodeChunk, m - off), at = start + off;
+                decode_span(c, bits, first + at, len, top, step, wide, buf, o + at);
             }
-            const float step = s[g] / top;
-#if LGC_X86
-            if (wide) {
-                dequantize_avx2(c + start, m, top, step, o + start);
-                continue;
-            }
-#endif
-            dequantize_generic(c + start, m, top, step, o + start);
         }
     }
 }
 
 // quantize.dequantize_add: out1 = base + alpha1 * d and, when out2 is not 0, out2 = base + alpha2 * d, where d is
-// the decoded row of n codes (as dequantize computes it). Each output entry is one fused multiply-add, rounded
-// once: what torch.add(base, d, alpha=a) computes with its AVX2 / AVX-512 kernels. d lives in a small stack
+// the decoded row of n codes (codes first, ..., first + n - 1, stored `bits` wide; as dequantize computes it). Each
+// output entry is one fused multiply-add, rounded once: what torch.add(base, d, alpha=a) computes with its AVX2 /
+// AVX-512 kernels. d lives in a small stack
 // chunk, so the decoded tensor is never written out. The outputs may alias base (entry by entry).
-constexpr int64_t kAxpyChunk = 512;
+constexpr int64_t kAxpyChunk = kCodeChunk;
 
 inline void axpy_generic(const float* d, const float* b, int64_t m, float a1, float* o1, float a2, float* o2) {
     for (int64_t j = 0; j < m; ++j) {
@@ -698,8 +790,9 @@ __attribute__((target("avx2,fma"))) void axpy_avx2(const float* d, const float* 
 }
 #endif
 
-void dequantize_add(uintptr_t codes, int64_t n, uintptr_t scales, int64_t group_size, int levels, uintptr_t base,
-                    double alpha1, uintptr_t out1, double alpha2, uintptr_t out2, int level) {
+void dequantize_add(uintptr_t codes, int bits, int64_t first, int64_t n, uintptr_t scales, int64_t group_size,
+                    int levels, uintptr_t base, double alpha1, uintptr_t out1, double alpha2, uintptr_t out2,
+                    int level) {
     std::optional<py::gil_scoped_release> release;
     if (n >= kReleaseGil) release.emplace();
     const uint8_t* c = reinterpret_cast<const uint8_t*>(codes);
@@ -710,20 +803,14 @@ void dequantize_add(uintptr_t codes, int64_t n, uintptr_t scales, int64_t group_
     const float a1 = static_cast<float>(alpha1), a2 = static_cast<float>(alpha2), top = static_cast<float>(levels);
     const bool wide = LGC_X86 && std::min(level, kLevel) >= 2 && fma_supported();
     alignas(32) float d[kAxpyChunk];
+    alignas(32) uint8_t buf[kCodeChunk];
     for (int64_t start = 0, g = 0; start < n; start += group_size, ++g) {
         const int64_t m = std::min(group_size, n - start);
         const float step = levels == 0 ? s[g] : s[g] / top;
         for (int64_t off = 0; off < m; off += kAxpyChunk) {
             const int64_t len = std::min(kAxpyChunk, m - off), at = start + off;
             float* second = o2 == nullptr ? nullptr : o2 + at;
-            if (levels == 0) {
-                sign_generic(c + at, len, step, d);
-            } else {
-#if LGC_X86
-                if (wide) dequantize_avx2(c + at, len, top, step, d); else
-#endif
-                dequantize_generic(c + at, len, top, step, d);
-            }
+            decode_span(c, bits, first + at, len, top, step, wide, buf, d);
 #if LGC_X86
             if (wide) {
                 axpy_avx2(d, b + at, len, a1, o1 + at, a2, second);
@@ -1230,18 +1317,9 @@ template <int B> void pack_row(const uint8_t* c, int64_t n, uint8_t* out) {
     }
 }
 
-// The codes of every byte value, little-endian: entry v holds (v >> (B * k)) & mask at byte k, k < 8 / B.
-template <int B> struct UnpackTable {
-    uint8_t codes[256][8 / B];
-    UnpackTable() {
-        for (unsigned v = 0; v < 256; ++v)
-            for (int k = 0; k < 8 / B; ++k) codes[v][k] = static_cast<uint8_t>((v >> (B * k)) & ((1u << B) - 1));
-    }
-};
-
 template <int B> void unpack_row(const uint8_t* packed, int64_t n, uint8_t* out) {
     constexpr int per = 8 / B;
-    static const UnpackTable<B> table;  // thread-safe initialisation (C++11)
+    const UnpackTable<B>& table = unpack_table<B>();
     const int64_t whole = n / per;
     for (int64_t i = 0; i < whole; ++i) std::memcpy(out + i * per, table.codes[packed[i]], per);
     for (int64_t k = 0; whole * per + k < n; ++k) out[whole * per + k] = table.codes[packed[whole]][k];
