@@ -47,6 +47,7 @@ from lightning_gradcomp.functional.quantize import (
     code_bits,
     num_groups,
     parse_p,
+    rows_mean,
     sign_quantize,
     stochastic_quantize,
 )
@@ -161,15 +162,26 @@ class WireLayout:
         return max((c.nbytes for c in self.chunks), default=0)
 
     def pack(
-        self, index: int, pieces: Sequence[Quantized], device: torch.device, *, whole_slots: bool = False
+        self,
+        index: int,
+        pieces: Sequence[Quantized],
+        device: torch.device,
+        *,
+        whole_slots: bool = False,
+        out: Optional[Tensor] = None,
     ) -> Tensor:
         """Serialize chunk ``index`` into ``payload_nbytes`` bytes on ``device``.
+
+        On the CPU with the compiled kernel, each segment's codes (1, 2, 4 or 8 bits) are packed straight into their
+        place in the payload (``out`` when given: a contiguous ``uint8`` row of ``payload_nbytes``, e.g. one row of an
+        all-to-all's send buffer); otherwise each run is concatenated, packed and the parts joined (the same bytes).
 
         Args:
             index: the chunk.
             pieces: one :class:`Quantized` per segment of the chunk, or (``whole_slots``) one per slot.
             device: where the payload lives (also when the chunk is empty).
             whole_slots: slice each segment out of its slot's encoding.
+            out: where to write the payload (returned).
         """
         chunk = self.chunks[index]
         if whole_slots:
@@ -182,9 +194,28 @@ class WireLayout:
                 )
                 for s in chunk.segments
             ]
+        kernel = _native.load() if device.type == "cpu" else None
+        if kernel is None or any(8 % run[0] for run in chunk.runs):  # 3, 5, 6 and 7 bits: through a bit stream
+            payload = self._joined(chunk, pieces, device)
+            return payload if out is None else out.copy_(payload)
+        payload = torch.zeros(self.payload_nbytes, dtype=torch.uint8) if out is None else out.zero_()
+        base = payload.data_ptr()
+        for bits, first, last, offset, _ in chunk.runs:
+            pos = 0
+            for q in pieces[first:last]:  # quantizer codes: in range by construction
+                codes = q.unpacked().codes.contiguous()
+                kernel.pack_into(codes.data_ptr(), codes.numel(), bits, base + offset, pos)
+                pos += codes.numel()
+        if chunk.segments:
+            scales = torch.cat([q.scales.to(torch.float32) for q in pieces]).view(torch.uint8)
+            payload[chunk.scale_offset : chunk.scale_offset + scales.numel()].copy_(scales)
+        return payload
+
+    def _joined(self, chunk: ChunkLayout, pieces: Sequence[Quantized], device: torch.device) -> Tensor:
+        """:meth:`pack` by torch steps: each run concatenated and packed, then the scales and the padding."""
         parts = []
         for bits, first, last, _, _ in chunk.runs:
-            codes = torch.cat([pieces[k].codes for k in range(first, last)])
+            codes = torch.cat([pieces[k].unpacked().codes for k in range(first, last)])
             parts.append(pack_bits(codes, bits, check=False))  # quantizer codes: in range by construction
         if chunk.segments:
             parts.append(torch.cat([q.scales.to(torch.float32) for q in pieces]).view(torch.uint8))
@@ -347,21 +378,6 @@ def state_copy(store: Union[StagedState, dict[str, Any]]) -> dict[str, Any]:
 def _generator(ctx: ReduceContext, codec: SlotCodec, device: torch.device, salt: str) -> Optional[torch.Generator]:
     """This rank's stream for one layer (per layer, so independent of the bucket layout); none for sign."""
     return None if codec.levels == 0 else ctx.generator(device, shared=False, salt=salt)
-
-
-def _rank_ordered_mean(piece: Quantized) -> Tensor:
-    """``sum_r decode(piece[r]) / W`` over the ``W`` rows of ``piece``, summed strictly in rank order (identical on
-    every rank). Each row after the first is added straight from its codes (``decode_add``: the same single
-    rounding as ``acc += row``), so the rows are never decoded into a ``(W, n)`` temporary."""
-    rows = piece.codes.shape[0]
-
-    def row(r: int) -> Quantized:
-        return piece._replace(codes=piece.codes[r], scales=piece.scales[r])
-
-    acc = row(0).decode()
-    for r in range(1, rows):
-        row(r).decode_add(acc, 1.0, acc)
-    return acc.div_(rows)
 
 
 class DecodedMessages(Sequence[Tensor]):
@@ -527,7 +543,7 @@ class QuantizedCompressor(Compressor):
         device = messages[0].codes.device
         gathered = ctx.comm.all_gather(layout.pack(0, messages, device, whole_slots=True), shares=shares)
         for seg, piece in zip(layout.chunks[0].segments, layout.unpack(0, gathered, packed=True)):
-            out[seg.slot][seg.start : seg.end] = self._exact_mean(ctx, seg.slot, _rank_ordered_mean(piece))
+            out[seg.slot][seg.start : seg.end] = self._exact_mean(ctx, seg.slot, rows_mean(piece))
         return out
 
     def _reduce_alltoall(
@@ -543,13 +559,16 @@ class QuantizedCompressor(Compressor):
         layout = self.layout(ctx, numels, codecs, world)
         size = layout.payload_nbytes
         device = messages[0].codes.device
-        send = torch.cat([layout.pack(j, messages, device, whole_slots=True) for j in range(world)])
+        send = torch.empty(world, size, dtype=torch.uint8, device=device)
+        for j in range(world):
+            layout.pack(j, messages, device, whole_slots=True, out=send[j])
+        send = send.view(-1)
         recv = torch.empty_like(send)
         ctx.comm.all_to_all(recv, send, shares=shares)
 
         replies = []
         for seg, piece in zip(layout.chunks[rank].segments, layout.unpack(rank, recv.view(world, size), packed=True)):
-            message = self._owner_message(ctx, seg, _rank_ordered_mean(piece))
+            message = self._owner_message(ctx, seg, rows_mean(piece))
             codec = codecs[seg.slot]
             owner_stream = _generator(ctx, codec, message.device, ctx.slots[seg.slot].name + "/owner")
             sent = codec.quantize(message, owner_stream)

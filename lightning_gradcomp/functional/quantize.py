@@ -59,6 +59,7 @@ __all__ = [
     "parse_p",
     "qsgd_quantize",
     "quantization_variance",
+    "rows_mean",
     "sign_codes",
     "sign_quantize",
     "stochastic_quantize",
@@ -612,6 +613,39 @@ def _decode_add(
     if out2 is not None:  # before ``out``, which may be ``base``
         torch.add(base, values, alpha=1.0 if alpha2 is None else alpha2, out=out2)
     torch.add(base, values, alpha=alpha, out=out)
+
+
+def rows_mean(q: Quantized, level: Optional[int] = None) -> Tensor:
+    """``sum_r decode(q[r]) / R`` over the ``R`` rows of 2-D codes, summed strictly in row order (``((d_0 + d_1) +
+    d_2) + ...``, then divided by ``R``: the bits of those torch steps on any rank). The compiled kernel does it in one
+    pass (rows decoded 512 entries at a time, packed codes included); otherwise each row after the first is added
+    straight from its codes.
+
+    Example::
+
+        >>> rows = torch.tensor([[0, 2], [2, 2]], dtype=torch.uint8)
+        >>> rows_mean(Quantized(rows, torch.tensor([[4.0], [2.0]]), levels=1, group_size=2)).tolist()
+        [-1.0, 3.0]
+    """
+    if q.codes.dim() != 2:
+        raise ValueError(f"`q` must hold 2-D codes (rows, n), got shape {tuple(q.codes.shape)}")
+    rows = q.codes.shape[0]
+    if rows and _native_codes(q) and (kernel := _native.load()) is not None:
+        out = torch.empty(q.size, dtype=torch.float32)
+        bits, first = _storage(q)
+        kernel.dequantize_mean(
+            q.codes.data_ptr(), rows, q.size, q.codes.stride(0), bits, first, q.scales.data_ptr(), q.scales.stride(0),
+            q.group_size, q.levels, out.data_ptr(), _native._level(kernel, level),
+        )  # fmt: skip
+        return out
+
+    def row(r: int) -> Quantized:
+        return q._replace(codes=q.codes[r], scales=q.scales[r])
+
+    acc = row(0).decode()
+    for r in range(1, rows):
+        row(r).decode_add(acc, 1.0, acc)
+    return acc.div_(rows)
 
 
 def _storage(q: Quantized) -> tuple[int, int]:

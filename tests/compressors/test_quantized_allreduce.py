@@ -134,6 +134,14 @@ def test_every_chunk_round_trips_whatever_its_byte_size(numels: list[int], parts
                 for n, c in zip(numels, codecs)]
     payloads = torch.stack([layout.pack(j, messages, torch.device("cpu"), whole_slots=True) for j in range(parts)])
     assert payloads.shape == (parts, layout.payload_nbytes)
+    for j, chunk in enumerate(layout.chunks):  # the kernel's packing in place writes the torch steps' bytes
+        joined = layout._joined(chunk, [messages[s.slot]._replace(codes=messages[s.slot].codes[s.start:s.end],
+                                                                   scales=messages[s.slot].scales[s.group_start:s.group_end])
+                                        for s in chunk.segments], torch.device("cpu"))
+        assert torch.equal(payloads[j], joined)
+        row = torch.full((2, layout.payload_nbytes), 0xA5, dtype=torch.uint8)  # stale bytes in the send buffer
+        assert torch.equal(layout.pack(j, messages, torch.device("cpu"), whole_slots=True, out=row[1]), joined)
+        assert torch.equal(row[1], joined) and bool((row[0] == 0xA5).all())
     for j, chunk in enumerate(layout.chunks):
         batch = payloads[j].repeat(3, 1)  # as received by the all-to-all: a contiguous (W, P) tensor
         for rows in (payloads[j], batch):

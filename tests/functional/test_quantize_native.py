@@ -313,6 +313,47 @@ def test_packed_codes_decode_as_unpacked(n: int, group_size: int, level: int) ->
             assert _bits_equal(ref, out)
 
 
+@needs_kernel
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 7, 31, 32, 33, 95, 1000, 4099])
+def test_pack_into_writes_pack_bits_bytes_at_any_first_code(bits: int, n: int) -> None:
+    """Spans packed one after another at any code offset give the bytes of packing their concatenation."""
+    gen = torch.Generator().manual_seed(n * bits)
+    for first in (0, 1, 3, 7, 9):
+        lead = torch.randint(0, 1 << bits, (first,), generator=gen, dtype=torch.uint8)
+        codes = torch.randint(0, 1 << bits, (n,), generator=gen, dtype=torch.uint8)
+        tail = torch.randint(0, 1 << bits, (5,), generator=gen, dtype=torch.uint8)
+        want = pack_bits(torch.cat([lead, codes, tail]), bits)
+        row = torch.zeros(want.numel() + 2, dtype=torch.uint8)
+        for start, span in ((0, lead), (first, codes), (first + n, tail)):
+            kernel.pack_into(span.data_ptr(), span.numel(), bits, row.data_ptr(), start)
+        assert torch.equal(row[: want.numel()], want) and not row[want.numel() :].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n", [1, 511, 513, 4097, 100_003])
+def test_rows_mean_is_the_rank_ordered_torch_sum_then_division(n: int, rows: int, level: int) -> None:
+    """The owner's mean of W messages: ``((d_0 + d_1) + ...) / W`` to the bit, codes packed or not."""
+    gen = torch.Generator().manual_seed(n + rows)
+    for levels, group_size in ((0, 512), (1, 128), (7, 1500), (127, 64)):
+        codes = torch.randint(0, 2 * levels + 1 if levels else 2, (rows, n), generator=gen, dtype=torch.uint8)
+        scales = torch.rand(rows, quantize.num_groups(n, group_size), generator=gen) * 3
+        scales.view(-1)[::7] = float("inf")
+        want = dequantize(codes[0], scales[0], levels, group_size)
+        for r in range(1, rows):
+            want = want + dequantize(codes[r], scales[r], levels, group_size)
+        want = want / rows
+        pieces = [Quantized(codes, scales, levels, group_size)]
+        if levels < 127:
+            pieces.append(_packed_piece(codes, scales, levels, group_size, first=5, pad=2))
+        for q in pieces:
+            assert _bits_equal(quantize.rows_mean(q, level=level), want)
+            with _torch_path():
+                assert _bits_equal(quantize.rows_mean(q), want)
+
+
 def test_dequantize_add_checks_its_outputs() -> None:
     codes, scales = torch.zeros(4, dtype=torch.uint8), torch.ones(1)
     with pytest.raises(ValueError, match="`base` and the outputs must be fp32 of shape"):

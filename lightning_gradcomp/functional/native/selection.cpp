@@ -761,6 +761,37 @@ void dequantize(uintptr_t codes, int64_t rows, int64_t n, int64_t code_stride, i
     }
 }
 
+// quantize.rows_mean: out = (d_0 + d_1 + ... + d_{rows-1}) / rows, d_r the decoded row r (arguments as
+// dequantize's), summed in row order with each + rounded once (torch's add) and then divided entry by entry (torch's
+// div_ by the integer rows). One pass: the rows are decoded 512 entries at a time into the stack.
+void dequantize_mean(uintptr_t codes, int64_t rows, int64_t n, int64_t code_stride, int bits, int64_t first,
+                     uintptr_t scales, int64_t scale_stride, int64_t group_size, int levels, uintptr_t out,
+                     int level) {
+    std::optional<py::gil_scoped_release> release;
+    if (rows * n >= kReleaseGil) release.emplace();
+    const float top = static_cast<float>(levels), count = static_cast<float>(rows);
+    const bool wide = LGC_X86 && std::min(level, kLevel) >= 2;
+    alignas(32) float d[kCodeChunk];
+    alignas(32) uint8_t buf[kCodeChunk];
+    const uint8_t* c = reinterpret_cast<const uint8_t*>(codes);
+    const float* s = reinterpret_cast<const float*>(scales);
+    float* o = reinterpret_cast<float*>(out);
+    for (int64_t start = 0, g = 0; start < n; start += group_size, ++g) {
+        const int64_t m = std::min(group_size, n - start);
+        for (int64_t off = 0; off < m; off += kCodeChunk) {
+            const int64_t len = std::min(kCodeChunk, m - off), at = start + off;
+            float* acc = o + at;
+            for (int64_t r = 0; r < rows; ++r) {
+                const float scale = s[r * scale_stride + g], step = levels == 0 ? scale : scale / top;
+                decode_span(c + r * code_stride, bits, first + at, len, top, step, wide, buf, r == 0 ? acc : d);
+                if (r > 0)
+                    for (int64_t j = 0; j < len; ++j) acc[j] = acc[j] + d[j];
+            }
+            for (int64_t j = 0; j < len; ++j) acc[j] = acc[j] / count;
+        }
+    }
+}
+
 // quantize.dequantize_add: out1 = base + alpha1 * d and, when out2 is not 0, out2 = base + alpha2 * d, where d is
 // the decoded row of n codes (codes first, ..., first + n - 1, stored `bits` wide; as dequantize computes it). Each
 // output entry is one fused multiply-add, rounded once: what torch.add(base, d, alpha=a) computes with its AVX2 /
@@ -1302,6 +1333,33 @@ bool compensate(uintptr_t memory, uintptr_t grad, int64_t n, double divisor, uin
 // packing.pack_bits / unpack_bits for widths that divide 8 (2 or 4; 8 / bits codes per byte, little-endian
 // in the byte, the last byte zero-padded), on rows: byte = c0 | c1 << b | ..., each shift truncated to 8
 // bits as torch's uint8 shifts are (so codes out of range give the same bytes as the torch steps).
+#if LGC_X86
+// 32 codes in [0, 2**B) per step into 4 B bytes, little-endian as pack_row writes them. B = 1: each code moved to its
+// byte's top bit and gathered by movemask (byte k -> bit k). B = 2, 4: neighbours joined by multiply-adds
+// (c0 + c1 << B, ...; no carries, the codes being in range) and the sums narrowed to bytes.
+template <int B>
+__attribute__((target("avx2"))) void pack_avx2(const uint8_t* c, int64_t blocks, uint8_t* out) {
+    for (int64_t b = 0; b < blocks; ++b, c += 32, out += 4 * B) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+        if (B == 1) {
+            const uint32_t mask = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(v, 7)));
+            std::memcpy(out, &mask, 4);
+        } else if (B == 4) {  // 16-bit c0 + 16 c1, narrowed: 16 bytes
+            const __m256i pairs = _mm256_maddubs_epi16(v, _mm256_set1_epi16(0x1001));
+            const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(bytes));
+        } else {  // 16-bit c0 + 4 c1, then 32-bit (c0 + 4 c1) + 16 (c2 + 4 c3), narrowed: 8 bytes
+            const __m256i pairs = _mm256_maddubs_epi16(v, _mm256_set1_epi16(0x0401));
+            const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi32(0x00100001));
+            const __m256i words = _mm256_packus_epi32(quads, quads);
+            const __m256i bytes = _mm256_packus_epi16(words, words);
+            const __m256i joined = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(joined));
+        }
+    }
+}
+#endif
+
 template <int B> void pack_row(const uint8_t* c, int64_t n, uint8_t* out) {
     constexpr int per = 8 / B;
     const int64_t whole = n / per;
@@ -1335,6 +1393,41 @@ void pack(uintptr_t codes, int64_t rows, int64_t n, int64_t stride, int bits, ui
     }
 }
 
+// packing into a payload: n codes (values in [0, 2**bits), one per byte: quantizer codes, in range by construction;
+// wider values give other bytes than pack's) become codes first, ..., first + n - 1 of a row packed `bits` wide (1, 2,
+// 4 or 8). The bytes they share with codes before first or after the last one are OR-ed into, so the row must be zero
+// there; every other byte is written.
+template <int B> void pack_span(const uint8_t* c, int64_t n, uint8_t* row, int64_t first) {
+    constexpr int per = 8 / B;
+    int64_t j = 0, i = first;
+    for (; j < n && i % per != 0; ++j, ++i) row[i / per] |= static_cast<uint8_t>(c[j] << (B * (i % per)));
+    uint8_t* out = row + i / per;
+#if LGC_X86
+    if (kLevel >= 2) {
+        const int64_t blocks = (n - j) / 32;
+        pack_avx2<B>(c + j, blocks, out);
+        j += 32 * blocks, i += 32 * blocks, out += 4 * B * blocks;
+    }
+#endif
+    const int64_t whole = (n - j) / per;
+    pack_row<B>(c + j, whole * per, out);
+    j += whole * per, i += whole * per;
+    for (; j < n; ++j, ++i) row[i / per] |= static_cast<uint8_t>(c[j] << (B * (i % per)));
+}
+
+void pack_into(uintptr_t codes, int64_t n, int bits, uintptr_t row, int64_t first) {
+    std::optional<py::gil_scoped_release> release;
+    if (n >= kReleaseGil) release.emplace();
+    const uint8_t* c = reinterpret_cast<const uint8_t*>(codes);
+    uint8_t* r = reinterpret_cast<uint8_t*>(row);
+    switch (bits) {
+        case 1: pack_span<1>(c, n, r, first); break;
+        case 2: pack_span<2>(c, n, r, first); break;
+        case 4: pack_span<4>(c, n, r, first); break;
+        default: std::memcpy(r + first, c, static_cast<size_t>(n));
+    }
+}
+
 // rows of packed bytes (row stride in bytes) into rows of n codes, contiguous.
 void unpack(uintptr_t packed, int64_t rows, int64_t stride, int bits, int64_t n, uintptr_t out) {
     for (int64_t r = 0; r < rows; ++r) {
@@ -1353,6 +1446,7 @@ PYBIND11_MODULE(LGC_MODULE_NAME, m) {
     m.def("stochastic_round", &stochastic_round);
     m.def("dequantize", &dequantize);
     m.def("dequantize_add", &dequantize_add);
+    m.def("dequantize_mean", &dequantize_mean);
     m.def("scaled_cast", &scaled_cast);
     m.def("widen", &widen);
     m.def("any_nonfinite", &any_nonfinite);
@@ -1365,5 +1459,6 @@ PYBIND11_MODULE(LGC_MODULE_NAME, m) {
     m.attr("thin_max") = kThinMax;
     m.def("pack", &pack, pybind11::call_guard<pybind11::gil_scoped_release>());
     m.def("unpack", &unpack, pybind11::call_guard<pybind11::gil_scoped_release>());
+    m.def("pack_into", &pack_into);
     m.attr("level") = kLevel;
 }
