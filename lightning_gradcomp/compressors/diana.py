@@ -48,6 +48,7 @@ from lightning_gradcomp.compressors.quantized import (
 )
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
+from lightning_gradcomp.functional.axpy import add_scaled
 from lightning_gradcomp.functional.quantize import Quantized, alpha_p
 from lightning_gradcomp.presets import register_preset
 
@@ -188,8 +189,9 @@ class DIANA(QuantizedCompressor):
 
     def _exact_mean(self, ctx: ReduceContext, slot: int, mean: Tensor) -> Tensor:
         _, _, h, h_new = self._pending[ctx.slots[slot].name]
-        torch.add(h, mean, alpha=self.alpha, out=h_new)
-        return h + mean
+        estimate = torch.empty_like(mean)
+        add_scaled(mean, h, self.alpha, h_new, 1.0, estimate)  # h + alpha * mean and h + mean, one pass
+        return estimate
 
     def _owner_message(self, ctx: ReduceContext, seg: Segment, mean: Tensor) -> Tensor:
         name = ctx.slots[seg.slot].name
@@ -198,8 +200,13 @@ class DIANA(QuantizedCompressor):
                 f"DIANA: the chunk of {name!r} owned by this rank moved; its master shift restarts at 0", stacklevel=2
             )
         own = owned_state(self._owned, name, seg, mean.device)
-        stage_owned(self._owned, name, seg, torch.add(own, mean, alpha=self.alpha))  # h_own + alpha * mean
-        return torch.add(own, mean).sub_(self._pending[name][2][seg.start : seg.end])  # g_hat - H
+        moved, g_hat = torch.empty_like(mean), torch.empty_like(mean)
+        add_scaled(mean, own, self.alpha, moved, 1.0, g_hat)  # h_own + alpha * mean and g_hat = h_own + mean
+        stage_owned(self._owned, name, seg, moved)
+        return g_hat  # sent as g_hat - H (_owner_shift), subtracted in the quantization pass
+
+    def _owner_shift(self, ctx: ReduceContext, seg: Segment) -> Optional[Tensor]:
+        return self._pending[ctx.slots[seg.slot].name][2][seg.start : seg.end]  # H
 
     def _received(self, ctx: ReduceContext, seg: Segment, piece: Quantized, out: Tensor) -> None:
         _, _, shift, shift_new = self._pending[ctx.slots[seg.slot].name]

@@ -413,8 +413,8 @@ class QuantizedCompressor(Compressor):
 
     Subclasses implement :meth:`codec` (how a slot is encoded given its per-layer parameter) and may
     override the protocol hooks :meth:`_encode_inputs`, :meth:`_after_encode`, :meth:`_owner_message`,
-    :meth:`_owner_sent`, :meth:`_received` and :meth:`_exact_mean` (DIANA's shifts, SignSGD's server-side
-    error feedback). Hooks run in the ``reduce()`` body and do local math only.
+    :meth:`_owner_shift`, :meth:`_owner_sent`, :meth:`_received` and :meth:`_exact_mean` (DIANA's shifts, SignSGD's
+    server-side error feedback). Hooks run in the ``reduce()`` body and do local math only.
 
     Args:
         aggregation: ``"alltoall"`` (bandwidth-optimal two-stage, default) or ``"allgather"`` (exact).
@@ -468,6 +468,11 @@ class QuantizedCompressor(Compressor):
     def _owner_message(self, ctx: ReduceContext, seg: Segment, mean: Tensor) -> Tensor:
         """What the owner re-quantizes for ``seg`` given the exact average of the W messages."""
         return mean
+
+    def _owner_shift(self, ctx: ReduceContext, seg: Segment) -> Optional[Tensor]:
+        """What the owner's message is re-quantized against (``Q(message - shift)``, the subtraction fused into the
+        quantization pass), or ``None``."""
+        return None
 
     def _owner_sent(self, ctx: ReduceContext, seg: Segment, message: Tensor, sent: Quantized) -> None:
         """Called with the owner's re-quantized message (server-side error feedback)."""
@@ -571,7 +576,7 @@ class QuantizedCompressor(Compressor):
             message = self._owner_message(ctx, seg, rows_mean(piece))
             codec = codecs[seg.slot]
             owner_stream = _generator(ctx, codec, message.device, ctx.slots[seg.slot].name + "/owner")
-            sent = codec.quantize(message, owner_stream)
+            sent = codec.quantize(message, owner_stream, self._owner_shift(ctx, seg))
             self._owner_sent(ctx, seg, message, sent)
             replies.append(sent)
         gathered = ctx.comm.all_gather(layout.pack(rank, replies, device), shares=shares)

@@ -853,6 +853,26 @@ void dequantize_add(uintptr_t codes, int bits, int64_t first, int64_t n, uintptr
     }
 }
 
+// axpy.add_scaled: out1 = base + alpha1 * x and, when out2 is not 0, out2 = base + alpha2 * x, each entry one fused
+// multiply-add (torch.add(base, x, alpha=a)'s bits, as dequantize_add's). The outputs may alias base or x.
+void add_scaled(uintptr_t x, uintptr_t base, int64_t n, double alpha1, uintptr_t out1, double alpha2, uintptr_t out2,
+                int level) {
+    std::optional<py::gil_scoped_release> release;
+    if (n >= kReleaseGil) release.emplace();
+    const float* d = reinterpret_cast<const float*>(x);
+    const float* b = reinterpret_cast<const float*>(base);
+    float* o1 = reinterpret_cast<float*>(out1);
+    float* o2 = reinterpret_cast<float*>(out2);
+    const float a1 = static_cast<float>(alpha1), a2 = static_cast<float>(alpha2);
+#if LGC_X86
+    if (std::min(level, kLevel) >= 2 && fma_supported()) {
+        axpy_avx2(d, b, n, a1, o1, a2, o2);
+        return;
+    }
+#endif
+    axpy_generic(d, b, n, a1, o1, a2, o2);
+}
+
 // ------------------------------------------------------------------------------------------ 16-bit casts
 // half.scaled_cast / half.widen: fp32 x / d rounded to fp16 (kind 0) or bf16 (kind 1), to nearest even, and back
 // to fp32 (exact) with a NaN/Inf check in the same pass. Finite values and infinities give torch's bits
@@ -1447,6 +1467,7 @@ PYBIND11_MODULE(LGC_MODULE_NAME, m) {
     m.def("dequantize", &dequantize);
     m.def("dequantize_add", &dequantize_add);
     m.def("dequantize_mean", &dequantize_mean);
+    m.def("add_scaled", &add_scaled);
     m.def("scaled_cast", &scaled_cast);
     m.def("widen", &widen);
     m.def("any_nonfinite", &any_nonfinite);
