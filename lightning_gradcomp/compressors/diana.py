@@ -7,9 +7,11 @@ differences vanish at the optimum, so unlike QSGD/TernGrad the method converges 
 
 Aggregations (bytes as in :mod:`~lightning_gradcomp.compressors.quantized`):
 
+``"auto"`` (default): ``"allgather"`` at W <= 2 (the same bytes as ``"alltoall"``, one collective), else
+    ``"alltoall"``.
 ``"allgather"``: the paper's algorithm exactly. Every rank decodes all W messages in rank order,
     so the replicated ``h`` (fp32) is bit-identical on all ranks.
-``"alltoall"`` (default): the owner of a chunk keeps the exact master shift of its chunk,
+``"alltoall"``: the owner of a chunk keeps the exact master shift of its chunk,
     ``h_own += alpha * mean``, forms ``g_hat = h_own + mean`` and sends it back quantized *against a
     second, replicated shift* ``H`` (``Q(g_hat - H)``, ``H += alpha * Q(g_hat - H)``, identical on every
     rank because all decode the same bytes). Both quantized differences vanish at the optimum, so
@@ -121,15 +123,16 @@ class DIANA(QuantizedCompressor):
             ``":<block_size>"`` (default ``"linf:128"``), or a mapping ``{p: inf, block_size: 128}``.
         alpha: shift step in ``[0, alpha_p(block_size)]``; default ``alpha_p / 2`` (the paper's choice).
             0 disables the shifts (plain quantized SGD, for comparison).
-        aggregation: ``"alltoall"`` (default, W-independent bytes) or ``"allgather"`` (the paper's exact
-            aggregation; bytes grow with W).
+        aggregation: ``"auto"`` (default: ``"allgather"`` at W <= 2, else ``"alltoall"``), ``"alltoall"``
+            (W-independent bytes) or ``"allgather"`` (the paper's exact aggregation; bytes grow with W). Both keep
+            ``h``/``H`` in the same state, so a checkpoint moves between them (``"auto"`` at another W).
     """
 
     def __init__(
         self,
         quantizer: Union[BlockQuantizer, str, Mapping[str, Any]] = "linf:128",
         alpha: Optional[float] = None,
-        aggregation: str = "alltoall",
+        aggregation: str = "auto",
     ) -> None:
         super().__init__(aggregation)
         self.quantizer: BlockQuantizer = BlockQuantizer.parse(quantizer)
@@ -231,7 +234,8 @@ class DIANA(QuantizedCompressor):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state and state.get("aggregation", self.aggregation) != self.aggregation:
+        saved = state.get("aggregation", self.aggregation) if state else self.aggregation
+        if "auto" not in (saved, self.aggregation) and saved != self.aggregation:
             raise ValueError(
                 f"DIANA state was saved with aggregation={state['aggregation']!r}, "
                 f"this compressor uses {self.aggregation!r}"

@@ -28,21 +28,23 @@ class QSGD(QuantizedCompressor):
     variance in practice; ``2``: the QSGD paper's norm) and every element becomes a ``bits``-bit code.
     ``bits`` is the per-layer parameter (L-GreCo may set a different width per layer).
 
-    Bytes per rank with the default all-to-all aggregation: ``~ 2 (W-1)/W * (n bits/8 + 4 n/bucket_size)``,
+    Bytes per rank (all-to-all; ``"auto"``'s all-gather at W <= 2 sends as many): ``~ 2 (W-1)/W * (n bits/8 + 4
+    n/bucket_size)``,
     i.e. ``4 / (bits/8 + 4/bucket_size)`` times less than the fp32 all-reduce (7.9x for 4 bits, 512).
 
     Args:
         bits: bits per element, 2 to 8 (2 bits is ternary).
         bucket_size: elements per fp32 scale.
         p: scale norm, ``"inf"`` or ``2``.
-        aggregation: ``"alltoall"`` (re-quantizing, bandwidth-optimal) or ``"allgather"`` (exact mean of
-            the per-rank messages; bytes grow with W).
+        aggregation: ``"auto"`` (default: ``"allgather"`` at W <= 2, else ``"alltoall"``), ``"alltoall"``
+            (re-quantizing, bandwidth-optimal) or ``"allgather"`` (exact mean of the per-rank messages; bytes grow
+            with W).
     """
 
     param_name = "bits"
 
     def __init__(
-        self, bits: int = 4, bucket_size: int = 512, p: Union[int, float, str] = "inf", aggregation: str = "alltoall"
+        self, bits: int = 4, bucket_size: int = 512, p: Union[int, float, str] = "inf", aggregation: str = "auto"
     ) -> None:
         super().__init__(aggregation)
         self.bits: int = check_bits(bits)

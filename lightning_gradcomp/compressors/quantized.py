@@ -1,9 +1,12 @@
 """The quantized all-reduce protocol shared by QSGD, TernGrad, SignSGD and DIANA.
 
 A quantizing compressor encodes each compressed slot as ``uint8`` codes of ``bits`` bits (packed)
-plus one fp32 scale per group of ``group_size`` elements. Two aggregations are offered:
+plus one fp32 scale per group of ``group_size`` elements. Two aggregations are offered, and ``"auto"`` (the
+default) picks per run: ``"allgather"`` at ``W <= 2``, where it sends the same bytes as ``"alltoall"`` (``(W-1) P_1``
+against ``2 (W-1) P_1 / W``) in one collective instead of two and without the owner's second quantization, and
+``"alltoall"`` from ``W = 3`` on (:func:`resolve_aggregation`).
 
-``"alltoall"`` (default, bandwidth-optimal; bytes per rank do not grow with W)
+``"alltoall"`` (bandwidth-optimal; bytes per rank do not grow with W)
     1. Every layer is cut into W contiguous pieces of whole groups; *chunk* ``j`` is piece ``j`` of every
        layer of the bucket, owned by rank ``j`` (:func:`build_layout`; the cut depends on the layer
        alone, so ownership survives DDP's re-bucketing and resumes are exact).
@@ -66,20 +69,36 @@ __all__ = [
     "layer_rotation",
     "owned_moved",
     "owned_state",
+    "resolve_aggregation",
     "stage_owned",
     "split_groups",
     "state_copy",
     "wire_bytes",
 ]
 
-AGGREGATIONS = ("alltoall", "allgather")
+AGGREGATIONS = ("auto", "alltoall", "allgather")
 _SCALE_BYTES = 4
 
 
 def check_aggregation(aggregation: str) -> str:
-    """Validate the ``aggregation`` argument (``"alltoall"`` or ``"allgather"``)."""
+    """Validate the ``aggregation`` argument (``"auto"``, ``"alltoall"`` or ``"allgather"``)."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"`aggregation` must be one of {AGGREGATIONS}, got {aggregation!r}")
+    return aggregation
+
+
+def resolve_aggregation(aggregation: str, world_size: int) -> str:
+    """The protocol ``aggregation`` runs at ``world_size`` ranks: ``"auto"`` is ``"allgather"`` for ``W <= 2`` (the
+    same bytes as the all-to-all, one collective, no second quantization) and ``"alltoall"`` above.
+
+    Example::
+
+        >>> resolve_aggregation("auto", 2), resolve_aggregation("auto", 4), resolve_aggregation("alltoall", 2)
+        ('allgather', 'alltoall', 'alltoall')
+    """
+    check_aggregation(aggregation)
+    if aggregation == "auto":
+        return "allgather" if world_size <= 2 else "alltoall"
     return aggregation
 
 
@@ -323,9 +342,10 @@ def wire_bytes(
     """Exact bytes one rank sends for one reduction (what :class:`~lightning_gradcomp.comm.Comm` counts).
 
     ``alltoall``: ``2 (W - 1) P`` with ``P`` the padded chunk payload; ``allgather``: ``(W - 1) P_1`` with
-    ``P_1`` the whole message. ``names`` are the layer names (they set where leftover groups go).
+    ``P_1`` the whole message; ``auto`` as :func:`resolve_aggregation` resolves it. ``names`` are the layer names
+    (they set where leftover groups go).
     """
-    check_aggregation(aggregation)
+    aggregation = resolve_aggregation(aggregation, world_size)
     parts = world_size if aggregation == "alltoall" else 1
     payload = build_layout(numels, codecs, parts, names).payload_nbytes
     return float((world_size - 1) * payload * (2 if aggregation == "alltoall" else 1))
@@ -417,13 +437,14 @@ class QuantizedCompressor(Compressor):
     server-side error feedback). Hooks run in the ``reduce()`` body and do local math only.
 
     Args:
-        aggregation: ``"alltoall"`` (bandwidth-optimal two-stage, default) or ``"allgather"`` (exact).
+        aggregation: ``"auto"`` (default: ``"allgather"`` at W <= 2, else ``"alltoall"``), ``"alltoall"``
+            (bandwidth-optimal two-stage) or ``"allgather"`` (exact); see :func:`resolve_aggregation`.
     """
 
     borrows_inputs = True  # quantization only reads them (DIANA subtracts its shift in that pass); nothing keeps them
     bucket_cap_mb = 4.0  # 1/16-1/8 of the dense bytes still travel: overlap them with backward (docs/benchmarks.md)
 
-    def __init__(self, aggregation: str = "alltoall") -> None:
+    def __init__(self, aggregation: str = "auto") -> None:
         self.aggregation: str = check_aggregation(aggregation)
         self._layouts: dict[tuple, WireLayout] = {}
 
@@ -503,6 +524,10 @@ class QuantizedCompressor(Compressor):
         """
         _native.load()
 
+    def aggregation_at(self, world_size: int) -> str:
+        """The protocol this compressor runs at ``world_size`` ranks (``"alltoall"`` or ``"allgather"``)."""
+        return resolve_aggregation(self.aggregation, world_size)
+
     def layout(self, ctx: ReduceContext, numels: Sequence[int], codecs: Sequence[SlotCodec], parts: int) -> WireLayout:
         """The (cached) wire layout of a bucket."""
         names = tuple(slot.name for slot in ctx.slots)
@@ -528,7 +553,7 @@ class QuantizedCompressor(Compressor):
             if ctx.outputs is not None
             else [t.new_empty(n, dtype=torch.float32) for t, n in zip(tensors, numels)]
         )
-        if self.aggregation == "allgather" or ctx.world_size == 1:
+        if self.aggregation_at(ctx.world_size) == "allgather" or ctx.world_size == 1:
             averaged = self._reduce_allgather(messages, numels, codecs, ctx, shares, out)
         else:
             averaged = self._reduce_alltoall(messages, numels, codecs, ctx, shares, out)
@@ -587,7 +612,7 @@ class QuantizedCompressor(Compressor):
         return out
 
     def extra_repr(self) -> str:
-        return "" if self.aggregation == "alltoall" else f"aggregation={self.aggregation!r}"
+        return "" if self.aggregation == "auto" else f"aggregation={self.aggregation!r}"
 
 
 def check_p(p: PNorm) -> float:

@@ -39,10 +39,11 @@ class SignSGD(QuantizedCompressor):
 
     Args:
         bucket_size: elements per fp32 scale (mean absolute value of the bucket).
-        aggregation: ``"alltoall"`` or ``"allgather"`` (exact mean of the per-rank signs; no server memory).
+        aggregation: ``"auto"`` (default: ``"allgather"`` at W <= 2, else ``"alltoall"``), ``"alltoall"`` or
+            ``"allgather"`` (exact mean of the per-rank signs; no server memory).
     """
 
-    def __init__(self, bucket_size: int = 512, aggregation: str = "alltoall") -> None:
+    def __init__(self, bucket_size: int = 512, aggregation: str = "auto") -> None:
         super().__init__(aggregation)
         self.bucket_size: int = check_bucket_size(bucket_size)
         self._server = StagedState()

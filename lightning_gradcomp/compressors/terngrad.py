@@ -24,10 +24,11 @@ class TernGrad(QuantizedCompressor):
 
     Args:
         bucket_size: elements per fp32 scale.
-        aggregation: ``"alltoall"`` or ``"allgather"``.
+        aggregation: ``"auto"`` (default: ``"allgather"`` at W <= 2, else ``"alltoall"``), ``"alltoall"`` or
+            ``"allgather"``.
     """
 
-    def __init__(self, bucket_size: int = 512, aggregation: str = "alltoall") -> None:
+    def __init__(self, bucket_size: int = 512, aggregation: str = "auto") -> None:
         super().__init__(aggregation)
         self.bucket_size: int = check_bucket_size(bucket_size)
 

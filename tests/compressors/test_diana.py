@@ -73,7 +73,7 @@ def test_yaml_configuration_through_jsonargparse() -> None:
 def test_registry_and_preset() -> None:
     assert isinstance(create("diana", quantizer="l2:16"), DIANA)
     comp = PRESETS["diana"][1]()["compressor"]
-    assert isinstance(comp, DIANA) and comp.aggregation == "alltoall"
+    assert isinstance(comp, DIANA) and comp.aggregation == "auto"
 
 
 # ---------------------------------------------------------------------------- protocol
@@ -147,18 +147,25 @@ def test_shifts_remove_the_quantization_error_for_fixed_gradients(aggregation: s
     assert errors[0.0] > 0.05
 
 
-def test_state_round_trip_continues_bit_identically() -> None:
-    kwargs = {"quantizer": "linf:32"}
-    straight = run_workers(_run, 2, kwargs, 6, False)
-    resumed = run_workers(_run, 2, kwargs, 6, False, 3)
+@pytest.mark.parametrize(("world", "aggregation"), [(2, "auto"), (3, "auto"), (2, "alltoall")])
+def test_state_round_trip_continues_bit_identically(world: int, aggregation: str) -> None:
+    kwargs = {"quantizer": "linf:32", "aggregation": aggregation}
+    straight = run_workers(_run, world, kwargs, 6, False)
+    resumed = run_workers(_run, world, kwargs, 6, False, 3)
     for a, b in zip(straight, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a["outs"], b["outs"]))
-    comp = DIANA()
+    owned = bool(straight[0]["state"]["owned"])  # h_own: only the all-to-all keeps it
+    assert owned == (aggregation == "alltoall" or world > 2)
+    comp = DIANA(aggregation=aggregation)
     comp.load_state_dict(straight[0]["state"])
     comp.reset_state()
-    assert comp.state_dict() == {"aggregation": "alltoall", "local": {}, "shift": {}, "owned": {}}
-    with pytest.raises(ValueError, match="aggregation"):
+    assert comp.state_dict() == {"aggregation": aggregation, "local": {}, "shift": {}, "owned": {}}
+    if aggregation == "alltoall":  # two explicit, different aggregations refuse each other's state
+        with pytest.raises(ValueError, match="aggregation"):
+            DIANA(aggregation="allgather").load_state_dict(straight[0]["state"])
+    else:  # "auto" shares h/H between its two protocols: the state loads into either
         DIANA(aggregation="allgather").load_state_dict(straight[0]["state"])
+        DIANA(aggregation="alltoall").load_state_dict(straight[0]["state"])
 
 
 # ---------------------------------------------------------------------------- Lightning

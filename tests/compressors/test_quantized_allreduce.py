@@ -12,7 +12,13 @@ from helpers.distributed import run_workers
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.compressors import DIANA, QSGD, SignSGD, TernGrad
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext
-from lightning_gradcomp.compressors.quantized import SlotCodec, build_layout, check_aggregation, wire_bytes
+from lightning_gradcomp.compressors.quantized import (
+    SlotCodec,
+    build_layout,
+    check_aggregation,
+    resolve_aggregation,
+    wire_bytes,
+)
 from lightning_gradcomp.functional.quantize import levels_for_bits, num_groups
 from lightning_gradcomp.plan import LayerSlot
 
@@ -101,6 +107,17 @@ def test_wire_bytes_formula_and_its_approximation() -> None:
         check_aggregation("ring")
 
 
+@pytest.mark.parametrize("numels", [[4096, 1000], [100, 7, 65_537], [1]])
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_auto_sends_no_more_than_the_all_to_all_at_w2(numels: list[int], bits: int) -> None:
+    """At W = 2 the all-gather of the whole message and the two half-size stages of the all-to-all carry the same
+    payload (the all-to-all pads its chunks, so it can only be larger): auto takes the one-collective form there."""
+    codecs = _codecs([bits] * len(numels), 512) if bits > 1 else [SlotCodec(0, 512)] * len(numels)
+    auto, alltoall = wire_bytes(numels, codecs, 2, "auto"), wire_bytes(numels, codecs, 2, "alltoall")
+    assert auto == wire_bytes(numels, codecs, 2, "allgather") <= alltoall
+    assert wire_bytes(numels, codecs, 3, "auto") == wire_bytes(numels, codecs, 3, "alltoall")
+
+
 def test_allgather_bytes_are_exactly_the_message_times_w_minus_1() -> None:
     numels = [4096, 1000]
     codecs = _codecs([4, 4], 512)  # one run of 5096 4-bit codes (2548 bytes) + 8 + 2 scales
@@ -108,7 +125,7 @@ def test_allgather_bytes_are_exactly_the_message_times_w_minus_1() -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("aggregation", ["alltoall", "allgather"])
+@pytest.mark.parametrize("aggregation", ["alltoall", "allgather", "auto"])
 def test_ranks_agree_bitwise_and_count_exact_bytes(world: int, aggregation: str) -> None:
     comp = QSGD(bits=4, bucket_size=64, aggregation=aggregation)
     results = run_workers(_reduce_once, world, comp, BITS)
@@ -116,7 +133,9 @@ def test_ranks_agree_bitwise_and_count_exact_bytes(world: int, aggregation: str)
         assert all(torch.equal(a, b) for a, b in zip(results[0]["out"], res["out"]))
     numels = [math.prod(s) for s in SHAPES]
     assert results[0]["wire"] == wire_bytes(numels, _codecs(BITS, 64), world, aggregation, NAMES)
-    assert results[0]["collectives"] == (2 if aggregation == "alltoall" else 1)
+    runs = resolve_aggregation(aggregation, world)
+    assert runs == (aggregation if aggregation != "auto" else "allgather" if world == 2 else "alltoall")
+    assert results[0]["collectives"] == (2 if runs == "alltoall" else 1)
     layers = results[0]["layers"]
     assert sum(layers.values()) == pytest.approx(results[0]["wire"])
     assert layers["layer1"] / 300 > 3 * layers["layer0"] / (64 * 48)  # 8-bit layer costs ~4x the 2-bit one per element
@@ -135,9 +154,10 @@ def test_every_chunk_round_trips_whatever_its_byte_size(numels: list[int], parts
     payloads = torch.stack([layout.pack(j, messages, torch.device("cpu"), whole_slots=True) for j in range(parts)])
     assert payloads.shape == (parts, layout.payload_nbytes)
     for j, chunk in enumerate(layout.chunks):  # the kernel's packing in place writes the torch steps' bytes
-        joined = layout._joined(chunk, [messages[s.slot]._replace(codes=messages[s.slot].codes[s.start:s.end],
-                                                                   scales=messages[s.slot].scales[s.group_start:s.group_end])
-                                        for s in chunk.segments], torch.device("cpu"))
+        pieces = [messages[s.slot]._replace(codes=messages[s.slot].codes[s.start:s.end],
+                                            scales=messages[s.slot].scales[s.group_start:s.group_end])
+                  for s in chunk.segments]
+        joined = layout._joined(chunk, pieces, torch.device("cpu"))
         assert torch.equal(payloads[j], joined)
         row = torch.full((2, layout.payload_nbytes), 0xA5, dtype=torch.uint8)  # stale bytes in the send buffer
         assert torch.equal(layout.pack(j, messages, torch.device("cpu"), whole_slots=True, out=row[1]), joined)

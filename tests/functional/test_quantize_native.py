@@ -295,7 +295,8 @@ def test_packed_codes_decode_as_unpacked(n: int, group_size: int, level: int) ->
             scales.view(-1)[::5] = float("inf")
             piece = _packed_piece(codes, scales, levels, group_size, first, pad=3)
             assert piece.size == n and torch.equal(piece.unpacked().codes, codes)
-            for q, c, s in ((piece, codes, scales), (piece._replace(codes=piece.codes[1], scales=scales[1]), codes[1], scales[1])):
+            row = piece._replace(codes=piece.codes[1], scales=scales[1])
+            for q, c, s in ((piece, codes, scales), (row, codes[1], scales[1])):
                 want = dequantize(c, s, levels, group_size)
                 got = quantize._dequantize_native(kernel, q, level=level)
                 assert _bits_equal(got, want) and _bits_equal(q.decode(), want)

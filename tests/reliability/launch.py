@@ -67,7 +67,7 @@ def build_case(case: str, *, timeout: Optional[float] = None, nonfinite: str = "
         "powersgd": lambda: PowerSGD(rank=2),
         "lgreco": lambda: PowerSGD(rank=2),
         "diana": lambda: DIANA(quantizer="linf:64"),
-        "signsgd": lambda: SignSGD(bucket_size=128),
+        "signsgd": lambda: SignSGD(bucket_size=128, aggregation="alltoall"),  # with its server memory at W = 2
         "qsgd": lambda: QSGD(bits=4, bucket_size=128),
         "terngrad": lambda: TernGrad(bucket_size=128),
         "fp16": lambda: Cast(torch.float16),  # no flag collective: the decision is made on the result

@@ -91,11 +91,11 @@ TABLE = [
     Bad(QSGD, {"bits": 9}, ValueError, r"`bits` must be in \[2, 8\], got 9", "compressor"),
     Bad(QSGD, {"bits": 1}, ValueError, r"`bits` must be in \[2, 8\], got 1", "compressor"),
     Bad(QSGD, {"p": "l1"}, ValueError, r"`p` must be 2 or inf, got 'l1'", "compressor"),
-    Bad(QSGD, {"aggregation": "ring"}, ValueError, r"`aggregation` must be one of \('alltoall', 'allgather'\), "
+    Bad(QSGD, {"aggregation": "ring"}, ValueError, r"`aggregation` must be one of \('auto', 'alltoall', 'allgather'\), "
                                                    r"got 'ring'", "compressor"),
     Bad(TernGrad, {"bucket_size": 0}, ValueError, r"`bucket_size` must be in \[1, inf\], got 0", "compressor"),
-    Bad(SignSGD, {"aggregation": "tree"}, ValueError, r"`aggregation` must be one of \('alltoall', 'allgather'\), "
-                                                      r"got 'tree'", "compressor"),
+    Bad(SignSGD, {"aggregation": "tree"}, ValueError,
+        r"`aggregation` must be one of \('auto', 'alltoall', 'allgather'\), got 'tree'", "compressor"),
     Bad(DIANA, {"quantizer": "l3:64"}, ValueError, r"`quantizer` 'l3:64': `p` must be 2 or inf, got 'l3'",
         "compressor"),
     Bad(DIANA, {"quantizer": "linf:0"}, ValueError, r"`quantizer` 'linf:0': `block_size` must be in \[1, inf\], "
