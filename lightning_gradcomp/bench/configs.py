@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import yaml
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -170,6 +171,34 @@ class Installed:
 def available_configs() -> list[str]:
     """The baselines followed by every ``GradCompStrategy`` preset name."""
     return [*BASELINES, *sorted(name for name in PRESETS if issubclass(preset_class(name), GradCompStrategy))]
+
+
+def split_config(name: str) -> tuple[str, dict[str, Any]]:
+    """``"preset@key=value@..."`` into the preset and the compressor arguments that replace its compressor's: the
+    compressor's class built with those arguments, the others at their defaults. Values are read as YAML scalars.
+
+    Example::
+
+        >>> split_config("signsgd@aggregation=alltoall@bucket_size=256")
+        ('signsgd', {'aggregation': 'alltoall', 'bucket_size': 256})
+
+    Raises:
+        ValueError: an override without ``=``.
+    """
+    preset, *pairs = name.split("@")
+    overrides: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"configuration {name!r}: overrides look like `@key=value`, got {pair!r}")
+        overrides[key] = yaml.safe_load(value)
+    return preset, overrides
+
+
+def is_config(name: str) -> bool:
+    """Whether ``name`` is a baseline, a strategy preset, or a strategy preset with compressor overrides."""
+    preset, overrides = split_config(name)
+    return name in available_configs() or (bool(overrides) and preset in available_configs()[len(BASELINES) :])
 
 
 class _TimedHook:
@@ -326,9 +355,13 @@ def install(name: str, model: nn.Module, bucket_cap_mb: Optional[float] = None) 
             thread_seconds=timed.work_seconds,
             wait_seconds=lambda: timed.wait_seconds,
         )
-    if name not in available_configs():
+    if not is_config(name):
         raise ValueError(f"unknown benchmark configuration {name!r}; available: {', '.join(available_configs())}")
-    strategy = preset_class(name)(**PRESETS[name][1]())
+    preset, overrides = split_config(name)
+    kwargs = PRESETS[preset][1]()
+    if overrides:
+        kwargs["compressor"] = type(kwargs["compressor"])(**overrides)
+    strategy = preset_class(preset)(**kwargs)
     assert isinstance(strategy, GradCompStrategy)
     return install_strategy(strategy, model, bucket_cap_mb)
 

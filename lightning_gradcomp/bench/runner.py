@@ -13,7 +13,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_gradcomp.bench.configs import available_configs
+from lightning_gradcomp.bench.configs import available_configs, is_config
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address
 from lightning_gradcomp.gloo_workers import free_port  # re-exported (in __all__)
 
@@ -211,7 +211,7 @@ def run_bench(
     batch_size: Optional[int] = None,
 ) -> dict[str, Any]:
     """Run the benchmark and return ``{"summary", "recommendation", "link", "raw"}``."""
-    unknown = [c for c in configs if c not in available_configs()]
+    unknown = [c for c in configs if not is_config(c)]
     if unknown:
         raise ValueError(f"unknown configurations {unknown}; available: {', '.join(available_configs())}")
     if world_size < 2:
@@ -400,7 +400,7 @@ def add_arguments(parser: Any) -> None:
         "--configs",
         default=",".join(DEFAULT_CONFIGS),
         help="comma-separated: ddp, torch_fp16, torch_powersgd and any strategy preset name "
-        "(`lightning-gradcomp list`)",
+        "(`lightning-gradcomp list`), optionally with compressor arguments: signsgd@aggregation=alltoall",
     )
     parser.add_argument(
         "--link",

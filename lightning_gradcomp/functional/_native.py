@@ -33,12 +33,15 @@ Kernel functions (each reads ``x`` as flat; results are identical to the NumPy s
   last), the threshold pass and the trim to the ``k`` largest candidates.
 * :func:`exact`: the exact top-``k`` of a small tensor (the k-th largest ``|x|`` among the entries above a
   sampled threshold, then a pass at it).
-* ``stochastic_round``, ``dequantize``, ``dequantize_add``, ``pack`` and ``unpack`` (called by :mod:`.quantize`
-  and :mod:`.packing`, which check their arguments): stochastic rounding of fp32 groups with the counter-based
-  uniform draws of ``quantize.hashed_uniform`` computed in registers, decoding of ``uint8`` codes (also straight
-  into ``base + alpha * d``, by an explicit fused multiply-add as torch's ``add`` computes it), and 2/4-bit
-  (un)packing, each bit-identical to the torch steps it replaces (the build turns FMA contraction off, so every
-  other fp32 step rounds as torch's does).
+* ``stochastic_round``, ``dequantize``, ``dequantize_add``, ``dequantize_mean``, ``pack``, ``unpack`` and
+  ``pack_into`` (called by :mod:`.quantize`, :mod:`.packing` and the quantizers' wire layout, which check their
+  arguments): stochastic rounding of fp32 groups with the counter-based uniform draws of ``quantize.hashed_uniform``
+  computed in registers; decoding of codes one per byte or still bit-packed 1, 2 or 4 bits wide in a received payload
+  (eight per AVX2 step, never unpacked into memory), also straight into ``base + alpha * d`` (an explicit fused
+  multiply-add, as torch's ``add`` computes it) and into the rank-ordered mean of W rows; 2/4-bit (un)packing; and
+  packing a segment's codes at any code offset of a payload. Each is bit-identical to the torch steps it replaces
+  (the build turns FMA contraction off, so every other fp32 step rounds as torch's does).
+* ``add_scaled`` (called by :mod:`.axpy`): ``base + alpha * x`` into one or two outputs, torch's ``add`` bits.
 * ``scaled_cast`` and ``widen`` (called by :mod:`.half`): ``x / d`` rounded to fp16/bf16 in one pass, and 16 bits
   widened back to fp32 with a NaN/Inf check in the same pass (F16C conversions, as torch's vector loop uses).
 * ``any_nonfinite`` (called by :mod:`.finite`): whether some fp32 value is NaN or infinite, one scan of the

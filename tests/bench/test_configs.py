@@ -10,7 +10,14 @@ from helpers.distributed import run_workers
 from lightning.pytorch.callbacks import Callback
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.bench.configs import BASELINES, LayerwiseDriver, available_configs, install
+from lightning_gradcomp.bench.configs import (
+    BASELINES,
+    LayerwiseDriver,
+    available_configs,
+    install,
+    is_config,
+    split_config,
+)
 from lightning_gradcomp.bench.models import load_workload
 from lightning_gradcomp.bench.worker import _measure
 from lightning_gradcomp.callbacks import LGreCo
@@ -131,3 +138,17 @@ def test_each_configuration_gets_its_own_bucket_size_unless_the_bench_sets_one()
     )[0]
     assert default == {"ddp": 25.0, "torch_fp16": 25.0, "gradcomp_topk": 25.0, "qsgd": 4.0, "diana": 4.0, "signsgd": 4.0}
     assert set(forced.values()) == {10.0}
+
+
+def test_a_preset_with_compressor_arguments_builds_that_compressor() -> None:
+    assert split_config("signsgd@aggregation=alltoall@bucket_size=256") == (
+        "signsgd", {"aggregation": "alltoall", "bucket_size": 256})
+    assert split_config("qsgd") == ("qsgd", {})
+    assert is_config("qsgd@aggregation=alltoall") and is_config("qsgd") and is_config("ddp")
+    assert not is_config("ddp@bucket=1") and not is_config("nope@aggregation=alltoall")
+    with pytest.raises(ValueError, match="overrides look like `@key=value`"):
+        split_config("qsgd@alltoall")
+    built = run_workers(_bench_hooks, 1, ["qsgd@aggregation=alltoall", "qsgd"], timeout=120.0)[0]
+    assert built["qsgd@aggregation=alltoall"]["compressor"][2]["aggregation"] == repr("alltoall")
+    assert built["qsgd"]["compressor"][2]["aggregation"] == repr("auto")
+    assert built["qsgd@aggregation=alltoall"]["compressor"][2]["bits"] == built["qsgd"]["compressor"][2]["bits"]
