@@ -43,8 +43,9 @@ def _variants() -> dict[str, Callable[[], Compressor]]:
     Built at collection time, before any test registers a throwaway name.
     """
     out: dict[str, Callable[[], Compressor]] = {name: lambda n=name: registry.create(n) for name in registry.list()}
-    for name in ("qsgd", "terngrad", "signsgd", "diana"):
+    for name in ("qsgd", "terngrad", "signsgd", "diana"):  # the default "auto" is the all-gather at W = 2
         out[f"{name}-allgather"] = lambda n=name: registry.create(n, aggregation="allgather")
+        out[f"{name}-alltoall"] = lambda n=name: registry.create(n, aggregation="alltoall")
     out["qsgd-3bit-g32"] = lambda: QSGD(bits=3, bucket_size=32)  # bit-stream packing, many groups per layer
     out["diana-l2:16"] = lambda: DIANA("l2:16")
     out["terngrad-g1"] = lambda: TernGrad(bucket_size=1)  # one scale per element
