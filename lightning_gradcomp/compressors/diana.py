@@ -51,7 +51,7 @@ from lightning_gradcomp.compressors.quantized import (
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional.axpy import add_scaled
-from lightning_gradcomp.functional.quantize import Quantized, alpha_p
+from lightning_gradcomp.functional.quantize import Quantized, alpha_p, rows_mean
 from lightning_gradcomp.presets import register_preset
 
 __all__ = ["DIANA", "BlockQuantizer"]
@@ -190,11 +190,9 @@ class DIANA(QuantizedCompressor):
                 local.append(estimate)
         return None, local if ctx.observed else None
 
-    def _exact_mean(self, ctx: ReduceContext, slot: int, mean: Tensor) -> Tensor:
+    def _exact_mean(self, ctx: ReduceContext, slot: int, piece: Quantized, out: Tensor) -> None:
         _, _, h, h_new = self._pending[ctx.slots[slot].name]
-        estimate = torch.empty_like(mean)
-        add_scaled(mean, h, self.alpha, h_new, 1.0, estimate)  # h + alpha * mean and h + mean, one pass
-        return estimate
+        add_scaled(rows_mean(piece), h, self.alpha, h_new, 1.0, out)  # h + alpha * mean and h + mean, one pass
 
     def _owner_message(self, ctx: ReduceContext, seg: Segment, mean: Tensor) -> Tensor:
         name = ctx.slots[seg.slot].name

@@ -503,9 +503,10 @@ class QuantizedCompressor(Compressor):
         by default its decoded values."""
         piece.decode(out=out)
 
-    def _exact_mean(self, ctx: ReduceContext, slot: int, mean: Tensor) -> Tensor:
-        """``allgather`` aggregation: map the exact average of the messages to the averaged gradient."""
-        return mean
+    def _exact_mean(self, ctx: ReduceContext, slot: int, piece: Quantized, out: Tensor) -> None:
+        """``allgather`` aggregation: write the averaged gradient of a slot into ``out`` from the W messages ``piece``
+        (rows in rank order); by default their exact average (:func:`~.quantize.rows_mean`)."""
+        rows_mean(piece, out=out)
 
     def _reduced(self, ctx: ReduceContext) -> None:
         """Called once the averaged result is complete (state updates that needed every segment)."""
@@ -573,7 +574,7 @@ class QuantizedCompressor(Compressor):
         device = messages[0].codes.device
         gathered = ctx.comm.all_gather(layout.pack(0, messages, device, whole_slots=True), shares=shares)
         for seg, piece in zip(layout.chunks[0].segments, layout.unpack(0, gathered, packed=True)):
-            out[seg.slot][seg.start : seg.end] = self._exact_mean(ctx, seg.slot, rows_mean(piece))
+            self._exact_mean(ctx, seg.slot, piece, out[seg.slot][seg.start : seg.end])
         return out
 
     def _reduce_alltoall(

@@ -615,11 +615,12 @@ def _decode_add(
     torch.add(base, values, alpha=alpha, out=out)
 
 
-def rows_mean(q: Quantized, level: Optional[int] = None) -> Tensor:
+def rows_mean(q: Quantized, out: Optional[Tensor] = None, level: Optional[int] = None) -> Tensor:
     """``sum_r decode(q[r]) / R`` over the ``R`` rows of 2-D codes, summed strictly in row order (``((d_0 + d_1) +
-    d_2) + ...``, then divided by ``R``: the bits of those torch steps on any rank). The compiled kernel does it in one
-    pass (rows decoded 512 entries at a time, packed codes included); otherwise each row after the first is added
-    straight from its codes.
+    d_2) + ...``, then divided by ``R``: the bits of those torch steps on any rank), written into ``out`` (fp32,
+    ``(n,)``) when given. The compiled kernel does it in one pass (rows decoded 512 entries at a time, packed codes
+    included), straight into a contiguous CPU ``out``; otherwise each row after the first is added straight from its
+    codes.
 
     Example::
 
@@ -629,15 +630,19 @@ def rows_mean(q: Quantized, level: Optional[int] = None) -> Tensor:
     """
     if q.codes.dim() != 2:
         raise ValueError(f"`q` must hold 2-D codes (rows, n), got shape {tuple(q.codes.shape)}")
+    if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (q.size,)):
+        raise ValueError(f"`out` must be fp32 of shape {(q.size,)}, got {out.dtype} {tuple(out.shape)}")
     rows = q.codes.shape[0]
     if rows and _native_codes(q) and (kernel := _native.load()) is not None:
-        out = torch.empty(q.size, dtype=torch.float32)
+        target = out if out is not None and out.device.type == "cpu" and out.is_contiguous() else None
+        if target is None:
+            target = torch.empty(q.size, dtype=torch.float32)
         bits, first = _storage(q)
         kernel.dequantize_mean(
             q.codes.data_ptr(), rows, q.size, q.codes.stride(0), bits, first, q.scales.data_ptr(), q.scales.stride(0),
-            q.group_size, q.levels, out.data_ptr(), _native._level(kernel, level),
+            q.group_size, q.levels, target.data_ptr(), _native._level(kernel, level),
         )  # fmt: skip
-        return out
+        return target if out is None or target is out else out.copy_(target)
 
     def row(r: int) -> Quantized:
         return q._replace(codes=q.codes[r], scales=q.scales[r])
@@ -645,7 +650,8 @@ def rows_mean(q: Quantized, level: Optional[int] = None) -> Tensor:
     acc = row(0).decode()
     for r in range(1, rows):
         row(r).decode_add(acc, 1.0, acc)
-    return acc.div_(rows)
+    acc.div_(rows)
+    return acc if out is None else out.copy_(acc)
 
 
 def _storage(q: Quantized) -> tuple[int, int]:

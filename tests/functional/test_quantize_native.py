@@ -351,8 +351,13 @@ def test_rows_mean_is_the_rank_ordered_torch_sum_then_division(n: int, rows: int
             pieces.append(_packed_piece(codes, scales, levels, group_size, first=5, pad=2))
         for q in pieces:
             assert _bits_equal(quantize.rows_mean(q, level=level), want)
+            into = torch.full((2 * n,), 7.0)  # straight into a slice, and into a strided view (through a copy)
+            assert quantize.rows_mean(q, out=into[:n], level=level).data_ptr() == into.data_ptr()
+            assert _bits_equal(into[:n], want) and bool((into[n:] == 7.0).all())
+            assert _bits_equal(quantize.rows_mean(q, out=into[::2]), want)
             with _torch_path():
                 assert _bits_equal(quantize.rows_mean(q), want)
+                assert _bits_equal(quantize.rows_mean(q, out=torch.empty(n)), want)
 
 
 def test_dequantize_add_checks_its_outputs() -> None:
