@@ -43,6 +43,7 @@ from torch import Tensor
 
 from lightning_gradcomp.checks import is_int, is_number
 from lightning_gradcomp.functional import _native
+from lightning_gradcomp.functional.axpy import add_scaled
 from lightning_gradcomp.functional.packing import packed_nbytes, unpack_bits
 
 __all__ = [
@@ -566,7 +567,7 @@ def dequantize_add(
     Each entry is ``torch.add(base, d, alpha=alpha)`` to the bit (one fused multiply-add, as torch's AVX2 and
     AVX-512 kernels compute it). The compiled kernel never writes ``d`` out: one pass reads the codes and ``base``
     and writes the outputs (fp32, contiguous, ``codes``' length; ``out`` may be ``base`` itself). Otherwise ``d``
-    is decoded by :func:`dequantize` and added by torch.
+    is decoded by :func:`dequantize` and added by :func:`~.axpy.add_scaled` (torch's ``add`` bits).
 
     Example::
 
@@ -609,10 +610,7 @@ def _decode_add(
                 0 if out2 is None else out2.data_ptr(), _native._level(kernel, level),
             )  # fmt: skip
             return
-    values = _decode(q, torch.float32, None)
-    if out2 is not None:  # before ``out``, which may be ``base``
-        torch.add(base, values, alpha=1.0 if alpha2 is None else alpha2, out=out2)
-    torch.add(base, values, alpha=alpha, out=out)
+    add_scaled(_decode(q, torch.float32, None), base, alpha, out, alpha2, out2, level=level)
 
 
 def rows_mean(q: Quantized, out: Optional[Tensor] = None, level: Optional[int] = None) -> Tensor:
