@@ -203,6 +203,13 @@ class WireLayout:
             out: where to write the payload (returned).
         """
         chunk = self.chunks[index]
+        if out is not None and (
+            out.dtype != torch.uint8 or out.shape != (self.payload_nbytes,) or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"`out` must be a contiguous uint8 tensor of shape ({self.payload_nbytes},), "
+                f"got {out.dtype} {tuple(out.shape)}"
+            )
         if whole_slots:
             pieces = [
                 Quantized(

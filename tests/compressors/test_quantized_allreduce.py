@@ -162,6 +162,8 @@ def test_every_chunk_round_trips_whatever_its_byte_size(numels: list[int], parts
         row = torch.full((2, layout.payload_nbytes), 0xA5, dtype=torch.uint8)  # stale bytes in the send buffer
         assert torch.equal(layout.pack(j, messages, torch.device("cpu"), whole_slots=True, out=row[1]), joined)
         assert torch.equal(row[1], joined) and bool((row[0] == 0xA5).all())
+        with pytest.raises(ValueError, match="`out` must be a contiguous uint8 tensor"):
+            layout.pack(j, messages, torch.device("cpu"), whole_slots=True, out=row[:, 0])
     for j, chunk in enumerate(layout.chunks):
         batch = payloads[j].repeat(3, 1)  # as received by the all-to-all: a contiguous (W, P) tensor
         for rows in (payloads[j], batch):
