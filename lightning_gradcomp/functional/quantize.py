@@ -25,10 +25,10 @@ in fp32, computed inside the compiled kernel at no extra pass.
 **Compiled CPU path.** When the optional kernel of :mod:`._native` is available, stochastic rounding of an
 fp32 CPU tensor is one kernel call (the same key and the same draws as the torch steps), and
 :func:`dequantize` of ``uint8`` codes into fp32 is one call too, also straight from codes still bit-packed in a
-received payload (:attr:`Quantized.numel`: the codes are unpacked 512 at a time in the kernel's registers and
-stack, never written out as bytes). Each element goes through the same fp32
-operations in the same order as the torch steps (no FMA), so codes, scales and values are bit-identical,
-NaN and infinity included; the ``p = 1`` and ``p = 2`` norms are the same torch calls on both.
+received payload (:attr:`Quantized.numel`: the codes are unpacked in the kernel's registers, eight per AVX2 step,
+never written out as bytes). Each element goes through the same fp32 operations in the same order as the torch
+steps (no FMA), so codes, scales and values are bit-identical, NaN and infinity included; the ``p = 1`` and
+``p = 2`` norms are the same torch calls on both.
 ``LIGHTNING_GRADCOMP_NO_NATIVE=1`` or a failed build selects the torch steps.
 """
 
