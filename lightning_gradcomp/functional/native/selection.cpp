@@ -658,14 +658,19 @@ template <int B> const UnpackTable<B>& unpack_table() {
     return table;
 }
 
+// Code i of a row packed B bits wide.
+template <int B> inline unsigned packed_code(const uint8_t* row, int64_t i) {
+    constexpr int per = 8 / B;
+    return (row[i / per] >> (B * (i % per))) & ((1u << B) - 1);
+}
+
 template <int B> void unpack_span(const uint8_t* row, int64_t first, int64_t len, uint8_t* out) {
     constexpr int per = 8 / B;
-    constexpr unsigned mask = (1u << B) - 1;
     const UnpackTable<B>& table = unpack_table<B>();
     int64_t i = first, k = 0;
-    for (; k < len && i % per != 0; ++k, ++i) out[k] = static_cast<uint8_t>((row[i / per] >> (B * (i % per))) & mask);
+    for (; k < len && i % per != 0; ++k, ++i) out[k] = static_cast<uint8_t>(packed_code<B>(row, i));
     for (; k + per <= len; k += per, i += per) std::memcpy(out + k, table.codes[row[i / per]], per);
-    for (; k < len; ++k, ++i) out[k] = static_cast<uint8_t>((row[i / per] >> (B * (i % per))) & mask);
+    for (; k < len; ++k, ++i) out[k] = static_cast<uint8_t>(packed_code<B>(row, i));
 }
 
 inline const uint8_t* codes_at(const uint8_t* row, int bits, int64_t first, int64_t len, uint8_t* buf) {
@@ -691,17 +696,19 @@ __attribute__((target("avx2"))) void decode_packed_avx2(const uint8_t* row, int6
                                                          float step, float* out) {
     constexpr int per = 8 / B;
     constexpr unsigned mask = (1u << B) - 1;
-    auto scalar = [&](int64_t j) { out[j] = code_value((row[(idx + j) / per] >> (B * ((idx + j) % per))) & mask, top, step); };
+    auto scalar = [&](int64_t j) { out[j] = code_value(packed_code<B>(row, idx + j), top, step); };
     int64_t j = 0;
     for (; j < len && (idx + j) % per != 0; ++j) scalar(j);
     const __m256i shifts = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
     const __m256i low = _mm256_set1_epi32(static_cast<int32_t>(mask));
-    const __m256 t = _mm256_set1_ps(top), s = _mm256_set1_ps(step), two = _mm256_set1_ps(2.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 t = _mm256_set1_ps(top), s = _mm256_set1_ps(step);
+    const __m256 two = _mm256_set1_ps(2.0f), one = _mm256_set1_ps(1.0f);
     const uint8_t* p = row + (idx + j) / per;
     for (; j + 8 <= len; j += 8, p += B) {
         uint32_t word = 0;
         std::memcpy(&word, p, B);
-        const __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int32_t>(word)), shifts), low);
+        const __m256i spread = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int32_t>(word)), shifts);
+        const __m256i c = _mm256_and_si256(spread, low);
         const __m256 f = _mm256_cvtepi32_ps(c);
         const __m256 v = top == 0.0f ? _mm256_sub_ps(_mm256_mul_ps(f, two), one) : _mm256_sub_ps(f, t);
         _mm256_storeu_ps(out + j, _mm256_mul_ps(v, s));
@@ -1395,14 +1402,6 @@ template <int B> void pack_row(const uint8_t* c, int64_t n, uint8_t* out) {
     }
 }
 
-template <int B> void unpack_row(const uint8_t* packed, int64_t n, uint8_t* out) {
-    constexpr int per = 8 / B;
-    const UnpackTable<B>& table = unpack_table<B>();
-    const int64_t whole = n / per;
-    for (int64_t i = 0; i < whole; ++i) std::memcpy(out + i * per, table.codes[packed[i]], per);
-    for (int64_t k = 0; whole * per + k < n; ++k) out[whole * per + k] = table.codes[packed[whole]][k];
-}
-
 // rows of n codes (row stride in bytes) into rows of ceil(n * bits / 8) bytes, contiguous.
 void pack(uintptr_t codes, int64_t rows, int64_t n, int64_t stride, int bits, uintptr_t out) {
     const int64_t nbytes = (n * bits + 7) / 8;
@@ -1453,7 +1452,7 @@ void unpack(uintptr_t packed, int64_t rows, int64_t stride, int bits, int64_t n,
     for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* p = reinterpret_cast<const uint8_t*>(packed) + r * stride;
         uint8_t* o = reinterpret_cast<uint8_t*>(out) + r * n;
-        if (bits == 4) unpack_row<4>(p, n, o); else unpack_row<2>(p, n, o);
+        if (bits == 4) unpack_span<4>(p, 0, n, o); else unpack_span<2>(p, 0, n, o);
     }
 }
 
