@@ -233,7 +233,7 @@ class WireLayout:
                 kernel.pack_into(codes.data_ptr(), codes.numel(), bits, base + offset, pos)
                 pos += codes.numel()
         if chunk.segments:
-            scales = torch.cat([q.scales.to(torch.float32) for q in pieces]).view(torch.uint8)
+            scales = _scale_bytes(pieces)
             payload[chunk.scale_offset : chunk.scale_offset + scales.numel()].copy_(scales)
         return payload
 
@@ -244,7 +244,7 @@ class WireLayout:
             codes = torch.cat([pieces[k].unpacked().codes for k in range(first, last)])
             parts.append(pack_bits(codes, bits, check=False))  # quantizer codes: in range by construction
         if chunk.segments:
-            parts.append(torch.cat([q.scales.to(torch.float32) for q in pieces]).view(torch.uint8))
+            parts.append(_scale_bytes(pieces))
         pad = self.payload_nbytes - chunk.nbytes
         if pad:
             parts.append(torch.zeros(pad, dtype=torch.uint8, device=device))
@@ -283,6 +283,11 @@ class WireLayout:
                 pos += seg.numel
                 g += ng
         return out
+
+
+def _scale_bytes(pieces: Sequence[Quantized]) -> Tensor:
+    """The fp32 scales of ``pieces``, concatenated, as the bytes a payload carries them in."""
+    return torch.cat([q.scales.to(torch.float32) for q in pieces]).view(torch.uint8)
 
 
 def layer_rotation(name: str, parts: int) -> int:
