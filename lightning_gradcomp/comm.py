@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, TypeVar, overload
+from typing import Any, Literal, Optional, TypeVar, Union, overload
 
 import torch
 import torch.distributed as dist
@@ -340,14 +340,31 @@ class Comm:
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
-    def all_gather(self, tensor: Tensor, *, shares: Optional[LayerShares] = None) -> Tensor:
-        """Gather equal-sized ``tensor`` from every rank; returns shape ``(W, *tensor.shape)``."""
+    @overload
+    def all_gather(
+        self, tensor: Tensor, *, async_op: Literal[False] = False, shares: Optional[LayerShares] = None
+    ) -> Tensor: ...
+
+    @overload
+    def all_gather(
+        self, tensor: Tensor, *, async_op: Literal[True], shares: Optional[LayerShares] = None
+    ) -> Future: ...
+
+    def all_gather(
+        self, tensor: Tensor, *, async_op: bool = False, shares: Optional[LayerShares] = None
+    ) -> Union[Tensor, Future]:
+        """Gather equal-sized ``tensor`` from every rank: shape ``(W, *tensor.shape)``, or with ``async_op`` a
+        ``Future`` resolving to it (``tensor`` must then stay unchanged until it completes)."""
         self._count(all_gather_bytes(_nbytes(tensor), self.world_size), shares)
         out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        with self.waiting():
-            gather(out, tensor.contiguous().reshape(-1), group=self.group)
-        return out.view(self.world_size, *tensor.shape)
+        shaped = out.view(self.world_size, *tensor.shape)
+        if not async_op:
+            with self.waiting():
+                gather(out, tensor.contiguous().reshape(-1), group=self.group)
+            return shaped
+        work = gather(out, tensor.contiguous().reshape(-1), group=self.group, async_op=True)
+        return _resolving_to(work, shaped)
 
     def broadcast(self, tensor: Tensor, src: int, *, shares: Optional[LayerShares] = None) -> None:
         """In-place broadcast of ``tensor`` from group rank ``src``."""
@@ -403,7 +420,7 @@ class Comm:
                 dist.all_to_all_single(output, tensor, out_splits, in_splits, group=self.group)
             return None
         work = dist.all_to_all_single(output, tensor, out_splits, in_splits, group=self.group, async_op=True)
-        return work.get_future().then(lambda _: output)
+        return _resolving_to(work, output)
 
     def exchange(
         self, send: Tensor, recv: Tensor, peer: int, *, async_op: bool = False, shares: Optional[LayerShares] = None
@@ -421,6 +438,17 @@ class Comm:
                 for work in works:
                     work.wait()
         return works
+
+
+def _resolving_to(work: dist.Work, value: Tensor) -> Future:
+    """``work``'s Future, resolving to ``value`` once it completes, or to its error (never ``value`` after a
+    failed collective)."""
+
+    def done(fut: Future) -> Tensor:
+        fut.value()  # raises the collective's error
+        return value
+
+    return work.get_future().then(done)
 
 
 class _Waiting:

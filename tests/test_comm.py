@@ -92,6 +92,7 @@ def _collectives(rank: int, world: int) -> dict:
     fut = comm.all_reduce(torch.ones(6, dtype=torch.float16), async_op=True)
     summed16 = fut.wait()
     gathered = comm.all_gather(torch.tensor([rank], dtype=torch.int32))
+    gathered_async = comm.all_gather(torch.full((2, 3), rank, dtype=torch.uint8), async_op=True).wait()
     b = torch.arange(5, dtype=torch.int64) * (rank == 1)
     comm.broadcast(b, src=1)
     out = torch.empty(world * 2)
@@ -100,7 +101,7 @@ def _collectives(rank: int, world: int) -> dict:
     recv = torch.empty(3)
     if peer < world:
         comm.exchange(torch.full((3,), float(rank)), recv, peer)
-    return {"x": x, "h": summed16, "g": gathered, "b": b, "out": out, "recv": recv,
+    return {"x": x, "h": summed16, "g": gathered, "ga": gathered_async, "b": b, "out": out, "recv": recv,
             "wire": comm.stats.wire_bytes, "n": comm.stats.collectives}
 
 
@@ -108,18 +109,35 @@ def _collectives(rank: int, world: int) -> dict:
 def test_comm_counts_match_formulas(world: int) -> None:
     results = run_workers(_collectives, world)
     expected = (all_reduce_bytes(40, world) + all_reduce_bytes(12, world) + all_gather_bytes(4, world)
-                + broadcast_bytes(40, world) + all_to_all_bytes(8 * world, world))
+                + all_gather_bytes(6, world) + broadcast_bytes(40, world) + all_to_all_bytes(8 * world, world))
     for rank, res in enumerate(results):
         assert torch.equal(res["x"], torch.full((10,), float(sum(range(1, world + 1)))))
         assert torch.equal(res["h"], torch.full((6,), float(world), dtype=torch.float16))
         assert res["g"].reshape(-1).tolist() == list(range(world))
+        assert res["ga"].shape == (world, 2, 3) and res["ga"].dtype == torch.uint8
+        assert torch.equal(res["ga"], torch.arange(world, dtype=torch.uint8).reshape(world, 1, 1).expand(world, 2, 3))
         assert res["b"].tolist() == [0, 1, 2, 3, 4]
         assert res["out"].tolist() == [float(100 * r + 2 * rank + j) for r in range(world) for j in range(2)]
         has_peer = (rank ^ 1) < world
         if has_peer:
             assert res["recv"].tolist() == [float(rank ^ 1)] * 3
         assert res["wire"] == pytest.approx(expected + (12 if has_peer else 0))
-        assert res["n"] == 5 + int(has_peer)
+        assert res["n"] == 6 + int(has_peer)
+
+
+def _failing_gather(rank: int, world: int) -> str:
+    comm = Comm()
+    fut = comm.all_gather(torch.full((4,), rank, dtype=torch.int16), async_op=True)  # gloo has no int16 gather
+    try:
+        fut.wait()
+    except RuntimeError as err:
+        return str(err)
+    return "resolved"
+
+
+def test_an_async_collectives_error_reaches_its_future_not_a_half_written_tensor() -> None:
+    for message in run_workers(_failing_gather, 2):
+        assert message != "resolved" and "scalar type" in message
 
 
 def _uneven(rank: int, world: int) -> dict:

@@ -156,12 +156,13 @@ class CLTK(SparseCompressor):
         for t, idx, v, c in zip(tensors, indices, split_flat(values, ks), split_flat(local, ks)):
             t.index_copy_(0, idx, v[: idx.numel()] - c[: idx.numel()])  # residual p - c, in p's storage
         fut = ctx.comm.all_reduce(sent, async_op=True, shares=ctx.shares(ks))
+        outputs = [ctx.output(i, t) for i, t in enumerate(tensors)]  # zeroed while the values travel
 
         def decode(f: torch.futures.Future) -> list[Tensor]:
             mean = f.value().to(torch.float32).div_(divisor)
             return [
-                scatter_dense(n, idx, v[: idx.numel()], out=ctx.output(i, t))
-                for i, (n, t, idx, v) in enumerate(zip(numels, tensors, indices, split_flat(mean, ks)))
+                scatter_dense(n, idx, v[: idx.numel()], out=out)
+                for n, out, idx, v in zip(numels, outputs, indices, split_flat(mean, ks))
             ]
 
         return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=tensors)

@@ -81,12 +81,13 @@ class RandomK(SparseCompressor):
         numels = [t.numel() for t in tensors]
         world = ctx.world_size
         scale = 1.0 if self.value_dtype != torch.float32 else 1.0 / world
+        outputs = [ctx.output(slot, t) for slot, t in enumerate(tensors)]  # zeroed while the values travel
 
         def decode(f: torch.futures.Future) -> list[Tensor]:
             summed = f.value().to(torch.float32).mul_(scale)
             return [
-                scatter_dense(n, i, v, out=ctx.output(slot, t))
-                for slot, (n, t, i, v) in enumerate(zip(numels, tensors, indices, split_flat(summed, ks)))
+                scatter_dense(n, i, v, out=out)
+                for n, out, i, v in zip(numels, outputs, indices, split_flat(summed, ks))
             ]
 
         return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=residuals)

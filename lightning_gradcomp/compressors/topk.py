@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.futures import Future
 
-from lightning_gradcomp.comm import completed_future
+from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.sparse import SparseCompressor, pack_bytes, unpack_bytes
@@ -41,13 +42,15 @@ class TopK(SparseCompressor):
         prepare_native()
 
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
-        """Select locally, all-gather one packed byte payload, sum the ranks' entries in rank order."""
+        """Select locally, all-gather one packed byte payload, sum the ranks' entries in rank order.
+
+        While the payload travels, this rank writes its residuals and zeroes its output slots."""
         ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
         indices = [exact_topk_indices(t, k) for t, k in zip(tensors, ks)]
         values = torch.cat([t.index_select(0, i) for t, i in zip(tensors, indices)])
         sent = values.to(self.value_dtype)
         flat_idx = torch.cat(indices).to(torch.int32)
-        gathered = ctx.comm.all_gather(pack_bytes([flat_idx, sent]), shares=ctx.shares(ks))
+        fut = ctx.comm.all_gather(pack_bytes([flat_idx, sent]), async_op=True, shares=ctx.shares(ks))
 
         residuals = []
         pos = 0
@@ -55,22 +58,25 @@ class TopK(SparseCompressor):
             t.index_copy_(0, idx, values[pos : pos + k] - sent[pos : pos + k].to(torch.float32))  # p - c, in place
             residuals.append(t)
             pos += k
-
+        averaged = [ctx.output(i, t) for i, t in enumerate(tensors)]  # zeroed while the payload travels
         total = sum(ks)
-        averaged = [ctx.output(i, t) for i, t in enumerate(tensors)]
-        touched: list[list[Tensor]] = [[] for _ in ks]
-        for raw in gathered:  # rank order: identical summation on every rank
-            idx, vals = unpack_bytes(raw, [(torch.int32, total), (self.value_dtype, total)])
-            vals, idx = vals.to(torch.float32), idx.long()
-            pos = 0
-            for out, k, seen in zip(averaged, ks, touched):
-                out.index_add_(0, idx[pos : pos + k], vals[pos : pos + k])
-                seen.append(idx[pos : pos + k])
-                pos += k
-        for out, seen in zip(averaged, touched):  # the other entries are zeros, and 0 / W = 0: divide the sums only
-            where = torch.cat(seen)
-            out.index_put_((where,), out.index_select(0, where).div_(ctx.world_size))
-        return Reduction(averaged=completed_future(averaged), residuals=residuals)
+
+        def decode(f: Future) -> list[Tensor]:
+            touched: list[list[Tensor]] = [[] for _ in ks]
+            for raw in f.value():  # rank order: identical summation on every rank
+                idx, vals = unpack_bytes(raw, [(torch.int32, total), (self.value_dtype, total)])
+                vals, idx = vals.to(torch.float32), idx.long()
+                pos = 0
+                for out, k, seen in zip(averaged, ks, touched):
+                    out.index_add_(0, idx[pos : pos + k], vals[pos : pos + k])
+                    seen.append(idx[pos : pos + k])
+                    pos += k
+            for out, seen in zip(averaged, touched):  # the other entries are zeros, and 0 / W = 0: divide the sums
+                where = torch.cat(seen)
+                out.index_put_((where,), out.index_select(0, where).div_(ctx.world_size))
+            return averaged
+
+        return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=residuals)
 
 
 register_preset(
