@@ -25,8 +25,7 @@ against ``2 (W-1) P_1 / W``) in one collective instead of two and without the ow
     ``(W - 1) (n b / 8 + 4 G)`` bytes per rank, growing linearly with W.
 
 Both are synchronous: the all-to-all must complete before the owner re-quantizes, so everything is
-waited in ``reduce()`` and the returned Future is already complete. With the all-gather, this rank
-computes its residuals (:meth:`QuantizedCompressor._after_encode`) while its payload travels.
+waited in ``reduce()`` and the returned Future is already complete.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
-from torch.futures import Future
 
 from lightning_gradcomp.comm import completed_future
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
@@ -560,32 +558,33 @@ class QuantizedCompressor(Compressor):
             c.quantize(x, _generator(ctx, c, x.device, slot.name), None if shifts is None else shifts[i])
             for i, (x, c, slot) in enumerate(zip(inputs, codecs, ctx.slots))
         ]
-        shares = ctx.shares([n * c.bits + 32 * num_groups(n, c.group_size) for n, c in zip(numels, codecs)])
-        gathering = self.aggregation_at(ctx.world_size) == "allgather" or ctx.world_size == 1
-        if gathering:  # this rank's messages travel while it computes its residuals
-            layout = self.layout(ctx, numels, codecs, 1)
-            payload = layout.pack(0, messages, messages[0].codes.device, whole_slots=True)
-            in_flight = ctx.comm.all_gather(payload, async_op=True, shares=shares)
         residuals, local = self._after_encode(tensors, DecodedMessages(messages), ctx)
+        shares = ctx.shares([n * c.bits + 32 * num_groups(n, c.group_size) for n, c in zip(numels, codecs)])
         # the bucket's slices when the engine offers them (the inputs are read only in stage 1), else new tensors
         out = (
             list(ctx.outputs)
             if ctx.outputs is not None
             else [t.new_empty(n, dtype=torch.float32) for t, n in zip(tensors, numels)]
         )
-        if gathering:
-            averaged = self._reduce_allgather(layout, in_flight, ctx, out)
+        if self.aggregation_at(ctx.world_size) == "allgather" or ctx.world_size == 1:
+            averaged = self._reduce_allgather(messages, numels, codecs, ctx, shares, out)
         else:
             averaged = self._reduce_alltoall(messages, numels, codecs, ctx, shares, out)
         self._reduced(ctx)
         return Reduction(averaged=completed_future(averaged), residuals=residuals, local=local)
 
     def _reduce_allgather(
-        self, layout: WireLayout, in_flight: Future, ctx: ReduceContext, out: list[Tensor]
+        self,
+        messages: list[Quantized],
+        numels: list[int],
+        codecs: list[SlotCodec],
+        ctx: ReduceContext,
+        shares: list[tuple[str, int]],
+        out: list[Tensor],
     ) -> list[Tensor]:
-        """Wait for the all-gather ``in_flight`` of every rank's whole payload; write each slot's mean into ``out``."""
-        with ctx.comm.waiting():
-            gathered = in_flight.wait()
+        layout = self.layout(ctx, numels, codecs, 1)
+        device = messages[0].codes.device
+        gathered = ctx.comm.all_gather(layout.pack(0, messages, device, whole_slots=True), shares=shares)
         for seg, piece in zip(layout.chunks[0].segments, layout.unpack(0, gathered, packed=True)):
             self._exact_mean(ctx, seg.slot, piece, out[seg.slot][seg.start : seg.end])
         return out
