@@ -54,6 +54,16 @@ def test_no_compression_is_bit_identical_to_ddp(tmp_path: Path) -> None:
     assert ours[0]["losses"] == ddp[0]["losses"]
 
 
+@pytest.mark.parametrize("name", ["topk", "fp16", "randomk_unbiased"])
+def test_gradients_as_bucket_views_change_no_bit(tmp_path: Path, name: str) -> None:
+    """The default ``gradient_as_bucket_view=True`` trains exactly as DDP's copies between buckets and gradients."""
+    views = fit(strategy(COMPRESSORS[name]()), tmp_path / "views", max_epochs=2)
+    copies = fit(strategy(COMPRESSORS[name](), gradient_as_bucket_view=False), tmp_path / "copies", max_epochs=2)
+    for a, b in zip(views[0]["params"], copies[0]["params"], strict=True):
+        assert torch.equal(a, b)
+    assert views[0]["losses"] == copies[0]["losses"]
+
+
 def _tinynet_layout() -> tuple[list[int], int]:
     net = TinyNet()
     compressed = [p.numel() for p in net.parameters() if p.dim() > 1 and p.numel() >= 1024]
@@ -271,3 +281,11 @@ def test_the_compressors_bucket_size_applies_unless_the_user_sets_one(name: str)
     assert preferred == (4.0 if isinstance(create(name), QuantizedCompressor) else None)
     assert GradCompStrategy(compressor=name)._ddp_kwargs.get("bucket_cap_mb") == preferred
     assert GradCompStrategy(compressor=name, bucket_cap_mb=12)._ddp_kwargs["bucket_cap_mb"] == 12
+
+
+@pytest.mark.parametrize(("given", "expected"), [({}, True), ({"gradient_as_bucket_view": None}, True),
+                                                 ({"gradient_as_bucket_view": False}, False),
+                                                 ({"gradient_as_bucket_view": True}, True)])
+def test_gradients_are_views_of_the_buckets_unless_the_user_says_otherwise(given: dict, expected: bool) -> None:
+    """The hook writes its result into DDP's bucket; with the gradients as views of it DDP copies nothing back."""
+    assert GradCompStrategy(compressor="topk", **given)._ddp_kwargs["gradient_as_bucket_view"] is expected

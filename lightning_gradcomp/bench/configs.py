@@ -300,10 +300,14 @@ def _timed_hook_fn(timed: _TimedHook) -> Callable[[Any, dist.GradBucket], torch.
     return hook
 
 
-def _wrap(model: nn.Module, bucket_cap_mb: float) -> DistributedDataParallel:
+def _wrap(model: nn.Module, bucket_cap_mb: float, views: bool = True) -> DistributedDataParallel:
+    """DDP around ``model``; ``views``: ``gradient_as_bucket_view`` (the gradients are views of the buckets: no copy
+    between them), which every configuration gets, as ``GradCompStrategy`` sets it by default."""
     with warnings.catch_warnings():  # torch >= 2.13 suggests forward_sync_buffers, which still syncs at init
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*")
-        return DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=False)
+        return DistributedDataParallel(
+            model, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=False, gradient_as_bucket_view=views
+        )
 
 
 DDP_BUCKET_CAP_MB = 25.0
@@ -377,7 +381,7 @@ def install_strategy(strategy: GradCompStrategy, model: nn.Module, bucket_cap_mb
     """
     if bucket_cap_mb is None:
         bucket_cap_mb = strategy._ddp_kwargs.get("bucket_cap_mb") or DDP_BUCKET_CAP_MB
-    ddp = _wrap(model, bucket_cap_mb)
+    ddp = _wrap(model, bucket_cap_mb, bool(strategy._ddp_kwargs.get("gradient_as_bucket_view", False)))
     names = {id(p): n for n, p in model.named_parameters()}
     device = next(model.parameters()).device
     hook = strategy.make_hook(Comm(None, CommStats()), names, device)
