@@ -98,13 +98,14 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             machine (``devices`` per node) and compresses across machines; an ``int`` ``k`` treats ranks
             ``[0..k-1]``, ``[k..2k-1]``, ... as nodes (it must divide the world size; for tests on one machine).
             Each local rank compresses the layers it owns (a balanced split by size, fixed for the run).
+        gradient_as_bucket_view: DDP's argument, ``True`` here (DDP's own default is ``False``; ``None`` also means
+            ``True``): the parameters' gradients are views of DDP's buckets, into which the hook writes its averaged
+            result, so DDP copies nothing between them (a gradient's worth of memory less; one pass over the
+            gradient less per step, two with ``zero_grad(set_to_none=False)``). The numerics are the same.
         **kwargs: any :class:`~lightning.pytorch.strategies.DDPStrategy` argument, except the comm-hook
             and model-averaging ones, which this strategy replaces. Without ``bucket_cap_mb`` the compressor's
             preferred DDP bucket size is used (:attr:`Compressor.bucket_cap_mb`: 4 MB for the quantizers, DDP's
-            25 MB for the others). ``gradient_as_bucket_view`` defaults to ``True`` (DDP's own default is
-            ``False``): the parameters' gradients are views of DDP's buckets, into which the hook writes its
-            averaged result, so DDP copies nothing between them (a gradient's worth of memory less; one pass over
-            the gradient less per step, two with ``zero_grad(set_to_none=False)``).
+            25 MB for the others).
     """
 
     strategy_name = "gradcomp"
@@ -124,6 +125,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         schedule: Union[CompressionSchedule, dict[int, float], None] = None,
         timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         hierarchy: HierarchySpec = None,
+        gradient_as_bucket_view: Optional[bool] = True,
         **kwargs: Any,
     ) -> None:
         for name in _INCOMPATIBLE:
@@ -152,8 +154,10 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         self.hierarchy = _check_hierarchy_combination(check_hierarchy(hierarchy), self.compressor, self.layerwise)
         if kwargs.get("bucket_cap_mb") is None and self.compressor.bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = self.compressor.bucket_cap_mb
-        if kwargs.get("gradient_as_bucket_view") is None:  # the hook's result is the bucket: nothing to copy back
-            kwargs["gradient_as_bucket_view"] = True
+        # the hook's result is the bucket: with the gradients as views of it, DDP copies nothing back
+        kwargs["gradient_as_bucket_view"] = check_bool(
+            "gradient_as_bucket_view", True if gradient_as_bucket_view is None else gradient_as_bucket_view
+        )
         super().__init__(timeout=check_timeout(timeout), **kwargs)
         self._hook: Optional[GradCompHook] = None
         self._pending: Optional[tuple[dict[str, Any], bool]] = None

@@ -289,3 +289,24 @@ def test_the_compressors_bucket_size_applies_unless_the_user_sets_one(name: str)
 def test_gradients_are_views_of_the_buckets_unless_the_user_says_otherwise(given: dict, expected: bool) -> None:
     """The hook writes its result into DDP's bucket; with the gradients as views of it DDP copies nothing back."""
     assert GradCompStrategy(compressor="topk", **given)._ddp_kwargs["gradient_as_bucket_view"] is expected
+
+
+@pytest.mark.parametrize(("given", "expected"), [({}, True), ({"gradient_as_bucket_view": False}, False)])
+def test_the_cli_gets_the_same_views_default(given: dict, expected: bool) -> None:
+    """LightningCLI's parser passes every DDP default explicitly (DDP's own ``False`` included): the strategy's named
+    argument keeps ``True`` the default there too."""
+    import json
+
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--strategy", type=GradCompStrategy)
+    init = {"compressor": "topk", "start_method": "fork", **given}
+    spec = json.dumps({"class_path": "lightning_gradcomp.GradCompStrategy", "init_args": init})
+    strategy = parser.instantiate(parser.parse_args(["--strategy", spec])).strategy
+    assert strategy._ddp_kwargs["gradient_as_bucket_view"] is expected
+
+
+def test_a_bad_views_flag_is_refused_by_name() -> None:
+    with pytest.raises((ValueError, TypeError), match="gradient_as_bucket_view"):
+        GradCompStrategy(compressor="topk", gradient_as_bucket_view="yes")
