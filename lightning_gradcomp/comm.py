@@ -358,13 +358,12 @@ class Comm:
         self._count(all_gather_bytes(_nbytes(tensor), self.world_size), shares)
         out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        shaped = out.view(self.world_size, *tensor.shape)
+        flat, shaped = tensor.contiguous().reshape(-1), out.view(self.world_size, *tensor.shape)
         if not async_op:
             with self.waiting():
-                gather(out, tensor.contiguous().reshape(-1), group=self.group)
+                gather(out, flat, group=self.group)
             return shaped
-        work = gather(out, tensor.contiguous().reshape(-1), group=self.group, async_op=True)
-        return _resolving_to(work, shaped)
+        return _resolving_to(gather(out, flat, group=self.group, async_op=True), shaped)
 
     def broadcast(self, tensor: Tensor, src: int, *, shares: Optional[LayerShares] = None) -> None:
         """In-place broadcast of ``tensor`` from group rank ``src``."""

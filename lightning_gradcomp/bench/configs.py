@@ -381,7 +381,7 @@ def install_strategy(strategy: GradCompStrategy, model: nn.Module, bucket_cap_mb
     """
     if bucket_cap_mb is None:
         bucket_cap_mb = strategy._ddp_kwargs.get("bucket_cap_mb") or DDP_BUCKET_CAP_MB
-    ddp = _wrap(model, bucket_cap_mb, bool(strategy._ddp_kwargs.get("gradient_as_bucket_view", False)))
+    ddp = _wrap(model, bucket_cap_mb, strategy._ddp_kwargs["gradient_as_bucket_view"])  # as in a fit
     names = {id(p): n for n, p in model.named_parameters()}
     device = next(model.parameters()).device
     hook = strategy.make_hook(Comm(None, CommStats()), names, device)

@@ -100,9 +100,10 @@ class _Recording:
 
 def _train(rank: int, world: int, name: str) -> dict[str, Any]:
     model = LayerSizesNet(SHAPES)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)  # ~1000 floats per bucket: several buckets
-    names = {id(p): n for n, p in model.named_parameters()}
     strategy = GradCompStrategy(compressor=VARIANTS[name](), start_step=START_STEP, **OPTIONS.get(name, FLAT))
+    views = strategy._ddp_kwargs["gradient_as_bucket_view"]  # as a fit wraps the model: gradients in the buckets
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.004, gradient_as_bucket_view=views)  # ~1000 floats/bucket
+    names = {id(p): n for n, p in model.named_parameters()}
     hook = strategy.make_hook(Comm(None, CommStats()), names, torch.device("cpu"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     hook.attach_optimizer(optimizer)  # the engine commits staged state on optimizer steps
