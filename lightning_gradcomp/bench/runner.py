@@ -34,7 +34,8 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-configuration figures from every rank's raw measurements (pure)."""
     world = len(ranks)
     # a step ends when the last rank ends, with or without communication
-    # median over the compute-only steps run before and after the configurations (see worker.run_rank)
+    # median over the compute-only steps, run before and after the configurations or in rounds between them
+    # (see worker.run_rank)
     compute = statistics.median(max(ts) for ts in zip(*(r["compute_only"]["step_times"] for r in ranks)))
     rows: dict[str, dict[str, Any]] = {}
     for name, first in ranks[0]["configs"].items():
@@ -58,7 +59,9 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "hook_ms_per_step": 1e3 * statistics.mean(p["hook_seconds_per_step"] for p in per_rank),
             "thread_ms_per_step": 1e3 * statistics.mean(p.get("thread_seconds_per_step", 0.0) for p in per_rank),
             "wait_ms_per_step": 1e3 * statistics.mean(p.get("wait_seconds_per_step", 0.0) for p in per_rank),
-            "peak_rss_mb": max((p["peak_rss_mb"] or 0.0) for p in per_rank),
+            "peak_rss_mb": (  # None: measured in rounds, with every configuration resident at once
+                None if any(p["peak_rss_mb"] is None for p in per_rank) else max(p["peak_rss_mb"] for p in per_rank)
+            ),
             "bucket_cap_mb": first.get("bucket_cap_mb"),
             "state_mb": max((p.get("state_mb") or 0.0) for p in per_rank) if "state_mb" in first else None,
         }
@@ -209,8 +212,14 @@ def run_bench(
     threads: int = 1,
     timeout: float = 1800.0,
     batch_size: Optional[int] = None,
+    rounds: int = 1,
 ) -> dict[str, Any]:
-    """Run the benchmark and return ``{"summary", "recommendation", "link", "raw"}``."""
+    """Run the benchmark and return ``{"summary", "recommendation", "link", "raw"}``.
+
+    ``rounds``: 1 runs each configuration's ``steps`` in one go, between two runs of the compute-only step; more
+    cuts them into that many blocks, run round-robin with the compute-only step's blocks (every configuration
+    resident at once), so that the machine's drift over the run falls on all of them alike.
+    """
     unknown = [c for c in configs if not is_config(c)]
     if unknown:
         raise ValueError(f"unknown configurations {unknown}; available: {', '.join(available_configs())}")
@@ -222,6 +231,8 @@ def run_bench(
         )
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
+    if not 1 <= rounds <= steps:
+        raise ValueError(f"`rounds` must be between 1 and `steps` ({steps}), got {rounds}")
     note = "loopback (no link emulation requested)"
     emulate = False
     if link:
@@ -239,10 +250,12 @@ def run_bench(
             "threads": threads,
             "out_dir": out_dir,
             "batch_size": batch_size,
+            "rounds": rounds,
         }
         with EmulatedLink(world_size, link) if emulate and link else nullcontext() as emulated:
             raw = _launch(spec, emulated, timeout)
     summary = summarise(raw)
+    summary["rounds"] = rounds
     return {"link": note, "model": model, "summary": summary, "recommendation": recommend(summary), "raw": raw}
 
 
@@ -288,14 +301,19 @@ def print_report(result: dict[str, Any]) -> None:
             "-" if agree is None else f"{agree:.3f}",
             f"{row['hook_ms_per_step']:.1f}",
             f"{row.get('thread_ms_per_step', 0.0):.1f}",
-            f"{row['peak_rss_mb']:.0f}",
+            "-" if row["peak_rss_mb"] is None else f"{row['peak_rss_mb']:.0f}",
             f"{row.get('speedup_vs_ddp', float('nan')):.2f}x",
         )
     console = Console(width=max(Console().width, 150))
     console.print(table)
+    rounds = summary.get("rounds", 1)
+    where = (
+        "median of runs before and after the configurations"
+        if rounds == 1
+        else f"median of its {rounds} blocks, interleaved with the configurations'"
+    )
     console.print(
-        f"compute-only step: {summary['compute_only_step_s'] * 1e3:.1f} ms (median of runs before and after the "
-        "configurations); iface payload = the veth's tx "
+        f"compute-only step: {summary['compute_only_step_s'] * 1e3:.1f} ms ({where}); iface payload = the veth's tx "
         "bytes minus one Ethernet/IPv4/TCP header per packet (the TCP payload gloo sent); hook ms = time "
         "the hook blocks the autograd thread; thread ms = our communication thread's time per step "
         "(compression plus its in-line waits; it overlaps backward)"
@@ -427,6 +445,14 @@ def add_arguments(parser: Any) -> None:
         help="DDP bucket size for every configuration (default: each its own: DDP's 25 MB for ddp and PyTorch's "
         "hooks, the strategy's choice for ours, e.g. 4 MB for the quantizers)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="cut each configuration's measured steps into this many blocks, run round-robin with the compute-only "
+        "step's (every configuration resident at once), so that the machine's drift falls on all alike "
+        "(default 1: each configuration's steps in one go)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json", default=None, help="also write the result (with raw per-rank data) to this file")
 
@@ -448,6 +474,7 @@ def run_command(args: Any) -> int:
             bucket_cap_mb=args.bucket_cap_mb,
             threads=args.threads,
             batch_size=args.batch_size,
+            rounds=args.rounds,
         )
         for result in ladder.values():
             print_report(result)
@@ -469,6 +496,7 @@ def run_command(args: Any) -> int:
         args.bucket_cap_mb,
         args.threads,
         batch_size=args.batch_size,
+        rounds=args.rounds,
     )
     print_report(result)
     public = {k: v for k, v in result.items() if k != "raw"}

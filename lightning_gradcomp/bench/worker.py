@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -74,23 +75,59 @@ def _run_steps(step: Any, warmup: int, steps: int) -> list[float]:
     return times
 
 
-def _compute_only(spec: dict[str, Any]) -> dict[str, Any]:
-    """The same per-rank work with no communication (all ranks run it at the same time). :func:`run_rank` runs it
-    before and after the configurations and keeps the step times of both."""
-    workload = load_workload(spec["model"], spec.get("batch_size"))
-    opt = torch.optim.SGD(workload.parameters(), lr=0.01)
+class _Measured:
+    """Something measured on this rank in blocks of steps: ``step`` plus cumulative ``counters`` (name -> value).
 
-    def step() -> None:
-        workload().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
+    Each :meth:`block` keeps its step times and adds what the counters moved during it (the interface's bytes and
+    packets less those of the block's per-step barriers), so blocks of one configuration may be interleaved with
+    other configurations' blocks (``--rounds``).
+    """
 
-    times = _run_steps(step, spec["warmup"], spec["steps"])
-    workload().backward()
-    return {
-        "step_times": times,
-        "references": reference_times([p.grad for p in workload.parameters() if p.grad is not None]),
-    }
+    def __init__(self, step: Callable[[], None], counters: Callable[[], dict[str, float]], iface: Optional[str]):
+        self.step, self.counters, self.iface = step, counters, iface
+        self.times: list[float] = []
+        self.moved: dict[str, float] = {}
+
+    def warm(self, steps: int) -> None:
+        """``steps`` unmeasured steps."""
+        _run_steps(self.step, steps, 0)
+
+    def block(self, steps: int) -> None:
+        """``steps`` measured steps."""
+        barrier_bytes, barrier_packets = _barrier_tx(self.iface, steps) if self.iface else (0, 0)
+        before = self.counters()
+        self.times += _run_steps(self.step, 0, steps)
+        after = self.counters()
+        for key, value in after.items():
+            self.moved[key] = self.moved.get(key, 0.0) + value - before[key]
+        # the per-step barrier of the measurement loop is not part of the configuration's traffic
+        self.moved["tx"] = self.moved.get("tx", 0.0) - barrier_bytes
+        self.moved["packets"] = self.moved.get("packets", 0.0) - barrier_packets
+
+
+def _interface_counters(iface: Optional[str]) -> dict[str, float]:
+    tx_bytes, tx_packets = _iface_tx(iface)
+    return {"tx": tx_bytes, "packets": tx_packets}
+
+
+class _ComputeOnly(_Measured):
+    """The same per-rank work with no communication (all ranks run it at the same time)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.workload = workload = load_workload(spec["model"], spec.get("batch_size"))
+        opt = torch.optim.SGD(workload.parameters(), lr=0.01)
+
+        def step() -> None:
+            workload().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+        super().__init__(step, dict, None)
+
+    def references(self) -> dict[str, float]:
+        """:func:`reference_times` on the gradients of one more backward pass."""
+        self.workload().backward()
+        return reference_times([p.grad for p in self.workload.parameters() if p.grad is not None])
 
 
 def reference_times(grads: list[torch.Tensor], repeats: int = 5) -> dict[str, float]:
@@ -126,76 +163,123 @@ def _barrier_tx(iface: Optional[str], count: int) -> tuple[int, int]:
     return after[0] - before[0], after[1] - before[1]
 
 
-def _measure(name: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str, Any]:
-    workload = load_workload(spec["model"], spec.get("batch_size"))
-    installed = install(name, workload, spec["bucket_cap_mb"])
-    opt = torch.optim.SGD(installed.ddp.parameters(), lr=0.01)
-    installed.begin(opt)
-    counters: dict[str, float] = {}
+class _Configuration(_Measured):
+    """One configuration installed on this rank (its own copy of the model, DDP and hook)."""
 
-    def step() -> None:
-        installed.ddp().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        installed.end_step()  # the layerwise callback (L-GreCo) runs here, inside the timed step, as in a fit
+    def __init__(self, name: str, spec: dict[str, Any], iface: Optional[str]) -> None:
+        self.workload = load_workload(spec["model"], spec.get("batch_size"))
+        self.installed = installed = install(name, self.workload, spec["bucket_cap_mb"])
+        opt = torch.optim.SGD(installed.ddp.parameters(), lr=0.01)
+        installed.begin(opt)
 
-    def snapshot() -> dict[str, float]:
-        tx_bytes, tx_packets = _iface_tx(iface)
+        def step() -> None:
+            installed.ddp().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            installed.end_step()  # the layerwise callback (L-GreCo) runs here, inside the timed step, as in a fit
+
+        def counters() -> dict[str, float]:
+            return {
+                "wire": installed.wire_bytes(),
+                "hook": installed.hook_seconds(),
+                "thread": installed.thread_seconds(),
+                "wait": installed.wait_seconds(),
+                **_interface_counters(iface),
+            }
+
+        super().__init__(step, counters, iface)
+
+    def result(self, peak_rss_mb: Optional[float]) -> dict[str, Any]:
+        """The configuration's figures per measured step; ends it (the layerwise callback's ``on_train_end``)."""
+        installed, n, moved, iface = self.installed, len(self.times), self.moved, self.iface
+        state_mb = installed.state_nbytes() / 2**20
+        installed.end()
         return {
-            "wire": installed.wire_bytes(),
-            "hook": installed.hook_seconds(),
-            "thread": installed.thread_seconds(),
-            "wait": installed.wait_seconds(),
-            "tx": tx_bytes,
-            "packets": tx_packets,
+            "step_times": self.times,
+            "wire_bytes_per_step": moved["wire"] / n,
+            "hook_seconds_per_step": moved["hook"] / n,
+            "thread_seconds_per_step": moved["thread"] / n,
+            "wait_seconds_per_step": moved["wait"] / n,
+            "iface_tx_bytes_per_step": moved["tx"] / n if iface else None,
+            "iface_tx_packets_per_step": moved["packets"] / n if iface else None,
+            "iface_tx_payload_bytes_per_step": (moved["tx"] - moved["packets"] * header_bytes_per_packet()) / n
+            if iface
+            else None,
+            "peak_rss_mb": peak_rss_mb,
+            "state_mb": state_mb,
+            "bucket_cap_mb": installed.ddp.bucket_bytes_cap / 2**20,
+            "batch_size": self.workload.batch_size,
+            "params": sum(p.numel() for p in self.workload.parameters()),
+            # per-layer parameters the layerwise callback (L-GreCo) set by the end; {} = uniform (None: not our hook)
+            "layer_params": None if installed.hook is None else dict(installed.hook.layer_params),
         }
 
-    _run_steps(step, spec["warmup"], 0)
-    n = spec["steps"]
-    barrier_bytes, barrier_packets = _barrier_tx(iface, n)
+
+def _measure(name: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str, Any]:
+    """One configuration on its own: its warm-up, then all its measured steps (with its own peak RSS)."""
+    config = _Configuration(name, spec, iface)
+    config.warm(spec["warmup"])
     _reset_peak_rss()
-    counters = snapshot()
-    times = _run_steps(step, 0, n)
-    end = snapshot()
-    state_mb = installed.state_nbytes() / 2**20
-    installed.end()
-    # the per-step barrier of the measurement loop is not part of the configuration's traffic
-    frames = end["tx"] - counters["tx"] - barrier_bytes
-    packets = end["packets"] - counters["packets"] - barrier_packets
-    return {
-        "step_times": times,
-        "wire_bytes_per_step": (end["wire"] - counters["wire"]) / n,
-        "hook_seconds_per_step": (end["hook"] - counters["hook"]) / n,
-        "thread_seconds_per_step": (end["thread"] - counters["thread"]) / n,
-        "wait_seconds_per_step": (end["wait"] - counters["wait"]) / n,
-        "iface_tx_bytes_per_step": frames / n if iface else None,
-        "iface_tx_packets_per_step": packets / n if iface else None,
-        "iface_tx_payload_bytes_per_step": (frames - packets * header_bytes_per_packet()) / n if iface else None,
-        "peak_rss_mb": _peak_rss_mb(),
-        "state_mb": state_mb,
-        "bucket_cap_mb": installed.ddp.bucket_bytes_cap / 2**20,
-        "batch_size": workload.batch_size,
-        "params": sum(p.numel() for p in workload.parameters()),
-        # per-layer parameters the layerwise callback (L-GreCo) set by the end; {} = uniform (None: not our hook)
-        "layer_params": None if installed.hook is None else dict(installed.hook.layer_params),
-    }
+    config.block(spec["steps"])
+    return config.result(_peak_rss_mb())
+
+
+def block_sizes(steps: int, rounds: int) -> list[int]:
+    """``steps`` measured steps cut into ``rounds`` blocks as equal as possible (the larger ones first).
+
+    Example::
+
+        >>> block_sizes(10, 3)
+        [4, 3, 3]
+    """
+    base, extra = divmod(steps, rounds)
+    return [base + (i < extra) for i in range(rounds)]
+
+
+def _round_robin(spec: dict[str, Any], iface: Optional[str]) -> tuple[_ComputeOnly, dict[str, dict[str, Any]]]:
+    """Every configuration installed at once, then ``rounds`` rounds of one block each: the compute-only step
+    first, then each configuration in order, every block after one unmeasured step (the model it switches to is
+    cold in the caches). The machine's drift over the run then falls on every configuration and on the
+    compute-only baseline alike. Peak RSS is not per configuration here (``None``)."""
+    compute = _ComputeOnly(spec)
+    configs = {name: _Configuration(name, spec, iface) for name in spec["configs"]}
+    for measured in (compute, *configs.values()):
+        measured.warm(spec["warmup"])
+    for size in block_sizes(spec["steps"], spec["rounds"]):
+        for measured in (compute, *configs.values()):
+            measured.warm(1)
+            measured.block(size)
+    return compute, {name: config.result(None) for name, config in configs.items()}
 
 
 def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
-    """Measure the compute-only step and every configuration in ``spec["configs"]`` on this rank."""
+    """Measure the compute-only step and every configuration in ``spec["configs"]`` on this rank.
+
+    ``spec["rounds"]`` (default 1): with 1, each configuration runs all its steps in one go, between two runs of
+    the compute-only step (before and after all of them); with more, in that many interleaved blocks
+    (:func:`_round_robin`).
+    """
     torch.set_num_threads(spec.get("threads", 1))
     dist.init_process_group("gloo")
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
-    results: dict[str, Any] = {
+    if spec.get("rounds", 1) > 1:
+        compute, configs = _round_robin(spec, iface)
+    else:
+        compute = _ComputeOnly(spec)
+        compute.warm(spec["warmup"])
+        compute.block(spec["steps"])
+        configs = {name: _measure(name, spec, iface) for name in spec["configs"]}
+        # again at the end: the baseline of every efficiency is the median over both runs, not one run's drift
+        again = _ComputeOnly(spec)
+        again.warm(spec["warmup"])
+        again.block(spec["steps"])
+        compute.times += again.times
+    results = {
         "rank": dist.get_rank(),
         "world_size": dist.get_world_size(),
-        "compute_only": _compute_only(spec),
-        "configs": {},
+        "compute_only": {"step_times": compute.times, "references": compute.references()},
+        "configs": configs,
     }
-    for name in spec["configs"]:
-        results["configs"][name] = _measure(name, spec, iface)
-    # again at the end: the baseline of every efficiency is the median over both runs, not one run's drift
-    results["compute_only"]["step_times"] += _compute_only(spec)["step_times"]
     dist.barrier()
     return results
 

@@ -11,7 +11,7 @@ import pytest
 from lightning_gradcomp.bench.models import load_workload
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, parse_rate, setup_commands, teardown_commands
 from lightning_gradcomp.bench.runner import recommend, run_bench, summarise, work_ms_of
-from lightning_gradcomp.bench.worker import header_bytes_per_packet
+from lightning_gradcomp.bench.worker import block_sizes, header_bytes_per_packet
 
 FIELDS = {"step_time_median_s", "step_time_p25_s", "step_time_p75_s", "throughput_samples_per_s", "scaling_efficiency",
           "wire_bytes_per_step", "iface_tx_bytes_per_step", "iface_tx_payload_bytes_per_step",
@@ -119,6 +119,9 @@ def test_invalid_bench_arguments() -> None:
         run_bench(world_size=1)
     with pytest.raises(ValueError, match="`batch_size` must be >= 1"):
         run_bench(batch_size=0)
+    for rounds in (0, 6):
+        with pytest.raises(ValueError, match=r"`rounds` must be between 1 and `steps` \(5\), got"):
+            run_bench(steps=5, rounds=rounds)
     with pytest.raises(ValueError, match="`batch_size` applies to built-in models only"):
         load_workload("my_package.models:MyModule", batch_size=8)
 
@@ -142,3 +145,32 @@ def test_each_link_of_a_process_gets_its_own_names() -> None:
     first, second = EmulatedLink(2, "100mbit"), EmulatedLink(2, "1gbit")
     assert first.prefix != second.prefix
     assert len(second.interface(99)) <= 15 and len(f"{second.prefix}b99") <= 15  # Linux's interface name limit
+
+
+@pytest.mark.parametrize(("steps", "rounds"), [(1, 1), (5, 1), (5, 2), (5, 5), (10, 3), (7, 4)])
+def test_block_sizes_cover_the_steps_in_near_equal_blocks(steps: int, rounds: int) -> None:
+    sizes = block_sizes(steps, rounds)
+    assert len(sizes) == rounds and sum(sizes) == steps and max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+@pytest.mark.parametrize("link", [None, "1gbit"])
+def test_rounds_interleave_blocks_and_count_each_configurations_own_bytes(link) -> None:
+    """In rounds, every configuration keeps all its measured steps, and its byte counters (ours and the interface's)
+    add up over its blocks only: the same bytes per step as measured in one go."""
+    if link and not can_emulate()[0]:
+        pytest.skip(f"cannot emulate a link here: {can_emulate()[1]}")
+    configs = ["torch_fp16", "gradcomp_topk"]
+    kwargs = {"model": "mlp-small", "steps": 4, "warmup": 3, "configs": configs, "link": link}
+    once, rounds = run_bench(**kwargs), run_bench(rounds=3, **kwargs)
+    assert rounds["summary"]["rounds"] == 3 and once["summary"]["rounds"] == 1
+    for rank in rounds["raw"]:
+        assert len(rank["compute_only"]["step_times"]) == 4  # once: 4 before and 4 after the configurations
+        assert all(len(rank["configs"][c]["step_times"]) == 4 for c in configs)
+        assert all(rank["configs"][c]["peak_rss_mb"] is None for c in configs)  # every configuration resident
+    assert all(len(rank["compute_only"]["step_times"]) == 8 for rank in once["raw"])
+    for name in configs:
+        a, b = once["summary"]["configs"][name], rounds["summary"]["configs"][name]
+        assert a["peak_rss_mb"] > 0 and b["peak_rss_mb"] is None
+        assert b["wire_bytes_per_step"] == a["wire_bytes_per_step"] > 0
+        if link:  # what the interface carried, less the per-step barriers, is the configuration's payload
+            assert b["iface_payload_vs_ours"] == pytest.approx(1.0, abs=0.05)
