@@ -40,15 +40,18 @@ from lightning_gradcomp.checks import check_bool
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
-from lightning_gradcomp.compressors.sparse import SparseCompressor, pack_bytes, unpack_bytes
+from lightning_gradcomp.compressors.sparse import SparseCompressor, check_index_coding, pack_bytes, unpack_bytes
 from lightning_gradcomp.functional.selection import approx_topk_indices, exact_topk_indices, prepare_native
-from lightning_gradcomp.functional.sparsify import kept_count, scatter_dense
+from lightning_gradcomp.functional.sparsify import (
+    decode_delta16,
+    delta16_capacity,
+    encode_delta16,
+    kept_count,
+    scatter_dense,
+)
 from lightning_gradcomp.presets import register_preset
 
 __all__ = ["CLTK", "decode_delta16", "delta16_capacity", "encode_delta16", "leader_rank"]
-
-_ESCAPE = 65535
-"""A delta16 code 0 advances the position by this much without keeping an entry."""
 
 _APPROX_BAND = (0.9, 1.0)
 
@@ -56,28 +59,6 @@ _APPROX_BAND = (0.9, 1.0)
 def leader_rank(step: int, bucket_index: int, world_size: int) -> int:
     """The rank selecting indices for ``bucket_index`` at ``step``: ``(step + bucket_index) mod W``."""
     return (step + bucket_index) % world_size
-
-
-def delta16_capacity(numel: int, k: int) -> int:
-    """Codes reserved for ``k`` sorted indices of a ``numel``-element layer: ``k + (numel - 1) // 65535``."""
-    return k + (numel - 1) // _ESCAPE
-
-
-def encode_delta16(indices: Tensor, capacity: int) -> Tensor:
-    """Sorted distinct indices -> ``capacity`` uint16 codes (gaps; 0 = advance 65535; zero padding)."""
-    gaps = torch.diff(indices, prepend=indices.new_full((1,), -1))  # >= 1
-    escapes = (gaps - 1) // _ESCAPE
-    ends = torch.cumsum(escapes + 1, 0) - 1  # position of each kept entry's code
-    codes = torch.zeros(capacity, dtype=torch.int32, device=indices.device)
-    codes[ends] = (gaps - escapes * _ESCAPE).to(torch.int32)  # in [1, 65535]
-    return codes.to(torch.uint16)
-
-
-def decode_delta16(codes: Tensor) -> Tensor:
-    """Inverse of :func:`encode_delta16`: the sorted int64 indices."""
-    c = codes.to(torch.int64)
-    positions = torch.cumsum(torch.where(c == 0, _ESCAPE, c), 0) - 1
-    return positions[c != 0]
 
 
 @register("cltk")
@@ -105,11 +86,9 @@ class CLTK(SparseCompressor):
         super().__init__(ratio, value_dtype)
         if selection not in ("exact", "approx"):
             raise ValueError(f"`selection` must be 'exact' or 'approx', got {selection!r}")
-        if index_coding not in ("int32", "delta16"):
-            raise ValueError(f"`index_coding` must be 'int32' or 'delta16', got {index_coding!r}")
         self.selection = selection
         self.spread_leaders = check_bool("spread_leaders", spread_leaders)
-        self.index_coding = index_coding
+        self.index_coding = check_index_coding(index_coding)
 
     def index_slots(self, numel: int, k: int) -> int:
         """Index entries on the wire for a layer of ``numel`` elements keeping ``k``."""

@@ -14,7 +14,7 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.functional.layerwise import sparse_sizes, topk_errors
 from lightning_gradcomp.functional.sparsify import kept_count
 
-__all__ = ["SparseCompressor", "check_value_dtype", "pack_bytes", "unpack_bytes"]
+__all__ = ["INDEX_CODINGS", "SparseCompressor", "check_index_coding", "check_value_dtype", "pack_bytes", "unpack_bytes"]
 
 _VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -22,6 +22,18 @@ _VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def check_value_dtype(value_dtype: torch.dtype | str) -> torch.dtype:
     """Validate the wire dtype of sparse values (fp32, fp16 or bf16; strings such as ``"float16"`` accepted)."""
     return check_dtype("value_dtype", value_dtype, _VALUE_DTYPES)
+
+
+INDEX_CODINGS = ("int32", "delta16")
+"""How a sparsifier's indices travel: int32, or ``delta16`` (uint16 gaps between sorted indices, about half the
+bytes: :func:`~lightning_gradcomp.functional.sparsify.encode_delta16`)."""
+
+
+def check_index_coding(index_coding: Any) -> str:
+    """Validate the ``index_coding`` argument (``"int32"`` or ``"delta16"``)."""
+    if index_coding not in INDEX_CODINGS:
+        raise ValueError(f"`index_coding` must be 'int32' or 'delta16', got {index_coding!r}")
+    return str(index_coding)
 
 
 def pack_bytes(tensors: Sequence[Tensor]) -> Tensor:

@@ -1,4 +1,4 @@
-"""TopK: local top-k sparsification with an all-gather of (values, int32 indices).
+"""TopK: local top-k sparsification with an all-gather of (values, indices: int32 or delta16).
 
 Every rank keeps its own ``k`` largest-magnitude entries of ``p = m + g`` per layer, so supports
 differ between ranks and the payload must be all-gathered: bytes per rank grow like ``(W-1) * k``.
@@ -7,6 +7,9 @@ This is the honest baseline that CLT-k (ScaleCom) improves on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, Literal
+
 import torch
 from torch import Tensor
 from torch.futures import Future
@@ -14,9 +17,15 @@ from torch.futures import Future
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction
 from lightning_gradcomp.compressors.registry import register
-from lightning_gradcomp.compressors.sparse import SparseCompressor, pack_bytes, unpack_bytes
+from lightning_gradcomp.compressors.sparse import SparseCompressor, check_index_coding, pack_bytes, unpack_bytes
+from lightning_gradcomp.functional.layerwise import topk_errors
 from lightning_gradcomp.functional.selection import exact_topk_indices, prepare_native
-from lightning_gradcomp.functional.sparsify import kept_count
+from lightning_gradcomp.functional.sparsify import (
+    decode_delta16_layers,
+    delta16_capacity,
+    encode_delta16_layers,
+    kept_count,
+)
 from lightning_gradcomp.presets import register_preset
 
 __all__ = ["TopK"]
@@ -26,15 +35,40 @@ __all__ = ["TopK"]
 class TopK(SparseCompressor):
     """Local top-k with error feedback.
 
-    Wire bytes per rank: ``(W - 1) * sum_l k_l * (4 + value bytes)``.
+    Wire bytes per rank: ``(W - 1) * sum_l (k_l * value bytes + index bytes)``, the index bytes ``4 k_l`` (int32) or
+    ``2 * (k_l + (n_l - 1) // 65535)`` (delta16).
 
     Args:
         ratio: fraction of each layer's elements kept, in (0, 1].
         value_dtype: wire dtype of the kept values (fp32, fp16 or bf16).
+        index_coding: ``"int32"`` or ``"delta16"``: each layer's sorted indices as uint16 gaps
+            (:func:`~lightning_gradcomp.functional.sparsify.encode_delta16`), about half the index bytes, a fixed size
+            every rank knows (the all-gather's payloads stay equal).
     """
 
-    def __init__(self, ratio: float = 0.01, value_dtype: torch.dtype | str = torch.float32) -> None:
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        value_dtype: torch.dtype | str = torch.float32,
+        index_coding: Literal["int32", "delta16"] = "int32",
+    ) -> None:
         super().__init__(ratio, value_dtype)
+        self.index_coding = check_index_coding(index_coding)
+
+    def index_slots(self, numel: int, k: int) -> int:
+        """Index entries on the wire for a layer of ``numel`` elements keeping ``k``."""
+        return delta16_capacity(numel, k) if self.index_coding == "delta16" else k
+
+    def layer_costs(
+        self, stat: Tensor, shape: Sequence[int], candidates: Sequence[Any]
+    ) -> tuple[list[float], list[float]]:
+        """Bytes ``k * value bytes`` plus the index bytes of :attr:`index_coding`, and top-``k`` errors (see
+        :meth:`Compressor.layer_costs`)."""
+        n = stat.numel()
+        ks = [kept_count(n, r) for r in candidates]
+        index_bytes = 2 if self.index_coding == "delta16" else 4
+        sizes = [float(k * self.value_dtype.itemsize + index_bytes * self.index_slots(n, k)) for k in ks]
+        return sizes, topk_errors(stat, ks)
 
     def prepare(self) -> None:
         """Build or load the compiled selection kernel now (the strategy's setup calls this on every rank), not in
@@ -46,11 +80,19 @@ class TopK(SparseCompressor):
 
         While the payload travels, this rank writes its residuals and zeroes its output slots."""
         ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
-        indices = [exact_topk_indices(t, k) for t, k in zip(tensors, ks)]
+        indices = [exact_topk_indices(t, k) for t, k in zip(tensors, ks)]  # sorted
         values = torch.cat([t.index_select(0, i) for t, i in zip(tensors, indices)])
         sent = values.to(self.value_dtype)
-        flat_idx = torch.cat(indices).to(torch.int32)
-        fut = ctx.comm.all_gather(pack_bytes([flat_idx, sent]), async_op=True, shares=ctx.shares(ks))
+        delta16 = self.index_coding == "delta16"
+        slots = [self.index_slots(t.numel(), k) for t, k in zip(tensors, ks)]
+        if delta16:
+            codes = encode_delta16_layers(indices, slots)
+        else:
+            codes = torch.cat(indices).to(torch.int32)
+        index_dtype = codes.dtype
+        index_bytes = codes.element_size()
+        nbytes = [k * sent.element_size() + s * index_bytes for k, s in zip(ks, slots)]
+        fut = ctx.comm.all_gather(pack_bytes([sent, codes]), async_op=True, shares=ctx.shares(nbytes))
 
         residuals = []
         pos = 0
@@ -59,18 +101,17 @@ class TopK(SparseCompressor):
             residuals.append(t)
             pos += k
         averaged = [ctx.output(i, t) for i, t in enumerate(tensors)]  # zeroed while the payload travels
-        total = sum(ks)
+        specs = [(self.value_dtype, sum(ks)), (index_dtype, sum(slots))]
 
         def decode(f: Future) -> list[Tensor]:
             touched: list[list[Tensor]] = [[] for _ in ks]
             for raw in f.value():  # rank order: identical summation on every rank
-                idx, vals = unpack_bytes(raw, [(torch.int32, total), (self.value_dtype, total)])
-                vals, idx = vals.to(torch.float32), idx.long()
-                pos = 0
-                for out, k, seen in zip(averaged, ks, touched):
-                    out.index_add_(0, idx[pos : pos + k], vals[pos : pos + k])
-                    seen.append(idx[pos : pos + k])
-                    pos += k
+                vals, received = unpack_bytes(raw, specs)
+                vals = vals.to(torch.float32)
+                idx = decode_delta16_layers(received, slots) if delta16 else received.long()
+                for out, seen, i, v in zip(averaged, touched, torch.split(idx, ks), torch.split(vals, ks)):
+                    out.index_add_(0, i, v)
+                    seen.append(i)
             for out, seen in zip(averaged, touched):  # the other entries are zeros, and 0 / W = 0: divide the sums
                 where = torch.cat(seen)
                 out.index_put_((where,), out.index_select(0, where).div_(ctx.world_size))
@@ -78,7 +119,12 @@ class TopK(SparseCompressor):
 
         return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=residuals)
 
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.index_coding == "int32" else f", index_coding={self.index_coding!r}")
+
 
 register_preset(
-    "gradcomp_topk", "DDP + local top-1% with error feedback (all-gather)", lambda: {"compressor": TopK(ratio=0.01)}
+    "gradcomp_topk",
+    "DDP + local top-1% with error feedback (all-gather, delta16 indices)",
+    lambda: {"compressor": TopK(ratio=0.01, index_coding="delta16")},
 )

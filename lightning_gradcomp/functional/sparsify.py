@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["kept_count", "scatter_dense", "stratified_indices", "topk_indices"]
+from lightning_gradcomp.functional import _native
+
+__all__ = [
+    "decode_delta16",
+    "decode_delta16_layers",
+    "delta16_capacity",
+    "encode_delta16",
+    "encode_delta16_layers",
+    "kept_count",
+    "scatter_dense",
+    "stratified_indices",
+    "topk_indices",
+]
 
 
 def kept_count(numel: int, ratio: float) -> int:
@@ -100,3 +114,114 @@ def scatter_dense(numel: int, indices: Tensor, values: Tensor, out: Optional[Ten
         out = torch.zeros(numel, dtype=torch.float32, device=values.device)
     out.index_add_(0, indices.long(), values.to(torch.float32))
     return out
+
+
+DELTA16_ESCAPE = 65535
+"""A delta16 code 0 advances the position by this much without keeping an entry."""
+
+
+def delta16_capacity(numel: int, k: int) -> int:
+    """Codes reserved for ``k`` sorted indices of a ``numel``-element layer: ``k + (numel - 1) // 65535`` (enough
+    for any ``k`` indices, so every rank knows the size).
+
+    Example::
+
+        >>> delta16_capacity(1000, 10), delta16_capacity(262144, 2621)
+        (10, 2625)
+    """
+    return k + (numel - 1) // DELTA16_ESCAPE
+
+
+def encode_delta16(indices: Tensor, capacity: int) -> Tensor:
+    """Sorted distinct indices -> ``capacity`` uint16 codes (gaps; 0 = advance 65535; zero padding).
+
+    Example::
+
+        >>> encode_delta16(torch.tensor([0, 4, 5]), delta16_capacity(10, 3)).to(torch.int32).tolist()
+        [1, 4, 1]
+    """
+    return encode_delta16_layers([indices], [capacity])
+
+
+def decode_delta16(codes: Tensor) -> Tensor:
+    """Inverse of :func:`encode_delta16`: the sorted int64 indices.
+
+    Example::
+
+        >>> codes = encode_delta16(torch.tensor([2, 70000]), delta16_capacity(100000, 2))
+        >>> codes.to(torch.int32).tolist(), decode_delta16(codes).tolist()
+        ([3, 0, 4463], [2, 70000])
+    """
+    return decode_delta16_layers(codes, [codes.numel()])
+
+
+def encode_delta16_layers(indices: Sequence[Tensor], capacities: Sequence[int]) -> Tensor:
+    """:func:`encode_delta16` of several layers at once: their codes back to back, layer ``l`` in ``capacities[l]``
+    codes. One pass over all the indices, whatever the number of layers (the compiled kernel on the CPU, else
+    vectorized torch steps: the same codes). Raises ``ValueError`` (kernel) for indices that are not sorted and distinct
+    within a layer.
+
+    Example::
+
+        >>> encode_delta16_layers([torch.tensor([0, 4]), torch.tensor([2])], [2, 1]).to(torch.int32).tolist()
+        [1, 4, 3]
+    """
+    device = indices[0].device if indices else torch.device("cpu")
+    ks: list[int] = [i.numel() for i in indices]
+    kernel = _native.load() if device.type == "cpu" and sum(ks) > 0 else None
+    if kernel is not None:  # one pass in the compiled kernel: the same codes
+        flat = torch.cat([i.reshape(-1) for i in indices]).to(torch.int64)
+        sizes = torch.tensor([ks, list(capacities)], dtype=torch.int64)
+        codes = torch.empty(sum(capacities), dtype=torch.uint16)
+        if not kernel.delta16_encode(
+            flat.data_ptr(), sizes[0].data_ptr(), sizes[1].data_ptr(), len(ks), codes.data_ptr()
+        ):
+            raise ValueError("`indices` must be sorted and distinct within each layer, and fit its `capacities`")
+        return codes
+    codes = torch.zeros(sum(capacities), dtype=torch.int32, device=device)
+    if not sum(ks):
+        return codes.to(torch.uint16)
+    flat = torch.cat(list(indices))
+    starts = _starts(ks)  # each layer's first entry
+    previous = torch.cat([flat.new_full((1,), -1), flat[:-1]])
+    previous[torch.tensor([s for s, k in zip(starts, ks) if k], device=device)] = -1  # a layer's gaps count from -1
+    gaps = flat - previous  # >= 1
+    escapes = (gaps - 1) // DELTA16_ESCAPE
+    advance = torch.cumsum(escapes + 1, 0)  # codes used so far, over all layers
+    before = torch.cat([advance.new_zeros(1), advance])[torch.tensor(starts, device=device)]
+    offsets = torch.tensor(_starts(capacities), device=device)  # each layer's first code
+    shift = torch.repeat_interleave(offsets - before, torch.tensor(ks, device=device), output_size=flat.numel())
+    codes[advance - 1 + shift] = (gaps - escapes * DELTA16_ESCAPE).to(torch.int32)  # in [1, 65535]
+    return codes.to(torch.uint16)
+
+
+def decode_delta16_layers(codes: Tensor, capacities: Sequence[int]) -> Tensor:
+    """Inverse of :func:`encode_delta16_layers`: every layer's sorted int64 indices, back to back (split them by the
+    layers' kept counts). One pass, as the encoding.
+
+    Example::
+
+        >>> codes = encode_delta16_layers([torch.tensor([0, 4]), torch.tensor([2])], [2, 1])
+        >>> decode_delta16_layers(codes, [2, 1]).tolist()
+        [0, 4, 2]
+    """
+    kernel = _native.load() if codes.device.type == "cpu" and codes.dtype == torch.uint16 and codes.numel() else None
+    if kernel is not None:  # one pass in the compiled kernel: the same indices
+        flat = codes.reshape(-1).contiguous()
+        sizes = torch.tensor(list(capacities), dtype=torch.int64)
+        out = torch.empty(flat.numel(), dtype=torch.int64)
+        found = kernel.delta16_decode(flat.data_ptr(), sizes.data_ptr(), len(capacities), out.data_ptr(), out.numel())
+        return out[:found]
+    c = codes.to(torch.int64)
+    positions = torch.cumsum(torch.where(c == 0, DELTA16_ESCAPE, c), 0)  # over all layers
+    if len(capacities) > 1:  # each layer counts from its own first code
+        starts = torch.tensor(_starts(capacities), device=c.device)
+        before = torch.cat([positions.new_zeros(1), positions])[starts]
+        counts = torch.tensor(list(capacities), device=c.device)
+        positions = positions - torch.repeat_interleave(before, counts, output_size=c.numel())
+    return (positions - 1)[c != 0]
+
+
+def _starts(sizes: Sequence[int]) -> list[int]:
+    """Where each of consecutive pieces of ``sizes`` begins (exclusive prefix sums)."""
+    return [0, *itertools.accumulate(sizes)][: len(sizes)]

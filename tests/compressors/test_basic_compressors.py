@@ -49,10 +49,13 @@ def test_cast_halves_bytes(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("value_dtype", [torch.float32, torch.float16])
-def test_topk_all_gather(world: int, value_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("value_dtype", "index_coding"),
+                         [(torch.float32, "int32"), (torch.float16, "int32"), (torch.float32, "delta16"),
+                          (torch.float16, "delta16")])
+def test_topk_all_gather(world: int, value_dtype: torch.dtype, index_coding: str) -> None:
     ratios = [0.05, 0.2]
-    results = run_workers(reduce_worker, world, TopK(0.1, value_dtype=value_dtype), SHAPES, ratios)
+    compressor = TopK(0.1, value_dtype=value_dtype, index_coding=index_coding)
+    results = run_workers(reduce_worker, world, compressor, SHAPES, ratios)
     _identical(results)
     inputs = _inputs(world)
     ks = [kept_count(40 * 30, 0.05), kept_count(17 * 60, 0.2)]
@@ -71,7 +74,9 @@ def test_topk_all_gather(world: int, value_dtype: torch.dtype) -> None:
             mask[idx] = False
             assert torch.equal(residual[mask], x[layer][mask])
     value_bytes = 4 if value_dtype == torch.float32 else 2
-    assert results[0]["stats"]["wire_bytes"] == pytest.approx(all_gather_bytes(sum(ks) * (4 + value_bytes), world))
+    index_bytes = 4 * sum(ks) if index_coding == "int32" else 2 * sum(ks)  # both layers under 65536 elements
+    expected = all_gather_bytes(sum(ks) * value_bytes + index_bytes, world)
+    assert results[0]["stats"]["wire_bytes"] == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("unbiased", [False, True])
@@ -138,3 +143,17 @@ def test_cast_and_randomk_validation() -> None:
         RandomK(0.1, unbiased="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="ratio"):
         TopK().check_param(0.0)
+
+
+def test_topk_index_coding_is_validated_and_counted_in_its_layer_costs() -> None:
+    with pytest.raises(ValueError, match="`index_coding` must be 'int32' or 'delta16', got 'int8'"):
+        TopK(index_coding="int8")  # type: ignore[arg-type]
+    stat = torch.randn(300_001, generator=torch.Generator().manual_seed(0))
+    ratios = [0.001, 0.01, 0.5]
+    ks = [kept_count(stat.numel(), r) for r in ratios]
+    int32, _ = TopK(value_dtype=torch.float16).layer_costs(stat, stat.shape, ratios)
+    delta16, errors = TopK(value_dtype=torch.float16, index_coding="delta16").layer_costs(stat, stat.shape, ratios)
+    assert int32 == [float(k * (2 + 4)) for k in ks]
+    assert delta16 == [float(k * 2 + 2 * (k + 300_000 // 65535)) for k in ks]  # 4 escape codes on 300,001 entries
+    assert errors == TopK().layer_costs(stat, stat.shape, ratios)[1]
+    assert "index_coding='delta16'" in repr(TopK(index_coding="delta16"))

@@ -51,6 +51,8 @@ def _variants() -> dict[str, Callable[[], Compressor]]:
     out["terngrad-g1"] = lambda: TernGrad(bucket_size=1)  # one scale per element
     out["signsgd-g7"] = lambda: SignSGD(bucket_size=7)
     out["topk-fp16"] = lambda: TopK(ratio=0.1, value_dtype=torch.float16)
+    out["topk-delta16"] = lambda: TopK(ratio=0.1, index_coding="delta16")
+    out["topk-delta16-bf16"] = lambda: TopK(ratio=0.3, index_coding="delta16", value_dtype="bfloat16")
     out["randomk-unbiased-bf16"] = lambda: RandomK(ratio=0.1, unbiased=True, value_dtype="bfloat16")
     out["cltk-delta16-fp16"] = lambda: CLTK(ratio=0.1, index_coding="delta16", value_dtype=torch.float16)
     return out

@@ -44,3 +44,50 @@ def test_stratified_indices_are_uniform_within_blocks() -> None:
     expected = draws / 4
     chi2 = float(((counts[:4] - expected) ** 2 / expected).sum())
     assert chi2 < 21.1
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("seed", range(40))
+def test_delta16_of_many_layers_equals_each_layer_coded_alone(seed: int, native: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sizes around and above 65535 (escape codes), sparse to full layers, indices spread or clustered at the end."""
+    from lightning_gradcomp.functional import _native
+    from lightning_gradcomp.functional.sparsify import (decode_delta16, decode_delta16_layers, delta16_capacity,
+                                                        encode_delta16, encode_delta16_layers)
+    if native:
+        assert _native.load() is not None  # the machine builds the kernel
+    else:
+        monkeypatch.setattr(_native, "load", lambda: None)  # the torch steps
+    gen = torch.Generator().manual_seed(seed)
+    layers = int(torch.randint(1, 7, (1,), generator=gen))
+    numels = [int(torch.randint(1, 70_000, (1,), generator=gen)) * int(torch.randint(1, 5, (1,), generator=gen))
+              for _ in range(layers)]
+    ks = [max(1, int(n * float(torch.rand(1, generator=gen)) ** 3)) for n in numels]
+    if seed % 4 == 0:  # every kept entry at the end of its layer: the longest runs of escapes
+        indices = [torch.arange(n - k, n) for n, k in zip(numels, ks)]
+    else:
+        indices = [torch.randperm(n, generator=gen)[:k].sort().values for n, k in zip(numels, ks)]
+    caps = [delta16_capacity(n, k) for n, k in zip(numels, ks)]
+    codes = encode_delta16_layers(indices, caps)
+    assert codes.dtype == torch.uint16 and codes.numel() == sum(caps)
+    assert torch.equal(codes, torch.cat([_delta16_one_layer(i, c) for i, c in zip(indices, caps)]))
+    assert torch.equal(codes, torch.cat([encode_delta16(i, c) for i, c in zip(indices, caps)]))
+    assert torch.equal(decode_delta16_layers(codes, caps), torch.cat(indices))
+    for piece, i in zip(torch.split(codes, caps), indices):
+        assert torch.equal(decode_delta16(piece), i)
+
+
+def _delta16_one_layer(indices: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The single-layer coding as it was written before the layers were coded together (the oracle)."""
+    gaps = torch.diff(indices, prepend=indices.new_full((1,), -1))
+    escapes = (gaps - 1) // 65535
+    codes = torch.zeros(capacity, dtype=torch.int32)
+    codes[torch.cumsum(escapes + 1, 0) - 1] = (gaps - escapes * 65535).to(torch.int32)
+    return codes.to(torch.uint16)
+
+
+def test_delta16_kernel_refuses_indices_it_cannot_code() -> None:
+    from lightning_gradcomp.functional.sparsify import encode_delta16_layers
+    for indices, capacity in ((torch.tensor([5, 3]), 2), (torch.tensor([2, 2]), 2), (torch.tensor([70_000]), 1)):
+        with pytest.raises(ValueError, match="sorted and distinct"):
+            encode_delta16_layers([indices], [capacity])

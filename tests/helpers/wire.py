@@ -42,12 +42,12 @@ def compressor_bytes(comp: Compressor, slots: Sequence[LayerSlot], params: Seque
         raise NotImplementedError(f"no byte formula for {type(comp).__name__}: add one to tests/helpers/wire.py")
     ks = [kept_count(n, r) for n, r in zip(numels, params)]
     value = _size(comp.value_dtype)
-    if isinstance(comp, CLTK):
+    if isinstance(comp, (CLTK, TopK)):
         index = 2 if comp.index_coding == "delta16" else 4
-        indices = broadcast_bytes(index * sum(comp.index_slots(n, k) for n, k in zip(numels, ks)), world)
-        return indices + all_reduce_bytes(value * sum(ks), world)
-    if isinstance(comp, TopK):
-        return all_gather_bytes(sum(ks) * (4 + value), world)
+        index_bytes = index * sum(comp.index_slots(n, k) for n, k in zip(numels, ks))
+        if isinstance(comp, TopK):  # every rank's values and indices, gathered
+            return all_gather_bytes(value * sum(ks) + index_bytes, world)
+        return broadcast_bytes(index_bytes, world) + all_reduce_bytes(value * sum(ks), world)
     return all_reduce_bytes(value * sum(ks), world)  # RandomK: shared support, values only
 
 
