@@ -6,6 +6,7 @@ Run by the bench runner as ``python -m lightning_gradcomp.bench.worker SPEC.json
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -93,11 +94,18 @@ class _Measured:
         _run_steps(self.step, steps, 0)
 
     def block(self, steps: int) -> None:
-        """``steps`` measured steps."""
+        """``steps`` measured steps, with Python's cyclic garbage collector run before them and paused during them
+        (as ``timeit`` does): a full collection of the bench's objects takes a few hundred ms, and it would fall on
+        whichever step crossed its allocation threshold."""
         barrier_bytes, barrier_packets = _barrier_tx(self.iface, steps) if self.iface else (0, 0)
-        before = self.counters()
-        self.times += _run_steps(self.step, 0, steps)
-        after = self.counters()
+        gc.collect()
+        gc.disable()
+        try:
+            before = self.counters()
+            self.times += _run_steps(self.step, 0, steps)
+            after = self.counters()
+        finally:
+            gc.enable()
         for key, value in after.items():
             self.moved[key] = self.moved.get(key, 0.0) + value - before[key]
         # the per-step barrier of the measurement loop is not part of the configuration's traffic
