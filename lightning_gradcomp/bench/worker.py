@@ -132,6 +132,14 @@ class _ComputeOnly(_Measured):
 
         super().__init__(step, dict, None)
 
+    @classmethod
+    def in_one_block(cls, spec: dict[str, Any]) -> _ComputeOnly:
+        """A new one, warmed up, with all of ``spec["steps"]`` measured in one block."""
+        measured = cls(spec)
+        measured.warm(spec["warmup"])
+        measured.block(spec["steps"])
+        return measured
+
     def references(self) -> dict[str, float]:
         """:func:`reference_times` on the gradients of one more backward pass."""
         self.workload().backward()
@@ -273,15 +281,10 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("rounds", 1) > 1:
         compute, configs = _round_robin(spec, iface)
     else:
-        compute = _ComputeOnly(spec)
-        compute.warm(spec["warmup"])
-        compute.block(spec["steps"])
+        compute = _ComputeOnly.in_one_block(spec)
         configs = {name: _measure(name, spec, iface) for name in spec["configs"]}
         # again at the end: the baseline of every efficiency is the median over both runs, not one run's drift
-        again = _ComputeOnly(spec)
-        again.warm(spec["warmup"])
-        again.block(spec["steps"])
-        compute.times += again.times
+        compute.times += _ComputeOnly.in_one_block(spec).times
     results = {
         "rank": dist.get_rank(),
         "world_size": dist.get_world_size(),
