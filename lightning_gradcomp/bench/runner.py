@@ -59,6 +59,7 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "hook_ms_per_step": 1e3 * statistics.mean(p["hook_seconds_per_step"] for p in per_rank),
             "thread_ms_per_step": 1e3 * statistics.mean(p.get("thread_seconds_per_step", 0.0) for p in per_rank),
             "wait_ms_per_step": 1e3 * statistics.mean(p.get("wait_seconds_per_step", 0.0) for p in per_rank),
+            "work_ms_median": _median_work_ms(per_rank),
             "peak_rss_mb": (  # None: measured in rounds, with every configuration resident at once
                 None if any(p["peak_rss_mb"] is None for p in per_rank) else max(p["peak_rss_mb"] for p in per_rank)
             ),
@@ -100,9 +101,23 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 def work_ms_of(row: dict[str, Any]) -> float:
     """Compression work per step (ms): our communication thread's time minus its blocking waits for collectives, plus
     our Future callbacks that ran on gloo's threads; for PyTorch's hooks, their body plus their Future callbacks
-    minus the callbacks' waits (older results without a thread time: the hook's time on the autograd thread)."""
+    minus the callbacks' waits.
+
+    The median over the measured steps of the mean over ranks, like the step time: one step that a stall of the
+    machine stretched does not move it. Results without per-step work (older ones) give the mean over all steps;
+    without a thread time, the hook's time on the autograd thread."""
+    if row.get("work_ms_median") is not None:
+        return float(row["work_ms_median"])
     thread = row.get("thread_ms_per_step", 0.0)
     return thread - row.get("wait_ms_per_step", 0.0) if thread > 0 else row["hook_ms_per_step"]
+
+
+def _median_work_ms(per_rank: list[dict[str, Any]]) -> Optional[float]:
+    """Median over steps of the ranks' mean compression work in that step (ms); ``None`` without per-step work."""
+    steps: list[list[float]] = [p.get("work_seconds_steps") or [] for p in per_rank]
+    if not all(steps) or len({len(s) for s in steps}) != 1:
+        return None
+    return 1e3 * statistics.median(statistics.mean(works) for works in zip(*steps))
 
 
 def _references(ranks: list[dict[str, Any]]) -> Optional[dict[str, float]]:

@@ -65,15 +65,24 @@ def _peak_rss_mb() -> Optional[float]:
     return None
 
 
-def _run_steps(step: Any, warmup: int, steps: int) -> list[float]:
-    times = []
+def _run_steps(
+    step: Any, warmup: int, steps: int, work: Optional[Callable[[], float]] = None
+) -> tuple[list[float], list[float]]:
+    """``warmup`` unmeasured then ``steps`` measured steps, each after a barrier: the measured steps' seconds, and
+    how much the cumulative ``work`` counter moved in each (empty without one). Every step waits for its
+    collectives and their callbacks, so a step's work is complete when it returns."""
+    times, works = [], []
     for i in range(warmup + steps):
         dist.barrier()
+        before = work() if work is not None else 0.0
         start = time.perf_counter()
         step()
+        elapsed = time.perf_counter() - start
         if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+            times.append(elapsed)
+            if work is not None:
+                works.append(work() - before)
+    return times, works
 
 
 class _Measured:
@@ -84,9 +93,16 @@ class _Measured:
     other configurations' blocks (``--rounds``).
     """
 
-    def __init__(self, step: Callable[[], None], counters: Callable[[], dict[str, float]], iface: Optional[str]):
-        self.step, self.counters, self.iface = step, counters, iface
+    def __init__(
+        self,
+        step: Callable[[], None],
+        counters: Callable[[], dict[str, float]],
+        iface: Optional[str],
+        work: Optional[Callable[[], float]] = None,
+    ):
+        self.step, self.counters, self.iface, self.work = step, counters, iface, work
         self.times: list[float] = []
+        self.works: list[float] = []  # per measured step, when ``work`` (a cumulative seconds counter) is given
         self.moved: dict[str, float] = {}
 
     def warm(self, steps: int) -> None:
@@ -102,7 +118,9 @@ class _Measured:
         gc.disable()
         try:
             before = self.counters()
-            self.times += _run_steps(self.step, 0, steps)
+            times, works = _run_steps(self.step, 0, steps, self.work)
+            self.times += times
+            self.works += works
             after = self.counters()
         finally:
             gc.enable()
@@ -203,7 +221,10 @@ class _Configuration(_Measured):
                 **_interface_counters(iface),
             }
 
-        super().__init__(step, counters, iface)
+        def work() -> float:  # compression work so far: the thread's time less its blocking waits, plus callbacks
+            return installed.thread_seconds() - installed.wait_seconds()
+
+        super().__init__(step, counters, iface, work)
 
     def result(self, peak_rss_mb: Optional[float]) -> dict[str, Any]:
         """The configuration's figures per measured step; ends it (the layerwise callback's ``on_train_end``)."""
@@ -216,6 +237,7 @@ class _Configuration(_Measured):
             "hook_seconds_per_step": moved["hook"] / n,
             "thread_seconds_per_step": moved["thread"] / n,
             "wait_seconds_per_step": moved["wait"] / n,
+            "work_seconds_steps": self.works,
             "iface_tx_bytes_per_step": moved["tx"] / n if iface else None,
             "iface_tx_packets_per_step": moved["packets"] / n if iface else None,
             "iface_tx_payload_bytes_per_step": (moved["tx"] - moved["packets"] * header_bytes_per_packet()) / n

@@ -36,7 +36,7 @@ from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.plan import LayerSlot
 
-__all__ = ["Compressor", "ReduceContext", "Reduction", "check_number", "split_flat"]
+__all__ = ["Compressor", "ReduceContext", "Reduction", "check_number", "split_flat", "storage_window"]
 
 
 @dataclass
@@ -359,3 +359,40 @@ def contiguous_span(tensors: Sequence[Tensor]) -> Optional[Tensor]:
             return None
         offset += t.numel()
     return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
+
+
+def storage_window(tensors: Sequence[Tensor]) -> Optional[tuple[Tensor, list[int]]]:
+    """``(window, offsets)`` when ``tensors`` are non-overlapping 1-D dense views of one storage with one dtype (the
+    slots of a bucket, back to back or not): ``window`` is one 1-D view from the first element of any of them to the
+    last, and ``tensors[i]`` is ``window[offsets[i] : offsets[i] + tensors[i].numel()]``. Else ``None``.
+
+    An index op on ``window`` at positions inside the tensors touches nothing between them, so one gather or
+    scatter serves all the slots of a bucket instead of one call per slot.
+
+    Example::
+
+        >>> buf = torch.arange(8.0)
+        >>> window, offsets = storage_window([buf[1:3], buf[5:8]])
+        >>> window.tolist(), offsets
+        ([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], [0, 4])
+        >>> storage_window([buf[0:2], torch.zeros(2)]) is None
+        True
+    """
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    for t in tensors:
+        if (
+            t.dim() != 1
+            or t.dtype != first.dtype
+            or (t.numel() > 1 and t.stride(0) != 1)
+            or t.untyped_storage().data_ptr() != storage
+        ):
+            return None
+    offsets = [int(t.storage_offset()) for t in tensors]
+    spans = sorted((o, o + t.numel()) for o, t in zip(offsets, tensors))
+    if any(nxt[0] < prev[1] for prev, nxt in zip(spans, spans[1:])):  # overlapping views
+        return None
+    start, end = spans[0][0], max(stop for _, stop in spans)
+    return first.as_strided((end - start,), (1,), start), [o - start for o in offsets]

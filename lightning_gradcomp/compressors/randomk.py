@@ -12,9 +12,9 @@ from lightning_gradcomp.checks import check_bool
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
-from lightning_gradcomp.compressors.sparse import SparseCompressor
+from lightning_gradcomp.compressors.sparse import SparseCompressor, slot_positions
 from lightning_gradcomp.functional.layerwise import randomk_errors, sparse_sizes
-from lightning_gradcomp.functional.sparsify import kept_count, scatter_dense, stratified_indices
+from lightning_gradcomp.functional.sparsify import kept_count, scatter_dense, stratified_layers
 from lightning_gradcomp.presets import register_preset
 
 __all__ = ["RandomK"]
@@ -58,36 +58,48 @@ class RandomK(SparseCompressor):
         return sparse_sizes(ks, self.value_dtype.itemsize, index_bytes=0), randomk_errors(stat, ks)
 
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
-        """Shared indices, one all-reduce of the concatenated values."""
+        """Shared indices, one all-reduce of the concatenated values.
+
+        When the inputs (and the outputs) are slices of one buffer (the engine's compensated slots, the bucket's
+        slices) the values are gathered, the residuals written and the sums scattered by one call each for the
+        whole bucket (:func:`~.base.storage_window`); otherwise by one call per slot."""
         ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
+        numels = [t.numel() for t in tensors]
         device = tensors[0].device
-        picks = [
-            stratified_indices(t.numel(), k, ctx.generator(device, shared=True, salt=slot.name), device)
-            for slot, t, k in zip(ctx.slots, tensors, ks)
-        ]
-        indices = [i for i, _ in picks]
-        values = [t.index_select(0, i) for t, i in zip(tensors, indices)]
+        generators = [ctx.generator(device, shared=True, salt=slot.name) for slot in ctx.slots]
+        local, sizes = stratified_layers(numels, ks, generators, device)  # indices within each slot
+        gathered = slot_positions(tensors, local, ks)
+        if gathered is not None:
+            values = gathered[0].index_select(0, gathered[1])
+        else:
+            values = torch.cat([t.index_select(0, i) for t, i in zip(tensors, split_flat(local, ks))])
         if self.unbiased:
-            values = [v * sizes.to(v.dtype) for v, (_, sizes) in zip(values, picks)]
-        sent = torch.cat(values).to(self.value_dtype)
+            values = values * sizes.to(values.dtype)
+        sent = values.to(self.value_dtype)
         residuals = None
         if self.uses_error_feedback:
-            residuals = []
-            for t, idx, v, s in zip(tensors, indices, values, split_flat(sent, ks)):
-                t.index_copy_(0, idx, v - s.to(torch.float32))
-                residuals.append(t)
+            lost = values - sent.to(torch.float32)  # p - c at the kept entries (zeros in fp32)
+            if gathered is not None:
+                gathered[0].index_copy_(0, gathered[1], lost)
+            else:
+                for t, i, r in zip(tensors, split_flat(local, ks), split_flat(lost, ks)):
+                    t.index_copy_(0, i, r)
+            residuals = tensors
         sent = sent.div_(ctx.world_size) if self.value_dtype != torch.float32 else sent
         fut = ctx.comm.all_reduce(sent, async_op=True, shares=ctx.shares(ks))
-        numels = [t.numel() for t in tensors]
         world = ctx.world_size
         scale = 1.0 if self.value_dtype != torch.float32 else 1.0 / world
         outputs = [ctx.output(slot, t) for slot, t in enumerate(tensors)]  # zeroed while the values travel
+        scattered = slot_positions(outputs, local, ks)
 
         def decode(f: torch.futures.Future) -> list[Tensor]:
             summed = f.value().to(torch.float32).mul_(scale)
+            if scattered is not None:
+                scattered[0].index_add_(0, scattered[1], summed)
+                return outputs
             return [
                 scatter_dense(n, i, v, out=out)
-                for n, out, i, v in zip(numels, outputs, indices, split_flat(summed, ks))
+                for n, out, i, v in zip(numels, outputs, split_flat(local, ks), split_flat(summed, ks))
             ]
 
         return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=residuals)

@@ -4,17 +4,25 @@ packing."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.checks import check_dtype, check_number
-from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.compressors.base import Compressor, storage_window
 from lightning_gradcomp.functional.layerwise import sparse_sizes, topk_errors
-from lightning_gradcomp.functional.sparsify import kept_count
+from lightning_gradcomp.functional.sparsify import kept_count, repeated_offsets
 
-__all__ = ["INDEX_CODINGS", "SparseCompressor", "check_index_coding", "check_value_dtype", "pack_bytes", "unpack_bytes"]
+__all__ = [
+    "INDEX_CODINGS",
+    "SparseCompressor",
+    "check_index_coding",
+    "check_value_dtype",
+    "pack_bytes",
+    "slot_positions",
+    "unpack_bytes",
+]
 
 _VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -50,6 +58,25 @@ def unpack_bytes(raw: Tensor, specs: Sequence[tuple[torch.dtype, int]]) -> list[
         out.append((piece if piece.storage_offset() % size == 0 else piece.clone()).view(dtype))  # aligned views only
         pos += numel * size
     return out
+
+
+def slot_positions(tensors: Sequence[Tensor], local: Tensor, ks: Sequence[int]) -> Optional[tuple[Tensor, Tensor]]:
+    """``(window, positions)``: one view over ``tensors`` (:func:`~.base.storage_window`) and the concatenated
+    per-slot indices ``local`` (``ks[l]`` of them in slot ``l``) as positions in it, for one gather or scatter over
+    all the slots; ``None`` when ``tensors`` are not views of one buffer.
+
+    Example::
+
+        >>> buf = torch.arange(10.0)
+        >>> window, positions = slot_positions([buf[0:3], buf[6:10]], torch.tensor([2, 0, 3]), [1, 2])
+        >>> window.index_select(0, positions).tolist()
+        [2.0, 6.0, 9.0]
+    """
+    found = storage_window(tensors)
+    if found is None:
+        return None
+    window, offsets = found
+    return window, local + repeated_offsets(tuple(offsets), tuple(ks)).to(local.device)
 
 
 class SparseCompressor(Compressor):

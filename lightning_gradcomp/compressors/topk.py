@@ -15,9 +15,15 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_gradcomp.comm import then_same_numerics
-from lightning_gradcomp.compressors.base import ReduceContext, Reduction
+from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat, storage_window
 from lightning_gradcomp.compressors.registry import register
-from lightning_gradcomp.compressors.sparse import SparseCompressor, check_index_coding, pack_bytes, unpack_bytes
+from lightning_gradcomp.compressors.sparse import (
+    SparseCompressor,
+    check_index_coding,
+    pack_bytes,
+    slot_positions,
+    unpack_bytes,
+)
 from lightning_gradcomp.functional.layerwise import topk_errors
 from lightning_gradcomp.functional.selection import exact_topk_indices, prepare_native
 from lightning_gradcomp.functional.sparsify import (
@@ -25,6 +31,7 @@ from lightning_gradcomp.functional.sparsify import (
     delta16_capacity,
     encode_delta16_layers,
     kept_count,
+    repeated_offsets,
 )
 from lightning_gradcomp.presets import register_preset
 
@@ -78,46 +85,62 @@ class TopK(SparseCompressor):
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
         """Select locally, all-gather one packed byte payload, sum the ranks' entries in rank order.
 
-        While the payload travels, this rank writes its residuals and zeroes its output slots."""
+        While the payload travels, this rank writes its residuals and zeroes its output slots. When the inputs (and
+        the outputs) are slices of one buffer, gathering, residuals and sums take one call each for the whole bucket
+        (:func:`~.base.storage_window`), not one per slot."""
         ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
         indices = [exact_topk_indices(t, k) for t, k in zip(tensors, ks)]  # sorted
-        values = torch.cat([t.index_select(0, i) for t, i in zip(tensors, indices)])
+        local = torch.cat(indices)
+        gathered = slot_positions(tensors, local, ks)
+        if gathered is not None:
+            values = gathered[0].index_select(0, gathered[1])
+        else:
+            values = torch.cat([t.index_select(0, i) for t, i in zip(tensors, indices)])
         sent = values.to(self.value_dtype)
         delta16 = self.index_coding == "delta16"
         slots = [self.index_slots(t.numel(), k) for t, k in zip(tensors, ks)]
-        if delta16:
-            codes = encode_delta16_layers(indices, slots)
-        else:
-            codes = torch.cat(indices).to(torch.int32)
+        codes = encode_delta16_layers(indices, slots) if delta16 else local.to(torch.int32)
         index_dtype = codes.dtype
         index_bytes = codes.element_size()
         nbytes = [k * sent.element_size() + s * index_bytes for k, s in zip(ks, slots)]
         fut = ctx.comm.all_gather(pack_bytes([sent, codes]), async_op=True, shares=ctx.shares(nbytes))
 
-        residuals = []
-        pos = 0
-        for t, idx, k in zip(tensors, indices, ks):
-            t.index_copy_(0, idx, values[pos : pos + k] - sent[pos : pos + k].to(torch.float32))  # p - c, in place
-            residuals.append(t)
-            pos += k
+        lost = values - sent.to(torch.float32)  # p - c at the kept entries, written in place
+        if gathered is not None:
+            gathered[0].index_copy_(0, gathered[1], lost)
+        else:
+            for t, i, r in zip(tensors, indices, split_flat(lost, ks)):
+                t.index_copy_(0, i, r)
         averaged = [ctx.output(i, t) for i, t in enumerate(tensors)]  # zeroed while the payload travels
+        # the outputs' window, and each rank's indices shifted from slot-local to positions in it
+        out_window = storage_window(averaged)
+        shift = None if out_window is None else repeated_offsets(tuple(out_window[1]), tuple(ks)).to(local.device)
         specs = [(self.value_dtype, sum(ks)), (index_dtype, sum(slots))]
 
         def decode(f: Future) -> list[Tensor]:
-            touched: list[list[Tensor]] = [[] for _ in ks]
+            touched: list[Tensor] = []
             for raw in f.value():  # rank order: identical summation on every rank
                 vals, received = unpack_bytes(raw, specs)
                 vals = vals.to(torch.float32)
                 idx = decode_delta16_layers(received, slots) if delta16 else received.long()
-                for out, seen, i, v in zip(averaged, touched, torch.split(idx, ks), torch.split(vals, ks)):
+                if out_window is not None and shift is not None:
+                    touched.append(idx.add_(shift))
+                    out_window[0].index_add_(0, touched[-1], vals)
+                    continue
+                for out, i, v in zip(averaged, torch.split(idx, ks), torch.split(vals, ks)):
                     out.index_add_(0, i, v)
-                    seen.append(i)
-            for out, seen in zip(averaged, touched):  # the other entries are zeros, and 0 / W = 0: divide the sums
-                where = torch.cat(seen)
-                out.index_put_((where,), out.index_select(0, where).div_(ctx.world_size))
+                touched.append(idx)
+            # the other entries are zeros, and 0 / W = 0: divide the sums
+            if out_window is not None:
+                seen = torch.cat(touched)
+                out_window[0].index_put_((seen,), out_window[0].index_select(0, seen).div_(ctx.world_size))
+                return averaged
+            for out, pieces in zip(averaged, zip(*(torch.split(i, ks) for i in touched))):
+                where_l = torch.cat(pieces)
+                out.index_put_((where_l,), out.index_select(0, where_l).div_(ctx.world_size))
             return averaged
 
-        return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=residuals)
+        return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=tensors)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.index_coding == "int32" else f", index_coding={self.index_coding!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -19,8 +20,10 @@ __all__ = [
     "encode_delta16",
     "encode_delta16_layers",
     "kept_count",
+    "repeated_offsets",
     "scatter_dense",
     "stratified_indices",
+    "stratified_layers",
     "topk_indices",
 ]
 
@@ -90,15 +93,66 @@ def stratified_indices(numel: int, k: int, generator: torch.Generator, device: t
         >>> bool((indices >= torch.tensor([0, 3, 6])).all() and (indices < torch.tensor([3, 6, 10])).all())
         True
     """
-    k = min(k, numel)
-    bounds = torch.div(torch.arange(k + 1, dtype=torch.int64) * numel, k, rounding_mode="floor")
-    sizes = bounds[1:] - bounds[:-1]
-    offsets = (
-        (torch.rand(k, generator=generator, device=generator.device, dtype=torch.float64).cpu() * sizes)
-        .long()
-        .clamp_max_(sizes - 1)
-    )
-    return (bounds[:-1] + offsets).to(device), sizes.to(device)
+    return stratified_layers([numel], [k], [generator], device)
+
+
+def stratified_layers(
+    numels: Sequence[int], ks: Sequence[int], generators: Sequence[torch.Generator], device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """:func:`stratified_indices` of several layers at once: layer ``l`` draws its ``min(ks[l], numels[l])``
+    uniforms from ``generators[l]`` (the same draws, so the same indices, as one call per layer), and the rest is a
+    handful of vectorized steps over all layers together.
+
+    Returns:
+        ``(indices, block_sizes)``, the layers' one after the other: indices within each layer (int64, sorted and
+        distinct per layer) and the size of each one's block.
+
+    Example::
+
+        >>> gens = [torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)]
+        >>> indices, sizes = stratified_layers([10, 4], [3, 2], gens, torch.device("cpu"))
+        >>> sizes.tolist()
+        [3, 3, 4, 2, 2]
+        >>> alone, _ = stratified_indices(10, 3, torch.Generator().manual_seed(0), torch.device("cpu"))
+        >>> torch.equal(indices[:3], alone)
+        True
+    """
+    starts, sizes, limits = _strata(tuple(numels), tuple(ks))
+    draws = [
+        torch.rand(min(k, n), generator=g, device=g.device, dtype=torch.float64)
+        for n, k, g in zip(numels, ks, generators)
+    ]
+    uniforms = torch.cat(draws).cpu() if len(draws) > 1 else draws[0].cpu()
+    offsets = (uniforms * sizes).long().clamp_max_(limits)
+    return (starts + offsets).to(device), sizes.to(device, copy=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _strata(numels: tuple[int, ...], ks: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor]:
+    """Per block of :func:`stratified_layers`: its first index within its layer, its size, its size minus one (CPU
+    int64, concatenated over the layers; cached, never modified)."""
+    starts, sizes = [], []
+    for numel, k in zip(numels, ks):
+        k = min(k, numel)
+        bounds = torch.div(torch.arange(k + 1, dtype=torch.int64) * numel, k, rounding_mode="floor")
+        starts.append(bounds[:-1])
+        sizes.append(bounds[1:] - bounds[:-1])
+    size = torch.cat(sizes)
+    return torch.cat(starts), size, size - 1
+
+
+@functools.lru_cache(maxsize=256)
+def repeated_offsets(offsets: tuple[int, ...], counts: tuple[int, ...]) -> Tensor:
+    """``offsets[l]`` repeated ``counts[l]`` times (CPU int64; cached, never modify it): added to the concatenated
+    per-layer indices of several layers, it turns them into positions in one window over all of them
+    (:func:`~lightning_gradcomp.compressors.base.storage_window`).
+
+    Example::
+
+        >>> repeated_offsets((0, 10), (2, 3)).tolist()
+        [0, 0, 10, 10, 10]
+    """
+    return torch.repeat_interleave(torch.tensor(offsets, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64))
 
 
 def scatter_dense(numel: int, indices: Tensor, values: Tensor, out: Optional[Tensor] = None) -> Tensor:

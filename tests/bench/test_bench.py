@@ -31,6 +31,20 @@ def test_work_is_the_threads_time_without_its_waits_or_the_torch_hooks_time() ->
     assert work_ms_of({"hook_ms_per_step": 0.5, "thread_ms_per_step": 9.0, "wait_ms_per_step": 6.0}) == 3.0
     assert work_ms_of({"hook_ms_per_step": 1.5, "thread_ms_per_step": 0.0, "wait_ms_per_step": 0.0}) == 1.5
     assert work_ms_of({"hook_ms_per_step": 1.5}) == 1.5  # results written before the thread existed
+    # with per-step work, the median over steps
+    assert work_ms_of({"hook_ms_per_step": 0.5, "thread_ms_per_step": 9.0, "wait_ms_per_step": 6.0,
+                       "work_ms_median": 2.5}) == 2.5
+
+
+def test_work_is_the_median_over_steps_of_the_mean_over_ranks() -> None:
+    ranks = [_rank({"topk": [0.02, 0.02, 0.02, 0.02]}, [0.01] * 4), _rank({"topk": [0.02] * 4}, [0.01] * 4)]
+    ranks[0]["configs"]["topk"]["work_seconds_steps"] = [0.001, 0.002, 0.250, 0.003]  # one step stalled
+    ranks[1]["configs"]["topk"]["work_seconds_steps"] = [0.003, 0.002, 0.004, 0.001]
+    row = summarise(ranks)["configs"]["topk"]
+    # per-step means 2, 2, 127, 2 ms: the stalled step does not move the median
+    assert row["work_ms_median"] == pytest.approx(2.0) and row["work_ms_per_step"] == pytest.approx(2.0)
+    del ranks[1]["configs"]["topk"]["work_seconds_steps"]  # a rank without them: no median
+    assert summarise(ranks)["configs"]["topk"]["work_ms_median"] is None
 
 
 def test_summary_uses_the_slowest_rank_per_step_and_recommends() -> None:
@@ -98,7 +112,14 @@ def test_short_loopback_run_has_every_field(tmp_path) -> None:
     assert set(refs) == {"clone_ms", "rand_like_ms", "half_ms"} and all(v > 0 for v in refs.values())
     topk = rows["gradcomp_topk"]
     assert topk["work_vs_clone"] > 0 and topk["thread_ms_per_step"] > topk["wait_ms_per_step"] > 0
-    assert topk["work_ms_per_step"] == pytest.approx(topk["thread_ms_per_step"] - topk["wait_ms_per_step"])
+    # the per-step work adds up to the run's totals, and the table's figure is its median
+    per_step = [r["configs"]["gradcomp_topk"]["work_seconds_steps"] for r in result["raw"]]
+    assert all(len(works) == 3 for works in per_step)
+    mean_ms = 1e3 * sum(sum(works) for works in per_step) / 6
+    # (a counter may move by a few microseconds between a step's end and the next step's start)
+    assert mean_ms == pytest.approx(topk["thread_ms_per_step"] - topk["wait_ms_per_step"], rel=0.02)
+    median_ms = 1e3 * sorted(sum(ws) / 2 for ws in zip(*per_step))[1]
+    assert topk["work_ms_per_step"] == pytest.approx(median_ms)
     assert "compression work per step against one pass over the gradient" in proc.stdout
 
 

@@ -1,11 +1,11 @@
-"""Helpers of compressors/base.py: contiguous_span and ReduceContext.output."""
+"""Helpers of compressors/base.py: contiguous_span, storage_window and ReduceContext.output."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_gradcomp.compressors.base import ReduceContext, contiguous_span
+from lightning_gradcomp.compressors.base import ReduceContext, contiguous_span, storage_window
 from lightning_gradcomp.functional.quantize import dequantize
 from lightning_gradcomp.plan import LayerSlot
 
@@ -54,3 +54,31 @@ def test_dequantize_into_out_matches_a_fresh_result_for_every_layout() -> None:
         assert dequantize(codes, scales, 1, 4, out=out) is out and torch.equal(out, expected)
     with pytest.raises(ValueError, match="`out`"):
         dequantize(codes, scales, 1, 4, out=torch.empty(3, 10))
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1]])
+def test_storage_window_covers_slices_with_gaps_in_any_order(order: list[int]) -> None:
+    buf = torch.arange(20.0)
+    slices = [buf[2:5], buf[7:8], buf[11:17]]
+    pieces = [slices[i] for i in order]
+    found = storage_window(pieces)
+    assert found is not None
+    window, offsets = found
+    assert window.data_ptr() == buf[2:].data_ptr() and window.numel() == 15  # first to last element
+    for piece, offset in zip(pieces, offsets):
+        assert torch.equal(window[offset : offset + piece.numel()], piece)
+    window.index_fill_(0, torch.tensor([offsets[0], offsets[-1]]), -1.0)  # a view: writes reach the slices
+    assert pieces[0][0] == -1.0 and pieces[-1][0] == -1.0
+
+
+def test_storage_window_refuses_other_storages_dtypes_strides_and_overlaps() -> None:
+    buf = torch.arange(12.0)
+    assert storage_window([buf[0:2], torch.arange(2.0)]) is None  # another storage
+    assert storage_window([buf[0:2], buf.view(torch.int32)[4:6]]) is None  # another dtype
+    assert storage_window([buf[0:4:2], buf[6:8]]) is None  # strided
+    assert storage_window([buf[0:4], buf[3:6]]) is None  # overlapping
+    assert storage_window([buf.view(3, 4)]) is None  # not 1-D
+    assert storage_window([]) is None
+    single = torch.arange(3.0)
+    found = storage_window([single])
+    assert found is not None and found[1] == [0] and torch.equal(found[0], single)

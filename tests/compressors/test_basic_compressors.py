@@ -157,3 +157,25 @@ def test_topk_index_coding_is_validated_and_counted_in_its_layer_costs() -> None
     assert delta16 == [float(k * 2 + 2 * (k + 300_000 // 65535)) for k in ks]  # 4 escape codes on 300,001 entries
     assert errors == TopK().layer_costs(stat, stat.shape, ratios)[1]
     assert "index_coding='delta16'" in repr(TopK(index_coding="delta16"))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("make", [lambda: TopK(0.1), lambda: TopK(0.2, value_dtype=torch.float16),
+                                  lambda: TopK(0.1, index_coding="delta16", value_dtype=torch.bfloat16),
+                                  lambda: RandomK(0.1), lambda: RandomK(0.3, value_dtype=torch.float16),
+                                  lambda: RandomK(0.1, unbiased=True)],
+                         ids=["topk", "topk-fp16", "topk-delta16-bf16", "randomk", "randomk-fp16", "randomk-unbiased"])
+def test_sparsifiers_on_slices_of_one_buffer_equal_the_per_slot_path(world: int, make) -> None:
+    """The engine hands over slices of one buffer, and the sparsifiers then gather, write residuals and scatter once
+    for all of them: the same bits as one call per slot on separate tensors, and nothing between the slices moves."""
+    shapes = [(40, 30), (1,), (17, 60), (7,)]
+    per_slot = run_workers(reduce_worker, world, make(), shapes, None, 2)
+    windowed = run_workers(reduce_worker, world, make(), shapes, None, 2, 0, True)
+    for a, b in zip(per_slot, windowed):
+        for step_a, step_b in zip(a["steps"], b["steps"]):
+            for key in ("averaged", "residuals"):
+                if step_a[key] is None:
+                    assert step_b[key] is None
+                    continue
+                assert all(torch.equal(x, y) for x, y in zip(step_a[key], step_b[key])), key
+        assert a["stats"]["wire_bytes"] == b["stats"]["wire_bytes"]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.functional import kept_count, scatter_dense, stratified_indices, topk_indices
+from lightning_gradcomp.functional.sparsify import repeated_offsets, stratified_layers
 
 
 @pytest.mark.parametrize(("numel", "ratio", "k"), [(1000, 0.01, 10), (10, 0.01, 1), (7, 1.0, 7), (3, 0.5, 2)])
@@ -91,3 +92,24 @@ def test_delta16_kernel_refuses_indices_it_cannot_code() -> None:
     for indices, capacity in ((torch.tensor([5, 3]), 2), (torch.tensor([2, 2]), 2), (torch.tensor([70_000]), 1)):
         with pytest.raises(ValueError, match="sorted and distinct"):
             encode_delta16_layers([indices], [capacity])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_stratified_layers_draw_what_one_call_per_layer_draws(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    numels = [int(n) for n in torch.randint(1, 5000, (6,), generator=gen)] + [1, 7]
+    ks = [max(1, int(n * r)) for n, r in zip(numels, torch.rand(len(numels), generator=gen).tolist())]
+    ks[-1] = 99  # more than the layer holds: clipped, as stratified_indices clips
+    indices, sizes = stratified_layers(numels, ks, [torch.Generator().manual_seed(seed * 100 + i) for i in range(8)],
+                                       torch.device("cpu"))
+    alone = [stratified_indices(n, k, torch.Generator().manual_seed(seed * 100 + i), torch.device("cpu"))
+             for i, (n, k) in enumerate(zip(numels, ks))]
+    assert torch.equal(indices, torch.cat([i for i, _ in alone]))
+    assert torch.equal(sizes, torch.cat([s for _, s in alone]))
+    sizes.fill_(0)  # the caller's copy: the cached block sizes are not touched
+    assert torch.equal(stratified_layers(numels, ks, [torch.Generator().manual_seed(seed * 100 + i) for i in range(8)],
+                                         torch.device("cpu"))[1], torch.cat([s for _, s in alone]))
+
+
+def test_repeated_offsets() -> None:
+    assert repeated_offsets((0, 10, 25), (2, 0, 3)).tolist() == [0, 0, 25, 25, 25]
