@@ -179,3 +179,53 @@ def test_sparsifiers_on_slices_of_one_buffer_equal_the_per_slot_path(world: int,
                     continue
                 assert all(torch.equal(x, y) for x, y in zip(step_a[key], step_b[key])), key
         assert a["stats"]["wire_bytes"] == b["stats"]["wire_bytes"]
+
+
+def _scan_worker(rank: int, world: int, margin: float) -> dict:
+    """TopK with and without the compensation scan's candidates, over steps of error feedback."""
+    import lightning_gradcomp.compressors.topk as topk_module
+    from helpers.reduce import make_slots
+    from lightning_gradcomp.comm import Comm
+    from lightning_gradcomp.compressors.base import ReduceContext
+    from lightning_gradcomp.functional.feedback import compensate_checked, compensate_scan
+
+    topk_module._SCAN_MARGIN = margin
+    shapes, ratio = [(300, 70), (5,), (129, 31)], 0.05
+    slots = make_slots(shapes)
+    comm = Comm()
+    runs = {"scan": (TopK(ratio, index_coding="delta16"), {}), "plain": (TopK(ratio, index_coding="delta16"), {})}
+    out: dict = {"scan": [], "plain": [], "used": 0}
+    for step in range(4):
+        grads = rank_inputs(rank, shapes, seed=step)
+        for key, (compressor, memory) in runs.items():
+            tensors, found = [], []
+            for slot, g in zip(slots, grads):
+                scan = compressor.compensation_scan(slot.name, slot.numel, ratio) if key == "scan" else None
+                if scan is None:
+                    p, _ = compensate_checked(memory.get(slot.name), g.clone())
+                    candidates = None
+                else:
+                    p, _, candidates = compensate_scan(memory.get(slot.name), g.clone(), None, *scan)
+                    out["used"] += candidates is not None
+                tensors.append(p)
+                found.append(candidates)
+            ctx = ReduceContext(comm, step, 0, slots, [ratio] * len(slots), candidates=found)
+            reduction = compressor.reduce(tensors, ctx)
+            averaged = [t.clone() for t in reduction.averaged.wait()]
+            memory.update({s.name: r for s, r in zip(slots, reduction.residuals)})
+            out[key].append((averaged, [r.clone() for r in reduction.residuals]))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("margin", [0.95, 0.3, 1.5])  # the default; too many candidates; too few
+def test_topk_compensation_scan_changes_nothing_but_speed(world: int, margin: float) -> None:
+    """Candidates from the compensation scan (a little under last step's cut) give the same averages and residuals
+    as selecting from the whole layer, also when the scan overflows its capacity or finds fewer than k."""
+    results = run_workers(_scan_worker, world, margin)
+    for res in results:
+        for (avg_a, res_a), (avg_b, res_b) in zip(res["scan"], res["plain"]):
+            assert all(torch.equal(a, b) for a, b in zip(avg_a, avg_b))
+            assert all(torch.equal(a, b) for a, b in zip(res_a, res_b))
+    if margin == 0.95:  # after the first step every layer of the default margin gets its candidates
+        assert results[0]["used"] >= 3 * 2

@@ -107,3 +107,43 @@ def test_the_torch_steps_do_not_check(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_native, "load", lambda: None)
     assert compensate_checked(torch.zeros(3), torch.tensor([1.0, float("nan"), 2.0]))[1] is None
     assert compensate_checked(None, torch.ones(3))[1] is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 16_383, 16_384, 16_385, 50_001])
+@pytest.mark.parametrize("scale", [None, 4.0])
+def test_compensate_scan_is_compensate_plus_the_candidates(n: int, level: int, scale: Optional[float]) -> None:
+    """The same bits, flag and clearing as :func:`compensate_checked`, and the sorted indices of ``|p| >= t`` (NaN
+    included) across the kernel's blocks; more than ``capacity`` of them give ``None``."""
+    from lightning_gradcomp.functional.feedback import compensate_scan
+
+    gen = torch.Generator().manual_seed(n)
+    m = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen)
+    g[torch.randint(0, n, (min(n, 3),), generator=gen)] = float("nan") if n % 2 else 0.5
+    s = None if scale is None else torch.tensor([scale])
+    want, want_bad = compensate_checked(m, g.clone(), s, level=level)
+    magnitudes = want.abs()
+    for t in (0.0, 1.5, 3.0, float("inf")):
+        hits = (~(magnitudes < t)).nonzero().squeeze(1)
+        for capacity in (hits.numel(), hits.numel() + 5, max(0, hits.numel() - 1)):
+            cleared = g.clone()
+            p, bad, found = compensate_scan(m, cleared, s, t, capacity, clear=True, level=level)
+            torch.testing.assert_close(p, want, rtol=0, atol=0, equal_nan=True)  # the same values, NaN where torch's
+            assert bad is want_bad and not bool(cleared.any())
+            if hits.numel() <= capacity:
+                assert found is not None and torch.equal(found, hits)
+            else:
+                assert found is None
+
+
+def test_compensate_scan_without_memory_or_kernel_only_compensates(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_gradcomp.functional.feedback import compensate_scan
+
+    g = torch.randn(100)
+    p, _, found = compensate_scan(None, g.clone(), None, 0.0, 1000)
+    assert torch.equal(p, g) and found is None
+    monkeypatch.setattr(_native, "load", lambda: None)
+    p, bad, found = compensate_scan(torch.ones(100), g.clone(), None, 0.0, 1000)
+    assert torch.equal(p, g + 1) and bad is None and found is None

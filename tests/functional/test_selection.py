@@ -298,3 +298,46 @@ def test_exact_topk_uses_the_kernel_for_unique_sets_and_the_torch_steps_otherwis
     for other in (x.half(), x[::2]):
         assert torch.equal(selection.exact_topk_indices(other, 500), topk_indices(other, 500).sort().values)
     assert calls == [True, False]  # only the contiguous fp32 tensors reach the kernel
+
+
+@pytest.mark.parametrize("n", [1000, 32768, 100_003, 1 << 20])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
+@pytest.mark.parametrize("kind", ["normal", "heavy", "sparse", "constant_tail"])
+def test_exact_topk_cut_is_exact_topk_with_or_without_candidates(n: int, density: float, kind: str) -> None:
+    """The same set as :func:`exact_topk_indices` from all of ``x`` and from any candidate set holding every entry
+    at or above the cut; the cut is the ``k``-th largest magnitude; fewer than ``k`` candidates fall back."""
+    from lightning_gradcomp.functional.selection import exact_topk_cut
+
+    gen = torch.Generator().manual_seed(n + 7)
+    x = torch.randn(n, generator=gen)
+    if kind == "heavy":
+        x = x * torch.rand(n, generator=gen).pow(-2)
+    elif kind == "sparse":
+        x = x * (torch.rand(n, generator=gen) < 0.05)
+    elif kind == "constant_tail":
+        x = torch.where(torch.rand(n, generator=gen) < 0.5, torch.full_like(x, 0.5), x)
+    k = max(1, int(n * density))
+    want = exact_topk_indices(x, k)
+    got, cut = exact_topk_cut(x, k)
+    assert torch.equal(got, want)
+    if cut is None:  # a tie at the cut (or no kernel): the torch steps chose
+        return
+    assert cut == float(x.abs().topk(k).values[-1])
+    for fraction in (0.0, 0.5, 0.95, 1.0):  # thresholds at or below the cut: every kept entry is a candidate
+        candidates = (x.abs() >= cut * fraction).nonzero().squeeze(1)
+        chosen, again = exact_topk_cut(x, k, candidates.clone())
+        assert torch.equal(chosen, want) and again == cut
+    too_few = (x.abs() > cut).nonzero().squeeze(1)  # k - 1 of them: the whole tensor decides
+    assert torch.equal(exact_topk_cut(x, k, too_few)[0], want)
+
+
+def test_exact_topk_cut_off_the_kernel_gives_the_set_without_a_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_gradcomp.functional import _native
+    from lightning_gradcomp.functional.selection import exact_topk_cut
+
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(3))
+    for other in (x.double(), x[::2]):  # tensors the kernel does not serve
+        assert torch.equal(exact_topk_cut(other, 40)[0], exact_topk_indices(other, 40)) and exact_topk_cut(other, 40)[1] is None
+    monkeypatch.setattr(_native, "load", lambda: None)
+    chosen, cut = exact_topk_cut(x, 50, torch.arange(5000))
+    assert torch.equal(chosen, exact_topk_indices(x, 50)) and cut is None
