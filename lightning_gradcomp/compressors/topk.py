@@ -35,22 +35,10 @@ from lightning_gradcomp.functional.sparsify import (
 )
 from lightning_gradcomp.presets import register_preset
 
-__all__ = ["TopK", "next_cut"]
+__all__ = ["TopK"]
 
 _SCAN_MARGIN = 0.95
-"""The compensation scan's threshold as a fraction of the predicted cut (lower: more candidates, fewer misses)."""
-
-
-def next_cut(last: float, before: Optional[float]) -> float:
-    """A layer's next top-k cut, extrapolated from its last two (``before`` is ``None`` after one step): the last
-    plus its last change, at least half the last.
-
-    Example::
-
-        >>> next_cut(3.0, 2.0), next_cut(3.0, None), next_cut(1.0, 4.0)
-        (4.0, 3.0, 0.5)
-    """
-    return last if before is None else max(2.0 * last - before, 0.5 * last)
+"""The compensation scan's threshold as a fraction of last step's cut (lower: more candidates, fewer misses)."""
 
 
 @register("topk")
@@ -76,8 +64,7 @@ class TopK(SparseCompressor):
     ) -> None:
         super().__init__(ratio, value_dtype)
         self.index_coding = check_index_coding(index_coding)
-        # the last two cuts per layer (the older None at first): a speed hint for the next scan, not state
-        self._cuts: dict[str, tuple[float, Optional[float]]] = {}
+        self._cuts: dict[str, float] = {}  # last cut per layer: a speed hint for the next step's scan, not state
 
     def index_slots(self, numel: int, k: int) -> int:
         """Index entries on the wire for a layer of ``numel`` elements keeping ``k``."""
@@ -95,13 +82,14 @@ class TopK(SparseCompressor):
         return sizes, topk_errors(stat, ks)
 
     def compensation_scan(self, name: str, numel: int, param: Any) -> Optional[tuple[float, int]]:
-        """Candidates above a little under this layer's next cut as the last two cuts extrapolate it (error feedback
-        makes the cut grow while the memories fill up), up to ``3 k + 64`` of them: the selection then looks among
-        those instead of sampling and scanning the whole layer again (the same set either way)."""
-        cuts = self._cuts.get(name)
-        if cuts is None:
+        """Candidates above a little under last step's cut of this layer, up to ``3 k + 64`` of them (about ``1.5 k``
+        for Gaussian entries): the selection then looks among those instead of sampling and scanning the whole layer
+        again (the same set either way)."""
+        cut = self._cuts.get(name)
+        if cut is None:
             return None
-        return _SCAN_MARGIN * next_cut(*cuts), 3 * kept_count(numel, param) + 64
+        k = kept_count(numel, param)
+        return cut * _SCAN_MARGIN, 3 * k + 64
 
     def prepare(self) -> None:
         """Build or load the compiled selection kernel now (the strategy's setup calls this on every rank), not in
@@ -121,7 +109,7 @@ class TopK(SparseCompressor):
             chosen, cut = exact_topk_cut(t, k, candidates)  # sorted; the same set with or without candidates
             indices.append(chosen)
             if cut is not None:
-                self._cuts[slot.name] = (cut, self._cuts.get(slot.name, (None,))[0])
+                self._cuts[slot.name] = cut
         local = torch.cat(indices)
         gathered = slot_positions(tensors, local, ks)
         if gathered is not None:
