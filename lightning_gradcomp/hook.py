@@ -361,9 +361,7 @@ class GradCompHook:
             and outputs is not None
             and (not early or self.nonfinite == "zero")
         )
-        compensated, comp_flag, candidates = (
-            self._compensate(comp, grads, divisor, clear) if early else (None, None, None)
-        )
+        compensated, comp_flag = self._compensate(comp, grads, divisor, clear) if early else (None, None)
         head: Optional[Future] = None
         if check_after:
             head = self._head_async(buf, dense, comm)
@@ -397,7 +395,6 @@ class GradCompHook:
             observed=bool(watchers),
             outputs=outputs,
             outputs_zeroed=clear,
-            candidates=candidates,
         )
         reduction = reduce_with_feedback(
             self.compressor, self.memory if use_ef else None, tensors, ctx, watchers, inputs, raw
@@ -417,24 +414,13 @@ class GradCompHook:
 
     def _compensate(
         self, comp: tuple[LayerSlot, ...], grads: list[Tensor], divisor: Optional[Tensor], clear: bool
-    ) -> tuple[list[Tensor], Optional[bool], Optional[list[Optional[Tensor]]]]:
+    ) -> tuple[list[Tensor], Optional[bool]]:
         """Error feedback's ``p = m + g / divisor`` of every compressed slot (``clear``: zeroing ``g`` in the same
-        pass); whether some ``g`` holds NaN/Inf (``None``: not checked, on the torch steps; the head then scans
-        the whole bucket); and per slot what the compressor's compensation scan found (``None`` when it asked for
-        none: :meth:`~lightning_gradcomp.compressors.base.Compressor.compensation_scan`)."""
-        ps, flags, found = [], [], []
-        for s, g in zip(comp, grads):
-            scan = self.compressor.compensation_scan(s.name, s.numel, self.param_of(s.name))
-            if scan is None:
-                p, bad = self.memory.compensate_checked(s.name, g, divisor, clear=clear)
-                candidates = None
-            else:
-                p, bad, candidates = self.memory.compensate_scan(s.name, g, divisor, *scan, clear=clear)
-            ps.append(p)
-            flags.append(bad)
-            found.append(candidates)
-        flag = None if any(bad is None for bad in flags) else any(flags)
-        return ps, flag, found if any(c is not None for c in found) else None
+        pass), and whether some ``g`` holds NaN/Inf (``None``: not checked, on the torch steps; the head then scans
+        the whole bucket)."""
+        pairs = [self.memory.compensate_checked(s.name, g, divisor, clear=clear) for s, g in zip(comp, grads)]
+        flags = [bad for _, bad in pairs]
+        return [p for p, _ in pairs], None if any(bad is None for bad in flags) else any(flags)
 
     def _checked(
         self, buf: Tensor, dense: tuple[LayerSlot, ...], head: Optional[Future], done: Future, ctx: ReduceContext

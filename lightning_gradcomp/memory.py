@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.checks import is_number
-from lightning_gradcomp.functional.feedback import compensate_checked, compensate_scan
+from lightning_gradcomp.functional.feedback import compensate_checked
 
 __all__ = ["ErrorFeedback", "validate_beta"]
 
@@ -91,16 +91,6 @@ class ErrorFeedback:
         if memory is not None and memory.shape != grad.shape:
             memory = None
         return compensate_checked(memory, grad, scale, clear=clear)
-
-    def compensate_scan(
-        self, name: str, grad: Tensor, scale: Optional[Tensor], threshold: float, capacity: int, *, clear: bool = False
-    ) -> tuple[Tensor, Optional[bool], Optional[Tensor]]:
-        """:meth:`compensate_checked`, and the sorted indices of ``p``'s entries with ``|p| >= threshold`` when there
-        are at most ``capacity`` (see :func:`~.functional.feedback.compensate_scan`)."""
-        memory = self.memories.get(name)
-        if memory is not None and memory.shape != grad.shape:
-            memory = None
-        return compensate_scan(memory, grad, scale, threshold, capacity, clear=clear)
 
     def update(self, name: str, residual: Tensor) -> None:
         """Stage ``m <- (1 - beta) m + beta * residual`` where ``residual = p - c`` (see :meth:`commit`).

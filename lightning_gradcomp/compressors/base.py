@@ -61,10 +61,6 @@ class ReduceContext:
         result_nonfinite: set while decoding by a compressor that :attr:`Compressor.propagates_nonfinite` and
             checked its averaged values for NaN/Inf in the same pass (whether it found any); the engine then checks
             only the dense slots itself. ``None``: the engine checks the whole bucket.
-        candidates: per slot, what the engine's compensation scan found for the compressor
-            (:meth:`Compressor.compensation_scan`): the sorted int64 indices of the input's entries with
-            ``|p| >= threshold``, or ``None`` (not asked, more than the capacity, or not available). ``None``: no
-            scan at all.
     """
 
     comm: Comm
@@ -77,7 +73,6 @@ class ReduceContext:
     outputs: Optional[Sequence[Tensor]] = None
     outputs_zeroed: bool = False
     result_nonfinite: Optional[bool] = None
-    candidates: Optional[Sequence[Optional[Tensor]]] = None
 
     def output(self, index: int, like: Tensor) -> Tensor:
         """A zeroed fp32 tensor for slot ``index``'s averaged result: :attr:`outputs` ``[index]`` when there is one,
@@ -283,13 +278,6 @@ class Compressor(ABC):
         Runs in the strategy's setup, never during backward, so nothing slow happens while other ranks
         wait in a collective. Default: nothing to do.
         """
-
-    def compensation_scan(self, name: str, numel: int, param: Any) -> Optional[tuple[float, int]]:
-        """``(threshold, capacity)``: ask the engine to collect, while its error-feedback compensation of slot
-        ``name`` (``numel`` elements, compressed at ``param``) has ``p`` in cache, the indices of the entries with
-        ``|p| >= threshold``, at most ``capacity`` of them (:attr:`ReduceContext.candidates`). ``None`` (default):
-        no scan. A speed hint only: what the compressor computes must not depend on whether the scan ran."""
-        return None
 
     @abstractmethod
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:

@@ -8,7 +8,7 @@ This is the honest baseline that CLT-k (ScaleCom) improves on.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -25,7 +25,7 @@ from lightning_gradcomp.compressors.sparse import (
     unpack_bytes,
 )
 from lightning_gradcomp.functional.layerwise import topk_errors
-from lightning_gradcomp.functional.selection import exact_topk_cut, prepare_native
+from lightning_gradcomp.functional.selection import exact_topk_indices, prepare_native
 from lightning_gradcomp.functional.sparsify import (
     decode_delta16_layers,
     delta16_capacity,
@@ -36,9 +36,6 @@ from lightning_gradcomp.functional.sparsify import (
 from lightning_gradcomp.presets import register_preset
 
 __all__ = ["TopK"]
-
-_SCAN_MARGIN = 0.95
-"""The compensation scan's threshold as a fraction of last step's cut (lower: more candidates, fewer misses)."""
 
 
 @register("topk")
@@ -64,7 +61,6 @@ class TopK(SparseCompressor):
     ) -> None:
         super().__init__(ratio, value_dtype)
         self.index_coding = check_index_coding(index_coding)
-        self._cuts: dict[str, float] = {}  # last cut per layer: a speed hint for the next step's scan, not state
 
     def index_slots(self, numel: int, k: int) -> int:
         """Index entries on the wire for a layer of ``numel`` elements keeping ``k``."""
@@ -81,16 +77,6 @@ class TopK(SparseCompressor):
         sizes = [float(k * self.value_dtype.itemsize + index_bytes * self.index_slots(n, k)) for k in ks]
         return sizes, topk_errors(stat, ks)
 
-    def compensation_scan(self, name: str, numel: int, param: Any) -> Optional[tuple[float, int]]:
-        """Candidates above a little under last step's cut of this layer, up to ``3 k + 64`` of them (about ``1.5 k``
-        for Gaussian entries): the selection then looks among those instead of sampling and scanning the whole layer
-        again (the same set either way)."""
-        cut = self._cuts.get(name)
-        if cut is None:
-            return None
-        k = kept_count(numel, param)
-        return cut * _SCAN_MARGIN, 3 * k + 64
-
     def prepare(self) -> None:
         """Build or load the compiled selection kernel now (the strategy's setup calls this on every rank), not in
         the first ``reduce``; without it the selection takes the torch steps (the same set)."""
@@ -103,13 +89,7 @@ class TopK(SparseCompressor):
         the outputs) are slices of one buffer, gathering, residuals and sums take one call each for the whole bucket
         (:func:`~.base.storage_window`), not one per slot."""
         ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
-        found = ctx.candidates if ctx.candidates is not None else [None] * len(tensors)
-        indices = []
-        for slot, t, k, candidates in zip(ctx.slots, tensors, ks, found):
-            chosen, cut = exact_topk_cut(t, k, candidates)  # sorted; the same set with or without candidates
-            indices.append(chosen)
-            if cut is not None:
-                self._cuts[slot.name] = cut
+        indices = [exact_topk_indices(t, k) for t, k in zip(tensors, ks)]  # sorted
         local = torch.cat(indices)
         gathered = slot_positions(tensors, local, ks)
         if gathered is not None:

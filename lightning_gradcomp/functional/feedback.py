@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_gradcomp.functional import _native
 
-__all__ = ["compensate", "compensate_checked", "compensate_scan"]
+__all__ = ["compensate", "compensate_checked"]
 
 
 def compensate(
@@ -92,51 +92,6 @@ def compensate_checked(
     if clear:
         grad.zero_()
     return out, None
-
-
-def compensate_scan(
-    memory: Optional[Tensor],
-    grad: Tensor,
-    scale: Optional[Tensor],
-    threshold: float,
-    capacity: int,
-    *,
-    clear: bool = False,
-    level: Optional[int] = None,
-) -> tuple[Tensor, Optional[bool], Optional[Tensor]]:
-    """:func:`compensate_checked`, and the sorted int64 indices of ``p``'s entries with ``|p| >= threshold`` (or NaN)
-    when there are at most ``capacity`` of them (else ``None``).
-
-    On the kernel the scan runs block by block right behind the compensation, while ``p`` is in cache: a top-k
-    selection that knows roughly where its cut lies (last step's, for error feedback) then picks among these
-    candidates (:func:`~.selection.exact_topk_cut`) instead of scanning all of ``p`` again. Elsewhere (no kernel, no
-    memory yet) it is :func:`compensate_checked` and ``None``.
-
-    Example::
-
-        >>> p, bad, found = compensate_scan(torch.zeros(5), torch.tensor([0.5, -3.0, 1.0, 2.0, 0.0]), None, 1.0, 4)
-        >>> p.tolist(), found.tolist() if found is not None else [1, 2, 3]  # [1, 2, 3] without the kernel
-        ([0.5, -3.0, 1.0, 2.0, 0.0], [1, 2, 3])
-    """
-    kernel = None if memory is None else _kernel_for(memory, grad, scale)
-    if memory is None or kernel is None or not (scale is None or float(scale) > 0.0):
-        p, bad = compensate_checked(memory, grad, scale, clear=clear, level=level)
-        return p, bad, None
-    out = torch.empty_like(memory)
-    found = torch.empty(capacity, dtype=torch.int64)
-    bad, count = kernel.compensate_scan(
-        memory.data_ptr(),
-        grad.data_ptr(),
-        grad.numel(),
-        0.0 if scale is None else float(scale),
-        out.data_ptr(),
-        clear,
-        float(threshold),
-        found.data_ptr(),
-        capacity,
-        _native._level(kernel, level),
-    )
-    return out, bool(bad), found[:count] if count <= capacity else None
 
 
 def _kernel_for(memory: Tensor, grad: Tensor, scale: Optional[Tensor]) -> Optional[ModuleType]:

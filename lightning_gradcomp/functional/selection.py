@@ -61,7 +61,6 @@ __all__ = [
     "APPROX_BAND",
     "approx_topk_indices",
     "band_limits",
-    "exact_topk_cut",
     "exact_topk_indices",
     "prepare_native",
     "sampled_threshold",
@@ -123,41 +122,6 @@ def exact_topk_indices(x: Tensor, k: int) -> Tensor:
     """
     found = _exact_native(x, k)
     return found if found is not None else topk_indices(x, k).sort().values
-
-
-def exact_topk_cut(x: Tensor, k: int, candidates: Tensor | None = None) -> tuple[Tensor, float | None]:
-    """:func:`exact_topk_indices` (the same set), and the cut: the ``k``-th largest ``|x|`` (``None`` off the kernel).
-
-    Args:
-        x: a flat tensor.
-        k: how many to keep, ``1 <= k``.
-        candidates: sorted int64 indices of every entry with ``|x| >= t`` (or NaN) for some ``t``
-            (:func:`~.feedback.compensate_scan`); with at least ``k`` of them the cut is sought among them only.
-            Fewer, or ``None``: among all of ``x``. The kernel reorders them in place.
-
-    Example::
-
-        >>> x = torch.tensor([0.5, -3.0, 1.0, 2.0, -0.1])
-        >>> indices, cut = exact_topk_cut(x, 2, torch.tensor([1, 2, 3]))
-        >>> indices.tolist(), cut in (2.0, None)  # None where the kernel is unavailable
-        ([1, 3], True)
-    """
-    n = x.numel()
-    kernel = _native.load() if 1 <= k < n < _native.MAX_NUMEL else None
-    if kernel is None or not (x.is_cpu and x.dtype is torch.float32 and x.is_contiguous()):
-        return exact_topk_indices(x, k), None
-    among = candidates.contiguous() if candidates is not None and candidates.numel() >= k else None
-    found, cut = kernel.exact_cut(
-        x.data_ptr(),
-        n,
-        k,
-        0 if among is None else among.data_ptr(),
-        0 if among is None else among.numel(),
-        kernel.level,
-    )
-    if found is None:  # a tie (or NaN) at the cut: the torch steps decide
-        return exact_topk_indices(x, k), None
-    return torch.from_numpy(found), float(cut)
 
 
 def _exact_native(x: Tensor, k: int) -> Tensor | None:

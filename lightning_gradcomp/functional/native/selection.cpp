@@ -397,9 +397,7 @@ py::tuple approx(uintptr_t x, int64_t n, bool is_double, int64_t offset, int64_t
 // the cut: the caller decides those). The cut is found among the candidates "NaN or |x| >= t1", t1
 // from a systematic sample of about 1000 entries (one scan, aiming at about 1.5 k + 64 candidates),
 // or by radix selection over all entries when fewer than k pass.
-template <typename T> bool cut_among(const T* x, int64_t* idx, int64_t found, int64_t k, T* cut_value);
-
-template <typename T> bool exact_impl(const T* x, int64_t n, int64_t k, int level, T* cut_value) {
+template <typename T> bool exact_impl(const T* x, int64_t n, int64_t k, int level) {
     using K = Key<T>;
     Scratch<K>& s = scratch<K>();
     std::vector<int64_t>& idx = tl_indices;
@@ -412,33 +410,23 @@ template <typename T> bool exact_impl(const T* x, int64_t n, int64_t k, int leve
         const T t1 = value_of<T>(kth_largest<K>(m, rank, [&](int64_t j) { return key_of(x[step * j]); }, s.a, s.b));
         grow(idx, 2 * static_cast<int64_t>(aim) + 2 * step * rank + 64);
         const int64_t found = scan<T, true>(x, n, t1, idx.data(), static_cast<int64_t>(idx.size()), level);
-        if (found >= k && found <= static_cast<int64_t>(idx.size()))  // the cut is among the candidates
-            return cut_among<T>(x, idx.data(), found, k, cut_value);
+        if (found >= k && found <= static_cast<int64_t>(idx.size())) {  // the cut is among the candidates
+            grow(s.keys, found);
+            grow(s.a, found);
+            for (int64_t j = 0; j < found; ++j) s.a[j] = s.keys[j] = key_of(x[idx[j]]);
+            std::nth_element(s.a.begin(), s.a.begin() + (found - k), s.a.begin() + found);
+            const K cut = s.a[found - k];
+            if (cut > key_of(std::numeric_limits<T>::infinity())) return false;  // a NaN cut
+            int64_t kept = 0;
+            for (int64_t j = 0; j < found; ++j) {  // NaN keys are above the cut too: they are not kept
+                idx[kept] = idx[j];
+                kept += (s.keys[j] >= cut) & (s.keys[j] <= key_of(std::numeric_limits<T>::infinity()));
+            }
+            return kept == k;
+        }
     }
     const T cut = value_of<T>(kth_largest<K>(n, k, [&](int64_t j) { return key_of(x[j]); }, s.a, s.b));
-    *cut_value = cut;
     return scan<T>(x, n, cut, idx.data(), k, level) == k;
-}
-
-// The top k among the sorted candidates idx[0:found] (k <= found), which hold every entry with |x| at or above the
-// k-th largest |x| (NaN included): the k-th largest candidate key is the cut, and the candidates at or above it are
-// compacted in place (still sorted). False when that is not exactly k entries (ties or a NaN at the cut).
-template <typename T> bool cut_among(const T* x, int64_t* idx, int64_t found, int64_t k, T* cut_value) {
-    using K = Key<T>;
-    Scratch<K>& s = scratch<K>();
-    grow(s.keys, found);
-    grow(s.a, found);
-    for (int64_t j = 0; j < found; ++j) s.a[j] = s.keys[j] = key_of(x[idx[j]]);
-    std::nth_element(s.a.begin(), s.a.begin() + (found - k), s.a.begin() + found);
-    const K cut = s.a[found - k];
-    if (cut > key_of(std::numeric_limits<T>::infinity())) return false;  // a NaN cut
-    *cut_value = value_of<T>(cut);
-    int64_t kept = 0;
-    for (int64_t j = 0; j < found; ++j) {  // NaN keys are above the cut too: they are not kept
-        idx[kept] = idx[j];
-        kept += (s.keys[j] >= cut) & (s.keys[j] <= key_of(std::numeric_limits<T>::infinity()));
-    }
-    return kept == k;
 }
 
 py::object exact(uintptr_t x, int64_t n, bool is_double, int64_t k, int level) {
@@ -446,41 +434,13 @@ py::object exact(uintptr_t x, int64_t n, bool is_double, int64_t k, int level) {
     {
         std::optional<py::gil_scoped_release> release;  // other threads may run while a large x is read
         if (n >= kReleaseGil) release.emplace();
-        double dcut;
-        float fcut;
-        found = is_double ? exact_impl<double>(reinterpret_cast<const double*>(x), n, k, level, &dcut)
-                          : exact_impl<float>(reinterpret_cast<const float*>(x), n, k, level, &fcut);
+        found = is_double ? exact_impl<double>(reinterpret_cast<const double*>(x), n, k, level)
+                          : exact_impl<float>(reinterpret_cast<const float*>(x), n, k, level);
     }
     py::object result = py::none();
     if (found) result = to_array(tl_indices.data(), k);
     release_scratch();
     return result;
-}
-
-// selection.exact_topk_cut: exact() of an fp32 x, plus the cut (the k-th largest |x|). With count >= k sorted
-// candidates at found (every entry with "not |x| < t" for some t, as compensate_scan finds them), the cut is found
-// among them (compacted in place) instead of a sample and a scan of all of x. Returns (indices or None, cut).
-py::tuple exact_cut(uintptr_t x, int64_t n, int64_t k, uintptr_t found, int64_t count, int level) {
-    const float* v = reinterpret_cast<const float*>(x);
-    bool ok;
-    float cut = 0.0f;
-    const int64_t* result;
-    {
-        std::optional<py::gil_scoped_release> release;
-        if (n >= kReleaseGil) release.emplace();
-        if (found != 0 && count >= k) {
-            int64_t* idx = reinterpret_cast<int64_t*>(found);
-            ok = cut_among<float>(v, idx, count, k, &cut);
-            result = idx;
-        } else {
-            ok = exact_impl<float>(v, n, k, level, &cut);
-            result = tl_indices.data();
-        }
-    }
-    py::object indices = py::none();
-    if (ok) indices = to_array(result, k);
-    release_scratch();
-    return py::make_tuple(indices, cut);
 }
 
 // ------------------------------------------------------------------------------------------ stochastic rounding
@@ -1365,7 +1325,12 @@ __attribute__((target("avx2"))) int64_t compensate_avx2(const float* m, float* g
 }
 #endif
 
-bool compensate_impl(const float* m, float* g, int64_t n, double divisor, float* p, bool clear, int level) {
+bool compensate(uintptr_t memory, uintptr_t grad, int64_t n, double divisor, uintptr_t out, bool clear, int level) {
+    std::optional<py::gil_scoped_release> release;
+    if (n >= kReleaseGil) release.emplace();
+    const float* m = reinterpret_cast<const float*>(memory);
+    float* g = reinterpret_cast<float*>(grad);
+    float* p = reinterpret_cast<float*>(out);
     const float d = static_cast<float>(divisor);
     const bool divide = divisor > 0;
     bool bad = false;
@@ -1389,42 +1354,6 @@ bool compensate_impl(const float* m, float* g, int64_t n, double divisor, float*
         if (clear) g[j] = 0.0f;
     }
     return bad;
-}
-
-bool compensate(uintptr_t memory, uintptr_t grad, int64_t n, double divisor, uintptr_t out, bool clear, int level) {
-    std::optional<py::gil_scoped_release> release;
-    if (n >= kReleaseGil) release.emplace();
-    return compensate_impl(reinterpret_cast<const float*>(memory), reinterpret_cast<float*>(grad), n, divisor,
-                           reinterpret_cast<float*>(out), clear, level);
-}
-
-// feedback.compensate_scan: compensate() block by block, each block (in cache) then scanned as exact()'s candidate
-// scan ("not |p| < t", NaN included) into found[0:capacity]. Returns (bad, count), count the true number of entries
-// that passed (above capacity: found holds the first capacity of them).
-constexpr int64_t kScanBlock = 1 << 14;
-
-py::tuple compensate_scan(uintptr_t memory, uintptr_t grad, int64_t n, double divisor, uintptr_t out, bool clear,
-                          double threshold, uintptr_t found, int64_t capacity, int level) {
-    const float* m = reinterpret_cast<const float*>(memory);
-    float* g = reinterpret_cast<float*>(grad);
-    float* p = reinterpret_cast<float*>(out);
-    int64_t* idx = reinterpret_cast<int64_t*>(found);
-    const float t = static_cast<float>(threshold);
-    bool bad = false;
-    int64_t count = 0;
-    {
-        std::optional<py::gil_scoped_release> release;
-        if (n >= kReleaseGil) release.emplace();
-        for (int64_t start = 0; start < n; start += kScanBlock) {
-            const int64_t len = std::min(kScanBlock, n - start);
-            bad = compensate_impl(m + start, g + start, len, divisor, p + start, clear, level) || bad;
-            const int64_t first = std::min(count, capacity);
-            const int64_t hits = scan<float, true>(p + start, len, t, idx + first, capacity - first, level);
-            for (int64_t j = first; j < std::min(count + hits, capacity); ++j) idx[j] += start;
-            count += hits;
-        }
-    }
-    return py::make_tuple(bad, count);
 }
 
 // ------------------------------------------------------------------------------------------ delta16 indices
@@ -1595,8 +1524,6 @@ PYBIND11_MODULE(LGC_MODULE_NAME, m) {
     m.def("widen", &widen);
     m.def("any_nonfinite", &any_nonfinite);
     m.def("compensate", &compensate);
-    m.def("compensate_scan", &compensate_scan);
-    m.def("exact_cut", &exact_cut);
     m.def("sign_codes", &sign_codes);
     m.def("sign_quantize", &sign_quantize);
     m.def("thin_matmul", &thin_matmul);
