@@ -60,9 +60,9 @@ class RandomK(SparseCompressor):
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
         """Shared indices, one all-reduce of the concatenated values.
 
-        When the inputs (and the outputs) are slices of one buffer (the engine's compensated slots, the bucket's
-        slices) the values are gathered, the residuals written and the sums scattered by one call each for the
-        whole bucket (:func:`~.base.storage_window`); otherwise by one call per slot."""
+        The sums are scattered into the outputs (the bucket's slices) by one call for the whole bucket
+        (:func:`~.base.storage_window`); inputs that are slices of one buffer are gathered and given their residuals
+        by one call each too. Otherwise one call per slot."""
         ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
         numels = [t.numel() for t in tensors]
         device = tensors[0].device
