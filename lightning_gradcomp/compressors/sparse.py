@@ -76,7 +76,7 @@ def slot_positions(tensors: Sequence[Tensor], local: Tensor, ks: Sequence[int]) 
     if found is None:
         return None
     window, offsets = found
-    return window, local + repeated_offsets(tuple(offsets), tuple(ks)).to(local.device)
+    return window, local + repeated_offsets(tuple(offsets), tuple(ks), local.device)
 
 
 class SparseCompressor(Compressor):

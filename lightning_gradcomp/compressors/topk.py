@@ -114,7 +114,7 @@ class TopK(SparseCompressor):
         averaged = [ctx.output(i, t) for i, t in enumerate(tensors)]  # zeroed while the payload travels
         # the outputs' window, and each rank's indices shifted from slot-local to positions in it
         out_window = storage_window(averaged)
-        shift = None if out_window is None else repeated_offsets(tuple(out_window[1]), tuple(ks)).to(local.device)
+        shift = None if out_window is None else repeated_offsets(tuple(out_window[1]), tuple(ks), local.device)
         specs = [(self.value_dtype, sum(ks)), (index_dtype, sum(slots))]
 
         def decode(f: Future) -> list[Tensor]:

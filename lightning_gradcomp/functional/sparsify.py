@@ -142,9 +142,12 @@ def _strata(numels: tuple[int, ...], ks: tuple[int, ...]) -> tuple[Tensor, Tenso
 
 
 @functools.lru_cache(maxsize=256)
-def repeated_offsets(offsets: tuple[int, ...], counts: tuple[int, ...]) -> Tensor:
-    """``offsets[l]`` repeated ``counts[l]`` times (CPU int64; cached, never modify it): added to the concatenated
-    per-layer indices of several layers, it turns them into positions in one window over all of them
+def repeated_offsets(
+    offsets: tuple[int, ...], counts: tuple[int, ...], device: Optional[torch.device] = None
+) -> Tensor:
+    """``offsets[l]`` repeated ``counts[l]`` times (int64 on ``device``, the CPU by default; cached per device, so a
+    GPU bucket copies it to the device once: never modify it). Added to the concatenated per-layer indices of several
+    layers, it turns them into positions in one window over all of them
     (:func:`~lightning_gradcomp.compressors.base.storage_window`).
 
     Example::
@@ -152,7 +155,8 @@ def repeated_offsets(offsets: tuple[int, ...], counts: tuple[int, ...]) -> Tenso
         >>> repeated_offsets((0, 10), (2, 3)).tolist()
         [0, 0, 10, 10, 10]
     """
-    return torch.repeat_interleave(torch.tensor(offsets, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64))
+    flat = torch.repeat_interleave(torch.tensor(offsets, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64))
+    return flat if device is None else flat.to(device)
 
 
 def scatter_dense(numel: int, indices: Tensor, values: Tensor, out: Optional[Tensor] = None) -> Tensor:

@@ -113,3 +113,6 @@ def test_stratified_layers_draw_what_one_call_per_layer_draws(seed: int) -> None
 
 def test_repeated_offsets() -> None:
     assert repeated_offsets((0, 10, 25), (2, 0, 3)).tolist() == [0, 0, 25, 25, 25]
+    on_cpu = repeated_offsets((0, 10, 25), (2, 0, 3), torch.device("cpu"))
+    assert on_cpu.device.type == "cpu" and on_cpu.tolist() == [0, 0, 25, 25, 25]
+    assert repeated_offsets((0, 10, 25), (2, 0, 3), torch.device("cpu")) is on_cpu  # cached per device
