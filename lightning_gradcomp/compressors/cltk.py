@@ -40,13 +40,20 @@ from lightning_gradcomp.checks import check_bool
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
-from lightning_gradcomp.compressors.sparse import SparseCompressor, check_index_coding, pack_bytes, unpack_bytes
+from lightning_gradcomp.compressors.sparse import (
+    SparseCompressor,
+    check_index_coding,
+    pack_bytes,
+    slot_positions,
+    unpack_bytes,
+)
 from lightning_gradcomp.functional.selection import approx_topk_indices, exact_topk_indices, prepare_native
 from lightning_gradcomp.functional.sparsify import (
     decode_delta16,
     delta16_capacity,
     encode_delta16,
     kept_count,
+    repeated_offsets,
     scatter_dense,
 )
 from lightning_gradcomp.presets import register_preset
@@ -54,6 +61,18 @@ from lightning_gradcomp.presets import register_preset
 __all__ = ["CLTK", "decode_delta16", "delta16_capacity", "encode_delta16", "leader_rank"]
 
 _APPROX_BAND = (0.9, 1.0)
+
+
+def _slot_positions(counts: list[int], ks: list[int], device: torch.device) -> Tensor:
+    """Positions of ``counts[l]`` entries at the start of each layer's slot of ``ks[l]`` (slots back to back)."""
+    starts = [0]
+    for k in ks[:-1]:
+        starts.append(starts[-1] + k)
+    firsts = [0]
+    for c in counts[:-1]:
+        firsts.append(firsts[-1] + c)
+    shift = tuple(s - f for s, f in zip(starts, firsts))
+    return torch.arange(sum(counts), device=device) + repeated_offsets(shift, tuple(counts), device)
 
 
 def leader_rank(step: int, bucket_index: int, world_size: int) -> int:
@@ -124,24 +143,44 @@ class CLTK(SparseCompressor):
         indices = [self._decode(c) for c in codes]
 
         world = ctx.world_size
-        values = torch.zeros(sum(ks), dtype=torch.float32, device=device)
-        for t, idx, v in zip(tensors, indices, split_flat(values, ks)):
-            v[: idx.numel()] = t.index_select(0, idx)
+        counts = [idx.numel() for idx in indices]  # k, or fewer with the approximate selection
+        every = torch.cat(indices)
+        # where each chosen entry sits in the values' per-layer slots of k (None: they fill them, counts == ks)
+        slotted = None if counts == ks else _slot_positions(counts, ks, device)
+        gathered = slot_positions(tensors, every, counts)
+        if gathered is not None:
+            taken = gathered[0].index_select(0, gathered[1])
+        else:
+            taken = torch.cat([t.index_select(0, idx) for t, idx in zip(tensors, indices)])
+        if slotted is None:
+            values = taken
+        else:
+            values = torch.zeros(sum(ks), dtype=torch.float32, device=device).index_copy_(0, slotted, taken)
         if self.value_dtype == torch.float32:
             sent, local, divisor = values, values, world
         else:  # pre-divided by W (no 16-bit overflow); the cast's rounding stays in the residual
             sent, divisor = values.div(world).to(self.value_dtype), 1
             local = sent.to(torch.float32).mul_(world)  # this rank's contribution c as the wire carries it
-        for t, idx, v, c in zip(tensors, indices, split_flat(values, ks), split_flat(local, ks)):
-            t.index_copy_(0, idx, v[: idx.numel()] - c[: idx.numel()])  # residual p - c, in p's storage
+        lost = values - local  # residual p - c at the chosen entries, written in p's storage
+        lost = lost if slotted is None else lost.index_select(0, slotted)
+        if gathered is not None:
+            gathered[0].index_copy_(0, gathered[1], lost)
+        else:
+            for t, idx, r in zip(tensors, indices, split_flat(lost, counts)):
+                t.index_copy_(0, idx, r)
         fut = ctx.comm.all_reduce(sent, async_op=True, shares=ctx.shares(ks))
         outputs = [ctx.output(i, t) for i, t in enumerate(tensors)]  # zeroed while the values travel
+        scattered = slot_positions(outputs, every, counts)
 
         def decode(f: torch.futures.Future) -> list[Tensor]:
             mean = f.value().to(torch.float32).div_(divisor)
+            mean = mean if slotted is None else mean.index_select(0, slotted)
+            if scattered is not None:
+                scattered[0].index_add_(0, scattered[1], mean)
+                return outputs
             return [
-                scatter_dense(n, idx, v[: idx.numel()], out=out)
-                for n, out, idx, v in zip(numels, outputs, indices, split_flat(mean, ks))
+                scatter_dense(n, idx, v, out=out)
+                for n, out, idx, v in zip(numels, outputs, indices, split_flat(mean, counts))
             ]
 
         return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=tensors)

@@ -8,7 +8,7 @@ import torch
 from helpers.distributed import run_workers
 from helpers.reduce import rank_inputs, reduce_worker
 from lightning_gradcomp.comm import all_gather_bytes, all_reduce_bytes
-from lightning_gradcomp.compressors import Cast, NoCompression, RandomK, TopK
+from lightning_gradcomp.compressors import CLTK, Cast, NoCompression, RandomK, TopK
 from lightning_gradcomp.functional import kept_count, topk_indices
 
 SHAPES = [(40, 30), (17, 60)]
@@ -159,15 +159,31 @@ def test_topk_index_coding_is_validated_and_counted_in_its_layer_costs() -> None
     assert "index_coding='delta16'" in repr(TopK(index_coding="delta16"))
 
 
+class _ShortCLTK(CLTK):
+    """CLT-k whose leader keeps one entry fewer than k in every layer of more than one (as the approximate
+    selection may, anywhere in its band)."""
+
+    def _select(self, p: torch.Tensor, k: int, ctx, name: str) -> torch.Tensor:
+        chosen = super()._select(p, k, ctx, name)
+        return chosen[1:] if chosen.numel() > 1 else chosen
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("make", [lambda: TopK(0.1), lambda: TopK(0.2, value_dtype=torch.float16),
                                   lambda: TopK(0.1, index_coding="delta16", value_dtype=torch.bfloat16),
                                   lambda: RandomK(0.1), lambda: RandomK(0.3, value_dtype=torch.float16),
-                                  lambda: RandomK(0.1, unbiased=True)],
-                         ids=["topk", "topk-fp16", "topk-delta16-bf16", "randomk", "randomk-fp16", "randomk-unbiased"])
+                                  lambda: RandomK(0.1, unbiased=True), lambda: CLTK(0.1),
+                                  lambda: CLTK(0.1, selection="approx", value_dtype=torch.float16,
+                                               index_coding="delta16"),
+                                  lambda: CLTK(0.2, selection="approx", value_dtype=torch.bfloat16),
+                                  lambda: _ShortCLTK(0.1), lambda: _ShortCLTK(0.1, value_dtype=torch.float16)],
+                         ids=["topk", "topk-fp16", "topk-delta16-bf16", "randomk", "randomk-fp16", "randomk-unbiased",
+                              "cltk", "cltk-compact", "cltk-approx-bf16", "cltk-short", "cltk-short-fp16"])
 def test_sparsifiers_on_slices_of_one_buffer_equal_the_per_slot_path(world: int, make) -> None:
-    """The engine hands over slices of one buffer, and the sparsifiers then gather, write residuals and scatter once
-    for all of them: the same bits as one call per slot on separate tensors, and nothing between the slices moves."""
+    """Given slices of one buffer (the outputs always are: the bucket's slices), the sparsifiers gather, write
+    residuals and scatter once for all of them: the same bits as one call per slot on separate tensors, and nothing
+    between the slices moves. A CLT-k leader that keeps fewer than k entries (as the approximate selection may)
+    leaves the values' slots partly unused."""
     shapes = [(40, 30), (1,), (17, 60), (7,)]
     per_slot = run_workers(reduce_worker, world, make(), shapes, None, 2)
     windowed = run_workers(reduce_worker, world, make(), shapes, None, 2, 0, True)
@@ -179,3 +195,34 @@ def test_sparsifiers_on_slices_of_one_buffer_equal_the_per_slot_path(world: int,
                     continue
                 assert all(torch.equal(x, y) for x, y in zip(step_a[key], step_b[key])), key
         assert a["stats"]["wire_bytes"] == b["stats"]["wire_bytes"]
+
+
+def test_cltk_slot_positions_place_fewer_than_k_at_the_start_of_each_slot() -> None:
+    from lightning_gradcomp.compressors.cltk import _slot_positions
+
+    assert _slot_positions([2, 3, 1], [4, 5, 1], torch.device("cpu")).tolist() == [0, 1, 4, 5, 6, 9]
+    assert _slot_positions([4, 5], [4, 5], torch.device("cpu")).tolist() == list(range(9))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cltk_with_fewer_than_k_entries_averages_the_leaders_choice(world: int) -> None:
+    """The leader keeps k - 1 entries per layer: the average holds the ranks' mean there and zeros elsewhere, and
+    each rank's residual is its input with those entries zeroed (fp32 values)."""
+    from lightning_gradcomp.compressors.cltk import leader_rank
+    from lightning_gradcomp.functional import exact_topk_indices
+
+    shapes, ratio = [(40, 30), (17, 60), (7,)], 0.1
+    results = run_workers(reduce_worker, world, _ShortCLTK(ratio), shapes, None, 1, 0, True)
+    inputs = [rank_inputs(r, shapes) for r in range(world)]
+    leader = leader_rank(0, 0, world)
+    for layer, shape in enumerate(shapes):
+        p = inputs[leader][layer]
+        chosen = exact_topk_indices(p, kept_count(p.numel(), ratio))
+        chosen = chosen[1:] if chosen.numel() > 1 else chosen
+        want = torch.zeros_like(p)
+        want[chosen] = sum(x[layer][chosen] for x in inputs) / world
+        for rank, res in enumerate(results):
+            torch.testing.assert_close(res["steps"][0]["averaged"][layer], want)
+            residual = inputs[rank][layer].clone()
+            residual[chosen] = 0.0
+            assert torch.equal(res["steps"][0]["residuals"][layer], residual)
