@@ -53,7 +53,7 @@ from lightning_gradcomp.functional.sparsify import (
     delta16_capacity,
     encode_delta16,
     kept_count,
-    repeated_offsets,
+    packed_positions,
     scatter_dense,
 )
 from lightning_gradcomp.presets import register_preset
@@ -61,18 +61,6 @@ from lightning_gradcomp.presets import register_preset
 __all__ = ["CLTK", "decode_delta16", "delta16_capacity", "encode_delta16", "leader_rank"]
 
 _APPROX_BAND = (0.9, 1.0)
-
-
-def _slot_positions(counts: list[int], ks: list[int], device: torch.device) -> Tensor:
-    """Positions of ``counts[l]`` entries at the start of each layer's slot of ``ks[l]`` (slots back to back)."""
-    starts = [0]
-    for k in ks[:-1]:
-        starts.append(starts[-1] + k)
-    firsts = [0]
-    for c in counts[:-1]:
-        firsts.append(firsts[-1] + c)
-    shift = tuple(s - f for s, f in zip(starts, firsts))
-    return torch.arange(sum(counts), device=device) + repeated_offsets(shift, tuple(counts), device)
 
 
 def leader_rank(step: int, bucket_index: int, world_size: int) -> int:
@@ -146,7 +134,7 @@ class CLTK(SparseCompressor):
         counts = [idx.numel() for idx in indices]  # k, or fewer with the approximate selection
         every = torch.cat(indices)
         # where each chosen entry sits in the values' per-layer slots of k (None: they fill them, counts == ks)
-        slotted = None if counts == ks else _slot_positions(counts, ks, device)
+        slotted = None if counts == ks else packed_positions(counts, ks, device)
         gathered = slot_positions(tensors, every, counts)
         if gathered is not None:
             taken = gathered[0].index_select(0, gathered[1])

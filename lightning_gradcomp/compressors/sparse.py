@@ -21,6 +21,7 @@ __all__ = [
     "check_value_dtype",
     "pack_bytes",
     "slot_positions",
+    "slot_shift",
     "unpack_bytes",
 ]
 
@@ -60,10 +61,29 @@ def unpack_bytes(raw: Tensor, specs: Sequence[tuple[torch.dtype, int]]) -> list[
     return out
 
 
+def slot_shift(tensors: Sequence[Tensor], counts: Sequence[int]) -> Optional[tuple[Tensor, Tensor]]:
+    """``(window, shift)``: one view over ``tensors`` (:func:`~.base.storage_window`) and each slot's offset in it
+    repeated ``counts[l]`` times, which turns concatenated per-slot indices (``counts[l]`` of them in slot ``l``) into
+    positions in the window; ``None`` when ``tensors`` are not views of one buffer.
+
+    Example::
+
+        >>> buf = torch.arange(10.0)
+        >>> window, shift = slot_shift([buf[0:3], buf[6:10]], [1, 2])
+        >>> shift.tolist(), window.index_select(0, torch.tensor([2, 0, 3]) + shift).tolist()
+        ([0, 6, 6], [2.0, 6.0, 9.0])
+    """
+    found = storage_window(tensors)
+    if found is None:
+        return None
+    window, offsets = found
+    return window, repeated_offsets(tuple(offsets), tuple(counts), tensors[0].device)
+
+
 def slot_positions(tensors: Sequence[Tensor], local: Tensor, ks: Sequence[int]) -> Optional[tuple[Tensor, Tensor]]:
-    """``(window, positions)``: one view over ``tensors`` (:func:`~.base.storage_window`) and the concatenated
-    per-slot indices ``local`` (``ks[l]`` of them in slot ``l``) as positions in it, for one gather or scatter over
-    all the slots; ``None`` when ``tensors`` are not views of one buffer.
+    """``(window, positions)``: :func:`slot_shift`'s window and the concatenated per-slot indices ``local`` (``ks[l]``
+    of them in slot ``l``) as positions in it, for one gather or scatter over all the slots; ``None`` when ``tensors``
+    are not views of one buffer.
 
     Example::
 
@@ -72,11 +92,8 @@ def slot_positions(tensors: Sequence[Tensor], local: Tensor, ks: Sequence[int]) 
         >>> window.index_select(0, positions).tolist()
         [2.0, 6.0, 9.0]
     """
-    found = storage_window(tensors)
-    if found is None:
-        return None
-    window, offsets = found
-    return window, local + repeated_offsets(tuple(offsets), tuple(ks), local.device)
+    found = slot_shift(tensors, ks)
+    return None if found is None else (found[0], local + found[1])
 
 
 class SparseCompressor(Compressor):

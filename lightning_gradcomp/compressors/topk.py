@@ -15,13 +15,14 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_gradcomp.comm import then_same_numerics
-from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat, storage_window
+from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.sparse import (
     SparseCompressor,
     check_index_coding,
     pack_bytes,
     slot_positions,
+    slot_shift,
     unpack_bytes,
 )
 from lightning_gradcomp.functional.layerwise import topk_errors
@@ -31,7 +32,6 @@ from lightning_gradcomp.functional.sparsify import (
     delta16_capacity,
     encode_delta16_layers,
     kept_count,
-    repeated_offsets,
 )
 from lightning_gradcomp.presets import register_preset
 
@@ -112,9 +112,8 @@ class TopK(SparseCompressor):
             for t, i, r in zip(tensors, indices, split_flat(lost, ks)):
                 t.index_copy_(0, i, r)
         averaged = [ctx.output(i, t) for i, t in enumerate(tensors)]  # zeroed while the payload travels
-        # the outputs' window, and each rank's indices shifted from slot-local to positions in it
-        out_window = storage_window(averaged)
-        shift = None if out_window is None else repeated_offsets(tuple(out_window[1]), tuple(ks), local.device)
+        # the outputs' window, and the shift from each rank's slot-local indices to positions in it
+        out_window = slot_shift(averaged, ks)
         specs = [(self.value_dtype, sum(ks)), (index_dtype, sum(slots))]
 
         def decode(f: Future) -> list[Tensor]:
@@ -123,8 +122,8 @@ class TopK(SparseCompressor):
                 vals, received = unpack_bytes(raw, specs)
                 vals = vals.to(torch.float32)
                 idx = decode_delta16_layers(received, slots) if delta16 else received.long()
-                if out_window is not None and shift is not None:
-                    touched.append(idx.add_(shift))
+                if out_window is not None:
+                    touched.append(idx.add_(out_window[1]))
                     out_window[0].index_add_(0, touched[-1], vals)
                     continue
                 for out, i, v in zip(averaged, torch.split(idx, ks), torch.split(vals, ks)):

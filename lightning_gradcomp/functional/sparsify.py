@@ -20,6 +20,7 @@ __all__ = [
     "encode_delta16",
     "encode_delta16_layers",
     "kept_count",
+    "packed_positions",
     "repeated_offsets",
     "scatter_dense",
     "stratified_indices",
@@ -157,6 +158,19 @@ def repeated_offsets(
     """
     flat = torch.repeat_interleave(torch.tensor(offsets, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64))
     return flat if device is None else flat.to(device)
+
+
+def packed_positions(counts: Sequence[int], slots: Sequence[int], device: Optional[torch.device] = None) -> Tensor:
+    """Where ``counts[l]`` entries go when each fills the start of its layer's slot of ``slots[l]`` entries, the
+    slots back to back (int64 on ``device``): ``slots[0] + ... + slots[l-1] + j`` for the ``j``-th of layer ``l``.
+
+    Example::
+
+        >>> packed_positions([2, 3, 1], [4, 5, 1]).tolist()
+        [0, 1, 4, 5, 6, 9]
+    """
+    shift = tuple(s - c for s, c in zip(_starts(slots), _starts(counts)))
+    return torch.arange(sum(counts), device=device) + repeated_offsets(shift, tuple(counts), device)
 
 
 def scatter_dense(numel: int, indices: Tensor, values: Tensor, out: Optional[Tensor] = None) -> Tensor:

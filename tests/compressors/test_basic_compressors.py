@@ -197,13 +197,6 @@ def test_sparsifiers_on_slices_of_one_buffer_equal_the_per_slot_path(world: int,
         assert a["stats"]["wire_bytes"] == b["stats"]["wire_bytes"]
 
 
-def test_cltk_slot_positions_place_fewer_than_k_at_the_start_of_each_slot() -> None:
-    from lightning_gradcomp.compressors.cltk import _slot_positions
-
-    assert _slot_positions([2, 3, 1], [4, 5, 1], torch.device("cpu")).tolist() == [0, 1, 4, 5, 6, 9]
-    assert _slot_positions([4, 5], [4, 5], torch.device("cpu")).tolist() == list(range(9))
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_cltk_with_fewer_than_k_entries_averages_the_leaders_choice(world: int) -> None:
     """The leader keeps k - 1 entries per layer: the average holds the ranks' mean there and zeros elsewhere, and

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.functional import kept_count, scatter_dense, stratified_indices, topk_indices
-from lightning_gradcomp.functional.sparsify import repeated_offsets, stratified_layers
+from lightning_gradcomp.functional.sparsify import packed_positions, repeated_offsets, stratified_layers
 
 
 @pytest.mark.parametrize(("numel", "ratio", "k"), [(1000, 0.01, 10), (10, 0.01, 1), (7, 1.0, 7), (3, 0.5, 2)])
@@ -116,3 +116,9 @@ def test_repeated_offsets() -> None:
     on_cpu = repeated_offsets((0, 10, 25), (2, 0, 3), torch.device("cpu"))
     assert on_cpu.device.type == "cpu" and on_cpu.tolist() == [0, 0, 25, 25, 25]
     assert repeated_offsets((0, 10, 25), (2, 0, 3), torch.device("cpu")) is on_cpu  # cached per device
+
+
+def test_packed_positions_place_fewer_entries_at_the_start_of_each_slot() -> None:
+    """CLT-k's values of a leader that kept fewer than k entries in a layer."""
+    assert packed_positions([2, 3, 1], [4, 5, 1], torch.device("cpu")).tolist() == [0, 1, 4, 5, 6, 9]
+    assert packed_positions([4, 5], [4, 5], torch.device("cpu")).tolist() == list(range(9))
