@@ -18,9 +18,12 @@ so ranks never deadlock):
    under fp16 AMP the GradScaler then sees the Inf and skips the step), with ``nonfinite="zero"`` the
    whole bucket's gradient becomes zero on every rank (the step adds no gradient; training goes on).
 4. Otherwise the compressed slots, error-compensated (``p = m + g``) when the compressor uses error
-   feedback, go through the compressor *together*. Its collectives are issued in order from the thread;
-   only the last may still be in flight when the thread moves on to the next bucket. The memory becomes
-   ``m <- (1 - beta) m + beta (p - c)``.
+   feedback, go through the compressor *together*. (With error feedback the compensation comes before step 2,
+   slot by slot, each followed by the compressor's :meth:`~lightning_gradcomp.compressors.base.Compressor.precompute`
+   of that slot: its local selection or projection, made while ``p`` is in cache and, on a rank that finished
+   backward first, while it would otherwise wait in the flag's all-reduce.) Its collectives are issued in order
+   from the thread; only the last may still be in flight when the thread moves on to the next bucket. The memory
+   becomes ``m <- (1 - beta) m + beta (p - c)``.
 5. A ``.then()`` callback (local math only, run with the training thread's intra-op settings) writes the
    averaged slots into the bucket and resolves the Future with it.
 
@@ -353,7 +356,8 @@ class GradCompHook:
         raw = [_unscaled(g, divisor) for g in grads] if needs_raw and use_ef else None  # before clearing them
         # error feedback compensates ahead of the flag: the kernel's pass checks g for NaN/Inf on the way (no pass
         # of the flag's own); a discarded p changes nothing. The pass zeroes a sparsifier's output slots too, unless
-        # a NaN/Inf would need the gradient back (nonfinite="dense")
+        # a NaN/Inf would need the gradient back (nonfinite="dense"). Each slot's precompute (a selection, P = M Q,
+        # a message) follows its compensation, while p is in cache and before this rank waits for the others
         early = use_ef and node_flag is None and bool(comp)
         clear = (
             use_ef
@@ -361,7 +365,18 @@ class GradCompHook:
             and outputs is not None
             and (not early or self.nonfinite == "zero")
         )
-        compensated, comp_flag = self._compensate(comp, grads, divisor, clear) if early else (None, None)
+        ctx = ReduceContext(
+            comm,
+            step,
+            plan.index,
+            comp,
+            [self.param_of(s.name) for s in comp],
+            self.seed,
+            observed=bool(watchers),
+            outputs=outputs,
+            outputs_zeroed=clear,
+        )
+        compensated, comp_flag = self._compensate(comp, grads, divisor, clear, ctx) if early else (None, None)
         head: Optional[Future] = None
         if check_after:
             head = self._head_async(buf, dense, comm)
@@ -385,17 +400,6 @@ class GradCompHook:
         inputs = [t.clone() for t in tensors] if watchers else []
         if needs_raw and not use_ef:  # without EF the inputs are g already
             raw = inputs
-        ctx = ReduceContext(
-            comm,
-            step,
-            plan.index,
-            comp,
-            [self.param_of(s.name) for s in comp],
-            self.seed,
-            observed=bool(watchers),
-            outputs=outputs,
-            outputs_zeroed=clear,
-        )
         reduction = reduce_with_feedback(
             self.compressor, self.memory if use_ef else None, tensors, ctx, watchers, inputs, raw
         )
@@ -413,14 +417,27 @@ class GradCompHook:
         return self._checked(buf, dense, head, done, ctx) if check_after else done
 
     def _compensate(
-        self, comp: tuple[LayerSlot, ...], grads: list[Tensor], divisor: Optional[Tensor], clear: bool
+        self,
+        comp: tuple[LayerSlot, ...],
+        grads: list[Tensor],
+        divisor: Optional[Tensor],
+        clear: bool,
+        ctx: ReduceContext,
     ) -> tuple[list[Tensor], Optional[bool]]:
         """Error feedback's ``p = m + g / divisor`` of every compressed slot (``clear``: zeroing ``g`` in the same
         pass), and whether some ``g`` holds NaN/Inf (``None``: not checked, on the torch steps; the head then scans
-        the whole bucket)."""
-        pairs = [self.memory.compensate_checked(s.name, g, divisor, clear=clear) for s, g in zip(comp, grads)]
-        flags = [bad for _, bad in pairs]
-        return [p for p, _ in pairs], None if any(bad is None for bad in flags) else any(flags)
+        the whole bucket). Each slot's :meth:`Compressor.precompute` runs right after its ``p`` is formed (still in
+        cache), into ``ctx.early``; not for a ``g`` found non-finite (the bucket's result is dropped anyway)."""
+        tensors: list[Tensor] = []
+        flags: list[Optional[bool]] = []
+        early: list[Any] = []
+        for index, (slot, g) in enumerate(zip(comp, grads)):
+            p, bad = self.memory.compensate_checked(slot.name, g, divisor, clear=clear)
+            tensors.append(p)
+            flags.append(bad)
+            early.append(None if bad else self.compressor.precompute(index, p, ctx))
+        ctx.early = early
+        return tensors, None if any(bad is None for bad in flags) else any(flags)
 
     def _checked(
         self, buf: Tensor, dense: tuple[LayerSlot, ...], head: Optional[Future], done: Future, ctx: ReduceContext

@@ -61,6 +61,8 @@ class ReduceContext:
         result_nonfinite: set while decoding by a compressor that :attr:`Compressor.propagates_nonfinite` and
             checked its averaged values for NaN/Inf in the same pass (whether it found any); the engine then checks
             only the dense slots itself. ``None``: the engine checks the whole bucket.
+        early: per slot, what :meth:`Compressor.precompute` returned when the engine called it ahead of
+            :meth:`Compressor.reduce` (see :meth:`precomputed`); ``None`` when it did not.
     """
 
     comm: Comm
@@ -73,6 +75,12 @@ class ReduceContext:
     outputs: Optional[Sequence[Tensor]] = None
     outputs_zeroed: bool = False
     result_nonfinite: Optional[bool] = None
+    early: Optional[list[Any]] = None
+
+    def precomputed(self, index: int) -> Any:
+        """What :meth:`Compressor.precompute` returned for slot ``index`` ahead of the reduction, or ``None`` (not
+        called, or nothing to do on this rank): the compressor then does that work itself."""
+        return None if self.early is None else self.early[index]
 
     def output(self, index: int, like: Tensor) -> Tensor:
         """A zeroed fp32 tensor for slot ``index``'s averaged result: :attr:`outputs` ``[index]`` when there is one,
@@ -278,6 +286,20 @@ class Compressor(ABC):
         Runs in the strategy's setup, never during backward, so nothing slow happens while other ranks
         wait in a collective. Default: nothing to do.
         """
+
+    def precompute(self, index: int, tensor: Tensor, ctx: ReduceContext) -> Any:
+        """Local work on slot ``index`` that :meth:`reduce` would otherwise do itself, from ``tensor`` (the slot's
+        input) alone: a sparsifier's indices, PowerSGD's ``P = M Q``, a quantizer's message. ``None`` (the default):
+        nothing to do ahead.
+
+        With error feedback the engine calls it right after compensating each slot, while ``p`` is still in cache
+        and before the blocking NaN/Inf flag all-reduce, and hands the results to :meth:`reduce`
+        (:meth:`ReduceContext.precomputed`). So the pass reads a ``p`` just written instead of a cold one, and a
+        rank that finishes backward early does this work while it waits for the others. It must be pure (read
+        ``tensor`` and the committed state, change nothing, issue no collective), and :meth:`reduce` must give the
+        same bits whether it was called or not. When some rank's bucket holds a NaN/Inf the results are dropped.
+        """
+        return None
 
     @abstractmethod
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:

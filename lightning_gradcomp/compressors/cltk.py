@@ -31,7 +31,7 @@ Wire options:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 from torch import Tensor
@@ -112,16 +112,27 @@ class CLTK(SparseCompressor):
         """
         prepare_native()
 
+    def precompute(self, index: int, tensor: Tensor, ctx: ReduceContext) -> Optional[Tensor]:
+        """On this step's leader, the indices it keeps of slot ``index`` (``tensor``: its ``p``); ``None`` on the
+        other ranks, which take the leader's."""
+        if ctx.rank != self._leader(ctx):
+            return None
+        return self._select(tensor, kept_count(tensor.numel(), ctx.params[index]), ctx, ctx.slots[index].name)
+
+    def _leader(self, ctx: ReduceContext) -> int:
+        return leader_rank(ctx.step, ctx.bucket_index if self.spread_leaders else 0, ctx.world_size)
+
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
-        """Leader selects, one broadcast of the indices, one all-reduce of the values."""
+        """Leader selects (unless it did already: :meth:`precompute`), one broadcast of the indices, one all-reduce of
+        the values."""
         numels = [t.numel() for t in tensors]
         ks = [kept_count(n, r) for n, r in zip(numels, ctx.params)]
         slots = [self.index_slots(n, k) for n, k in zip(numels, ks)]
         index_dtype = torch.uint16 if self.index_coding == "delta16" else torch.int32
-        leader = leader_rank(ctx.step, ctx.bucket_index if self.spread_leaders else 0, ctx.world_size)
+        leader = self._leader(ctx)
         device = tensors[0].device
         if ctx.rank == leader:
-            chosen = [self._select(t, k, ctx, slot.name) for slot, t, k in zip(ctx.slots, tensors, ks)]
+            chosen = [self._chosen(i, t, k, ctx) for i, (t, k) in enumerate(zip(tensors, ks))]
             payload = pack_bytes([self._encode(idx, s) for idx, s in zip(chosen, slots)])
         else:
             nbytes = sum(slots) * torch.empty((), dtype=index_dtype).element_size()
@@ -172,6 +183,10 @@ class CLTK(SparseCompressor):
             ]
 
         return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=tensors)
+
+    def _chosen(self, index: int, p: Tensor, k: int, ctx: ReduceContext) -> Tensor:
+        early = ctx.precomputed(index)
+        return self._select(p, k, ctx, ctx.slots[index].name) if early is None else early
 
     def _select(self, p: Tensor, k: int, ctx: ReduceContext, name: str) -> Tensor:
         """The leader's indices; the approximate selection's sample is seeded by the layer ``name`` (not its

@@ -16,7 +16,7 @@ Wire bytes per rank and bucket: ``2 (W-1)/W * 4 * sum_l (n_l + m_l) r_l`` over t
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -99,19 +99,35 @@ class PowerSGD(Compressor):
         n, m = matrix_shape(slot.shape)
         return len(slot.shape) > 1 and lowrank_saves(n, m, self.rank, self.min_compression_rate)
 
+    def precompute(self, index: int, tensor: Tensor, ctx: ReduceContext) -> Tensor:
+        """This rank's ``P = M Q`` of slot ``index`` (``n x r``; ``M``: ``tensor`` as a matrix, ``Q``: the warm start
+        or a fresh factor), which :meth:`reduce` all-reduces."""
+        slot = ctx.slots[index]
+        n, m = matrix_shape(slot.shape)
+        return self._project(tensor.view(n, m), slot.name, effective_rank(n, m, ctx.params[index]), ctx)
+
+    def _project(self, mat: Tensor, name: str, rank: int, ctx: ReduceContext, out: Optional[Tensor] = None) -> Tensor:
+        """``P = M Q`` into ``out`` (a new ``n x rank`` tensor when ``None``)."""
+        q = self._start_factor(name, mat.shape[1], rank, ctx, mat.device)
+        return thin_matmul(mat, q, torch.empty(mat.shape[0], rank, device=mat.device) if out is None else out)
+
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
-        """Two batched all-reduces (P waited in line, Q asynchronous)."""
+        """Two batched all-reduces (P waited in line, Q asynchronous). ``P`` comes from :meth:`precompute` when the
+        engine called it."""
         device = tensors[0].device
         shapes = [matrix_shape(slot.shape) for slot in ctx.slots]
         ranks = [effective_rank(n, m, r) for (n, m), r in zip(shapes, ctx.params)]
         mats = [t.view(n, m) for t, (n, m) in zip(tensors, shapes)]
-        qs = [self._start_factor(slot.name, m, r, ctx, device) for slot, (_, m), r in zip(ctx.slots, shapes, ranks)]
 
         p_counts = [n * r for (n, _), r in zip(shapes, ranks)]
         p_flat = torch.empty(sum(p_counts), dtype=torch.float32, device=device)
         ps = [piece.view(n, r) for piece, (n, _), r in zip(torch.split(p_flat, p_counts), shapes, ranks)]
-        for mat, q, p in zip(mats, qs, ps):
-            thin_matmul(mat, q, p)
+        for i, (slot, mat, p, r) in enumerate(zip(ctx.slots, mats, ps, ranks)):
+            early = ctx.precomputed(i)
+            if early is None:
+                self._project(mat, slot.name, r, ctx, out=p)
+            else:
+                p.copy_(early)
         ctx.comm.all_reduce(p_flat, shares=ctx.shares(p_counts))
         ps = [orthogonalize(p) for p in ps]
 

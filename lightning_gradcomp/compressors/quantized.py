@@ -537,6 +537,19 @@ class QuantizedCompressor(Compressor):
         """
         _native.load()
 
+    def precompute(self, index: int, tensor: Tensor, ctx: ReduceContext) -> Optional[Quantized]:
+        """Slot ``index``'s stage-1 message (codes and scales) of ``tensor``, when the compressor encodes its inputs
+        as given (it does not override :meth:`_encode_inputs`); else ``None``."""
+        if type(self)._encode_inputs is not QuantizedCompressor._encode_inputs:
+            return None
+        return self._quantize(index, tensor, self.codec(ctx.params[index]), ctx, None)
+
+    def _quantize(
+        self, index: int, x: Tensor, codec: SlotCodec, ctx: ReduceContext, shift: Optional[Tensor]
+    ) -> Quantized:
+        """Slot ``index``'s stage-1 message ``Q(x - shift)``."""
+        return codec.quantize(x, _generator(ctx, codec, x.device, ctx.slots[index].name), shift)
+
     def aggregation_at(self, world_size: int) -> str:
         """The protocol this compressor runs at ``world_size`` ranks (``"alltoall"`` or ``"allgather"``)."""
         return resolve_aggregation(self.aggregation, world_size)
@@ -555,8 +568,10 @@ class QuantizedCompressor(Compressor):
         numels = [t.numel() for t in tensors]
         inputs, shifts = self._encode_inputs(tensors, ctx)
         messages = [
-            c.quantize(x, _generator(ctx, c, x.device, slot.name), None if shifts is None else shifts[i])
-            for i, (x, c, slot) in enumerate(zip(inputs, codecs, ctx.slots))
+            self._quantize(i, x, c, ctx, None if shifts is None else shifts[i])
+            if ctx.precomputed(i) is None
+            else ctx.precomputed(i)
+            for i, (x, c) in enumerate(zip(inputs, codecs))
         ]
         residuals, local = self._after_encode(tensors, DecodedMessages(messages), ctx)
         shares = ctx.shares([n * c.bits + 32 * num_groups(n, c.group_size) for n, c in zip(numels, codecs)])

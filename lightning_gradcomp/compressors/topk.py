@@ -82,14 +82,20 @@ class TopK(SparseCompressor):
         the first ``reduce``; without it the selection takes the torch steps (the same set)."""
         prepare_native()
 
+    def precompute(self, index: int, tensor: Tensor, ctx: ReduceContext) -> Tensor:
+        """The sorted indices of ``tensor``'s ``k`` largest magnitudes (``k`` from slot ``index``'s ratio): what
+        :meth:`reduce` keeps of that slot on this rank."""
+        return self._select(index, tensor, ctx)
+
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
-        """Select locally, all-gather one packed byte payload, sum the ranks' entries in rank order.
+        """Select locally (unless done already: :meth:`precompute`), all-gather one packed byte payload, sum the ranks'
+        entries in rank order.
 
         While the payload travels, this rank writes its residuals and zeroes its output slots. When the inputs (and
         the outputs) are slices of one buffer, gathering, residuals and sums take one call each for the whole bucket
         (:func:`~.base.storage_window`), not one per slot."""
         ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
-        indices = [exact_topk_indices(t, k) for t, k in zip(tensors, ks)]  # sorted
+        indices = [self._chosen(i, t, ctx) for i, t in enumerate(tensors)]  # sorted
         local = torch.cat(indices)
         gathered = slot_positions(tensors, local, ks)
         if gathered is not None:
@@ -140,6 +146,14 @@ class TopK(SparseCompressor):
             return averaged
 
         return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=tensors)
+
+    def _chosen(self, index: int, tensor: Tensor, ctx: ReduceContext) -> Tensor:
+        early = ctx.precomputed(index)
+        return self._select(index, tensor, ctx) if early is None else early
+
+    @staticmethod
+    def _select(index: int, tensor: Tensor, ctx: ReduceContext) -> Tensor:
+        return exact_topk_indices(tensor, kept_count(tensor.numel(), ctx.params[index]))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.index_coding == "int32" else f", index_coding={self.index_coding!r}")
