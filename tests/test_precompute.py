@@ -8,15 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
+from torch import Tensor
 
 from helpers.distributed import run_workers
-from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.comm import Comm
+from helpers.engine import train_through_hook
 from lightning_gradcomp.compressors import CLTK, PowerSGD, SignSGD, TopK
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction
-from lightning_gradcomp.hook import gradcomp_comm_hook
 
 WORK = {TopK: "_select", CLTK: "_select", PowerSGD: "_project", SignSGD: "_quantize"}
 """The method that does each compressor's local work, in ``precompute`` or else in ``reduce``."""
@@ -72,34 +69,20 @@ def _recording(base: type, early: bool) -> type:
     return Recording
 
 
-def _model() -> nn.Module:
-    return nn.Sequential(nn.Linear(33, 130), nn.Tanh(), nn.Linear(130, 77), nn.Tanh(), nn.Linear(77, 5))
-
-
 def _train(rank: int, world: int, poison: bool, dtype: torch.dtype) -> dict[tuple[str, bool], Any]:
     """Every case with and without early work, 6 steps (4 compressed), the model in ``dtype``; with ``poison``, rank
     1's gradient of the first layer holds an Inf at step 3 (``nonfinite="zero"``)."""
     out = {}
     for name, (base, kwargs) in CASES.items():
         for early in (False, True):
-            torch.manual_seed(0)
-            model = _model().to(dtype)
-            ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)
-            hook = GradCompStrategy(
-                compressor=_recording(base, early)(**kwargs), min_numel=1, nonfinite="zero"
-            ).make_hook(Comm(), {id(p): n for n, p in model.named_parameters()})
-            ddp.register_comm_hook(hook, gradcomp_comm_hook)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            hook.attach_optimizer(optimizer)
-            data = torch.Generator().manual_seed(rank)
-            for step in range(6):
-                optimizer.zero_grad()
-                loss = ddp(torch.randn(8, 33, generator=data).to(dtype)).float().square().mean()
-                if poison and rank == 1 and step == 3:
-                    loss = loss + model[0].weight[0, 0] * float("inf")
-                loss.backward()
-                optimizer.step()
-            hook.close()
+            model, hook = train_through_hook(
+                rank,
+                _recording(base, early)(**kwargs),
+                steps=6,
+                nonfinite="zero",
+                dtype=dtype,
+                poison_step=3 if poison else None,
+            )
             out[(name, early)] = {
                 "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
                 "memory": {k: v.clone() for k, v in hook.memory.memories.items()},

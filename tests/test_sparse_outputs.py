@@ -8,15 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
+from torch import Tensor
 
 from helpers.distributed import run_workers
-from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.comm import Comm
+from helpers.engine import train_through_hook
 from lightning_gradcomp.compressors import CLTK, RandomK, TopK
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction
-from lightning_gradcomp.hook import gradcomp_comm_hook
 
 CASES: dict[str, tuple[type, dict[str, Any]]] = {
     "TopK": (TopK, {"ratio": 0.05}),
@@ -46,21 +43,7 @@ def _train(rank: int, world: int, nonfinite: str) -> dict[tuple[str, bool], Any]
     out = {}
     for name, (base, kwargs) in CASES.items():
         for sparse in (False, True):
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(33, 130), nn.Tanh(), nn.Linear(130, 77), nn.Tanh(), nn.Linear(77, 5))
-            ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)
-            hook = GradCompStrategy(
-                compressor=_recording(base, sparse)(**kwargs), min_numel=1, nonfinite=nonfinite
-            ).make_hook(Comm(), {id(p): n for n, p in model.named_parameters()})
-            ddp.register_comm_hook(hook, gradcomp_comm_hook)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            hook.attach_optimizer(optimizer)
-            data = torch.Generator().manual_seed(rank)
-            for _ in range(4):
-                optimizer.zero_grad()
-                ddp(torch.randn(8, 33, generator=data)).square().mean().backward()
-                optimizer.step()
-            hook.close()
+            model, hook = train_through_hook(rank, _recording(base, sparse)(**kwargs), steps=4, nonfinite=nonfinite)
             out[(name, sparse)] = {
                 "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
                 "memory": {k: v.clone() for k, v in hook.memory.memories.items()},

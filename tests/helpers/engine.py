@@ -1,0 +1,48 @@
+"""Training a small MLP through the hook engine on each rank of ``run_workers`` (bit-for-bit comparisons of two
+ways of computing the same reduction)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.comm import Comm
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+
+
+def train_through_hook(
+    rank: int,
+    compressor: Compressor,
+    *,
+    steps: int,
+    nonfinite: str = "dense",
+    dtype: torch.dtype = torch.float32,
+    poison_step: Optional[int] = None,
+) -> tuple[nn.Module, GradCompHook]:
+    """A 33-130-77-5 MLP (seed 0, in ``dtype``) in DDP with 20 KB buckets, every layer compressed by ``compressor``
+    (``min_numel=1``), trained ``steps`` SGD steps on data seeded by ``rank``; with ``poison_step``, rank 1's loss at
+    that step gets an Inf through the first layer's ``weight[0, 0]``. Returns the model and the (closed) hook."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(33, 130), nn.Tanh(), nn.Linear(130, 77), nn.Tanh(), nn.Linear(77, 5)).to(dtype)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)
+    hook = GradCompStrategy(compressor=compressor, min_numel=1, nonfinite=nonfinite).make_hook(
+        Comm(), {id(p): n for n, p in model.named_parameters()}
+    )
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hook.attach_optimizer(optimizer)
+    data = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = ddp(torch.randn(8, 33, generator=data).to(dtype)).float().square().mean()
+        if step == poison_step and rank == 1:
+            loss = loss + model[0].weight[0, 0] * float("inf")
+        loss.backward()
+        optimizer.step()
+    hook.close()
+    return model, hook
