@@ -550,6 +550,13 @@ class QuantizedCompressor(Compressor):
         """Slot ``index``'s stage-1 message ``Q(x - shift)``."""
         return codec.quantize(x, _generator(ctx, codec, x.device, ctx.slots[index].name), shift)
 
+    def _message(
+        self, index: int, x: Tensor, codec: SlotCodec, ctx: ReduceContext, shift: Optional[Tensor]
+    ) -> Quantized:
+        """What :meth:`precompute` made of slot ``index`` already, else :meth:`_quantize`."""
+        early = ctx.precomputed(index)
+        return self._quantize(index, x, codec, ctx, shift) if early is None else early
+
     def aggregation_at(self, world_size: int) -> str:
         """The protocol this compressor runs at ``world_size`` ranks (``"alltoall"`` or ``"allgather"``)."""
         return resolve_aggregation(self.aggregation, world_size)
@@ -568,9 +575,7 @@ class QuantizedCompressor(Compressor):
         numels = [t.numel() for t in tensors]
         inputs, shifts = self._encode_inputs(tensors, ctx)
         messages = [
-            self._quantize(i, x, c, ctx, None if shifts is None else shifts[i])
-            if ctx.precomputed(i) is None
-            else ctx.precomputed(i)
+            self._message(i, x, c, ctx, None if shifts is None else shifts[i])
             for i, (x, c) in enumerate(zip(inputs, codecs))
         ]
         residuals, local = self._after_encode(tensors, DecodedMessages(messages), ctx)
