@@ -122,6 +122,7 @@ def _measure(key: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str, 
 
     n = spec["steps"]
     _run_steps(step, spec["warmup"], 0)
+    dist.barrier()  # the warm-up's last packets, still queued on a link, are not counted as barrier bytes
     barrier_bytes, barrier_packets = _barrier_tx(iface, n + 1)  # the measurement's own barriers
     start = snapshot()
     times = _run_steps(step, 0, n)
