@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from lightning_gradcomp.bench.models import load_workload
-from lightning_gradcomp.cli import main as cli_main
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, parse_rate, setup_commands, teardown_commands
 from lightning_gradcomp.bench.runner import recommend, run_bench, summarise, work_ms_of
 from lightning_gradcomp.bench.worker import block_sizes, header_bytes_per_packet
+from lightning_gradcomp.cli import main as cli_main
 
 FIELDS = {"step_time_median_s", "step_time_p25_s", "step_time_p75_s", "throughput_samples_per_s", "scaling_efficiency",
           "wire_bytes_per_step", "iface_tx_bytes_per_step", "iface_tx_payload_bytes_per_step",
