@@ -21,7 +21,7 @@ from lightning_gradcomp.compressors.quantized import (
 )
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
-from lightning_gradcomp.functional.quantize import Quantized
+from lightning_gradcomp.functional.quantize import Quantized, sign_quantize
 from lightning_gradcomp.presets import register_preset
 
 __all__ = ["SignSGD"]
@@ -55,11 +55,24 @@ class SignSGD(QuantizedCompressor):
     def codec(self, param: Any) -> SlotCodec:
         return SlotCodec(0, self.bucket_size)
 
+    def _quantize(
+        self, index: int, x: Tensor, codec: SlotCodec, ctx: ReduceContext, shift: Optional[Tensor]
+    ) -> Quantized:
+        """Slot ``index``'s message; unless an observer reads the inputs, the pass also writes the residual ``p - c``
+        over ``x`` (the engine's ``p``), each scale group's while it is in cache (see :meth:`_after_encode`)."""
+        if ctx.observed:
+            return super()._quantize(index, x, codec, ctx, shift)
+        assert shift is None  # SignSGD encodes its inputs as given
+        return sign_quantize(x, codec.group_size, residual=x)
+
     def _after_encode(
         self, tensors: list[Tensor], decoded: DecodedMessages, ctx: ReduceContext
     ) -> tuple[Optional[list[Tensor]], Optional[Sequence[Tensor]]]:
-        for i, p in enumerate(tensors):  # p - c in the engine's storage, straight from the codes (exactly p.sub_(c))
-            decoded.message(i).decode_add(p, -1.0, p)
+        """The residuals ``p - c`` in the engine's storage: written by :meth:`_quantize` already, or here (when an
+        observer read the inputs), straight from the codes. The same bits either way (exactly ``p.sub_(c)``)."""
+        if ctx.observed:
+            for i, p in enumerate(tensors):
+                decoded.message(i).decode_add(p, -1.0, p)
         return tensors, None
 
     def _owner_message(self, ctx: ReduceContext, seg: Segment, mean: Tensor) -> Tensor:

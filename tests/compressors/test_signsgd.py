@@ -119,3 +119,48 @@ def test_replicas_identical_in_lightning(tmp_path: Path, world: int) -> None:
                   devices=world, model=model)
     assert_replicas_identical(records)
     assert records[0]["memory"]  # worker error-feedback memories exist
+
+
+def _observed_and_not(rank: int, world: int, aggregation: str, sizes: list[int]) -> dict[str, Any]:
+    """The same inputs reduced with ``observed`` on (the residual in a second pass) and off (written by the quantize
+    pass), each with its own compressor (its own server memory), three steps."""
+    comm = Comm(None, CommStats())
+    slots, offset = [], 0
+    for i, n in enumerate(sizes):
+        slots.append(LayerSlot(f"l{i}", offset, (n,), True))
+        offset += n
+    gen = torch.Generator().manual_seed(100 + rank)
+    steps = [[torch.randn(n, generator=gen) * 10.0 ** (i % 3) for i, n in enumerate(sizes)] for _ in range(3)]
+    out: dict[str, Any] = {}
+    for observed in (True, False):
+        comp = SignSGD(bucket_size=64, aggregation=aggregation)
+        residuals, averaged = [], []
+        for step, xs in enumerate(steps):
+            ctx = ReduceContext(comm, step, 0, slots, [None] * len(slots), observed=observed)
+            red = comp.reduce([x.clone() for x in xs], ctx)
+            averaged.append(torch.cat(red.averaged.wait()))
+            residuals.append(torch.cat(red.residuals))
+        out[str(observed)] = (averaged, residuals, comp.state_dict())
+    out["inputs"] = [torch.cat(xs) for xs in steps]
+    out["messages"] = [torch.cat([sign_quantize(x, 64).decode() for x in xs]) for xs in steps]
+    return out
+
+
+@pytest.mark.parametrize("sizes", [[1], [63, 64, 65], [1000, 7, 4097]])
+@pytest.mark.parametrize(("world", "aggregation"), [(2, "allgather"), (3, "alltoall"), (5, "alltoall")])
+def test_residual_written_by_the_quantize_pass_gives_the_same_bits(
+    world: int, aggregation: str, sizes: list[int]
+) -> None:
+    """Unobserved, the quantize pass writes ``p - c``; observed, a second pass does: the same residuals, averages and
+    server memories, bit for bit, on every rank; and the residual is ``p - c`` (not ``p``)."""
+    results = run_workers(_observed_and_not, world, aggregation, sizes)
+    for r in results:
+        (avg_a, res_a, state_a), (avg_b, res_b, state_b) = r["True"], r["False"]
+        for a, b in zip(avg_a + res_a, avg_b + res_b):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        assert state_a.keys() == state_b.keys()
+        for key in state_a["server"]:
+            assert torch.equal(state_a["server"][key]["value"], state_b["server"][key]["value"])
+        assert all(torch.equal(a, results[0]["True"][0][i]) for i, a in enumerate(avg_a))
+        for res, x, c in zip(res_b, r["inputs"], r["messages"]):
+            assert torch.equal(res, x - c)

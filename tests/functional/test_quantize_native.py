@@ -110,6 +110,43 @@ def test_sign_quantize_in_one_pass(n: int, group_size: int, kind: str) -> None:
     assert torch.equal(torch.isnan(got[0].scales), torch.isnan(reference.scales))
 
 
+@needs_kernel
+@pytest.mark.parametrize("kind", ["normal", "special", "nonfinite"])
+@pytest.mark.parametrize("group_size", [1, 5, 8, 9, 512, 1500])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 17, 513, 4097, 100_003])
+def test_sign_quantize_writes_the_residual_of_decode_add(n: int, group_size: int, kind: str) -> None:
+    """``residual=``: the message unchanged, and ``x - decode()`` with the bits of ``q.decode_add(x, -1.0, out)``
+    (negative zeros and NaN/Inf results included) at every level, into another tensor or over ``x`` itself; the
+    torch steps (no kernel) write the same bits."""
+    x = _inputs(kind, n, 7 * n + group_size)
+    for level in LEVELS:
+        q = quantize.sign_quantize(x, group_size, level=level)
+        expected = torch.empty_like(x)
+        q.decode_add(x, -1.0, expected)
+        apart = torch.empty_like(x)
+        fused = quantize.sign_quantize(x, group_size, level=level, residual=apart)
+        assert torch.equal(fused.codes, q.codes) and _bits_equal(fused.scales, q.scales)
+        assert _bits_equal(apart, expected), level
+        inplace = x.clone()
+        quantize.sign_quantize(inplace, group_size, level=level, residual=inplace)
+        assert _bits_equal(inplace, expected), level
+    with _torch_path():
+        reference = quantize.sign_quantize(x, group_size)
+        expected = torch.empty_like(x)
+        reference.decode_add(x, -1.0, expected)
+        apart = torch.empty_like(x)
+        quantize.sign_quantize(x, group_size, residual=apart)
+    assert _bits_equal(apart, expected)
+
+
+def test_sign_quantize_rejects_a_residual_of_another_size_or_dtype() -> None:
+    x = torch.randn(10)
+    with pytest.raises(ValueError, match="residual"):
+        quantize.sign_quantize(x, 4, residual=torch.empty(9))
+    with pytest.raises(ValueError, match="residual"):
+        quantize.sign_quantize(x, 4, residual=torch.empty(10, dtype=torch.float64))
+
+
 # ------------------------------------------------------------------------------------------------ rounding
 @needs_kernel
 @pytest.mark.parametrize("level", LEVELS)

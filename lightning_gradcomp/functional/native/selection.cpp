@@ -1074,9 +1074,10 @@ __attribute__((target("avx2"))) int64_t sign_codes_avx2(const float* x, int64_t 
 #endif
 
 // quantize.sign_quantize: the codes above and, per group of group_size (the last one shorter), the mean |x| in one
-// pass. Each group's |x| are summed in 8 lanes (entry j of the group into lane j % 8, in order), the lanes pairwise
-// ((0+4)+(2+6)) + ((1+5)+(3+7)), then the group's last m % 8 entries in order; the sum is divided by the group's
-// length. The same bits at every level (the scalar loop keeps the lanes too); not torch's summation order.
+// pass; when residual is not 0, also the group's x - decode() right after its mean, while the group is in cache
+// (sign_residual). Each group's |x| are summed in 8 lanes (entry j of the group into lane j % 8, in order),
+// the lanes pairwise ((0+4)+(2+6)) + ((1+5)+(3+7)), then the group's last m % 8 entries in order; the sum is divided
+// by the group's length. The same bits at every level (the scalar loop keeps the lanes too); not torch's order.
 // 8 lanes summed as ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)): the order of lanes_sum below, for the scalar loops.
 inline float lanes_sum(const float* lanes) {
     const float h0 = lanes[0] + lanes[4], h1 = lanes[1] + lanes[5], h2 = lanes[2] + lanes[6], h3 = lanes[3] + lanes[7];
@@ -1106,13 +1107,34 @@ __attribute__((target("avx2"))) float abs_sum_codes_avx2(const float* x, int64_t
 }
 #endif
 
-void sign_quantize(uintptr_t src, int64_t n, int64_t group_size, uintptr_t codes, uintptr_t scales, int level) {
+// The residual x - decode() of one group, written while the group is in cache, with dequantize_add's own steps
+// (the decoded chunk from the codes as decode_span gives it, then the same fused multiply-adds by -1): the same bits,
+// NaN payloads included. r may alias x.
+inline void sign_residual(const float* x, const uint8_t* c, int64_t m, float scale, bool fma_wide, float* r) {
+    alignas(32) float d[kAxpyChunk];
+    for (int64_t off = 0; off < m; off += kAxpyChunk) {
+        const int64_t len = std::min(kAxpyChunk, m - off);
+        sign_generic(c + off, len, scale, d);
+#if LGC_X86
+        if (fma_wide) {
+            axpy_avx2(d, x + off, len, -1.0f, r + off, 0.0f, nullptr);
+            continue;
+        }
+#endif
+        axpy_generic(d, x + off, len, -1.0f, r + off, 0.0f, nullptr);
+    }
+}
+
+void sign_quantize(uintptr_t src, int64_t n, int64_t group_size, uintptr_t codes, uintptr_t scales, uintptr_t residual,
+                   int level) {
     std::optional<py::gil_scoped_release> release;
     if (n >= kReleaseGil) release.emplace();
     const float* x = reinterpret_cast<const float*>(src);
     uint8_t* out = reinterpret_cast<uint8_t*>(codes);
     float* mean = reinterpret_cast<float*>(scales);
+    float* res = reinterpret_cast<float*>(residual);  // 0: none
     const bool wide = LGC_X86 && std::min(level, kLevel) >= 2;
+    const bool fma_wide = wide && fma_supported();  // as dequantize_add decides
     for (int64_t start = 0, g = 0; start < n; start += group_size, ++g) {
         const int64_t m = std::min(group_size, n - start);
         const float* v = x + start;
@@ -1138,6 +1160,7 @@ void sign_quantize(uintptr_t src, int64_t n, int64_t group_size, uintptr_t codes
             c[j] = v[j] >= 0.0f ? 1 : 0;
         }
         mean[g] = total / static_cast<float>(m);
+        if (res != nullptr) sign_residual(v, c, m, mean[g], fma_wide, res + start);
     }
 }
 
