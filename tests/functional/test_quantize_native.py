@@ -112,8 +112,8 @@ def test_sign_quantize_in_one_pass(n: int, group_size: int, kind: str) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["normal", "special", "nonfinite"])
-@pytest.mark.parametrize("group_size", [1, 5, 8, 9, 512, 1500])
-@pytest.mark.parametrize("n", [1, 7, 8, 9, 17, 513, 4097, 100_003])
+@pytest.mark.parametrize("group_size", [1, 9, 512, 1500])
+@pytest.mark.parametrize("n", [1, 9, 513, 100_003])
 def test_sign_quantize_writes_the_residual_of_decode_add(n: int, group_size: int, kind: str) -> None:
     """``residual=``: the message unchanged, and ``x - decode()`` with the bits of ``q.decode_add(x, -1.0, out)``
     (negative zeros and NaN/Inf results included) at every level, into another tensor or over ``x`` itself; the
