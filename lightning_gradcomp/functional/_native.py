@@ -49,7 +49,8 @@ Kernel functions (each reads ``x`` as flat; results are identical to the NumPy s
 * ``compensate`` (called by :mod:`.feedback`): error feedback's ``p = m + g / s`` in one pass, checking ``g`` for
   NaN/Inf and optionally zeroing it on the way (torch's bits).
 * ``sign_codes`` and ``sign_quantize`` (called by :mod:`.quantize`): scaled sign's ``x >= 0`` bytes (torch's), and
-  with them each bucket's mean ``|x|`` in one pass (the kernel's own summation order).
+  with them each bucket's mean ``|x|`` in one pass (the kernel's own summation order); optionally the residual
+  ``x - decode()`` too, each bucket's right after its mean (``dequantize_add``'s bits).
 * ``stochastic_round`` takes an optional ``minus``: DIANA's ``g - h``, subtracted group by group.
 * ``thin_matmul``, ``thin_matmul_t`` and ``subtract_product`` (called by :mod:`.lowrank`): PowerSGD's ``M Q``,
   ``M^T P`` and ``M - P Q^T`` for up to ``thin_max`` (32) columns, one pass over ``M`` each, in a fixed summation
