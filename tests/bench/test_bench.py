@@ -196,6 +196,6 @@ def test_rounds_interleave_blocks_and_count_each_configurations_own_bytes() -> N
         if link:  # what the interface carried, less the measurement's barriers, is the configuration's payload
             assert a["iface_payload_vs_ours"] == pytest.approx(1.0, abs=0.05)
             assert b["iface_payload_vs_ours"] == pytest.approx(1.0, abs=0.05)
-            # gloo's own framing is the same per step in one go and in blocks (packets of the step before a
-            # block, still queued on its link, once made a block read up to 5 % low)
-            assert b["iface_payload_vs_ours"] == pytest.approx(a["iface_payload_vs_ours"], abs=0.01)
+            # the same payload per step in one go and in blocks, within 1 KB (runs differ by up to ~150 B: ACK
+            # options); packets of the step before a block, still queued on its link, once took 2-18 KB per step off
+            assert abs(b["iface_tx_payload_bytes_per_step"] - a["iface_tx_payload_bytes_per_step"]) <= 1024
