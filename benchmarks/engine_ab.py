@@ -2,7 +2,7 @@
 
 The same W = 2 processes (loopback gloo) train one bench configuration; every other pair of steps the change is
 switched off. Prints, per rank, the median step time and the median compression work per step (the communication
-thread's time less its blocking waits, as the bench's "work ms") of each side. Switches:
+thread's time less its blocking waits, as the bench's "work ms") and of those waits, of each side. Switches:
 
 * ``precompute``: the engine's early pass (``Compressor.precompute`` right after each slot's compensation); off,
   ``reduce`` does that work itself, as before the early pass::
@@ -76,18 +76,19 @@ SWITCHES: dict[str, Callable[[], Callable[[bool], None]]] = {
 }
 
 
-def _run(rank: int, world: int, config: str, switch: str, steps: int, model: str) -> dict[bool, tuple[float, float]]:
+def _run(rank: int, world: int, config: str, switch: str, steps: int, model: str) -> dict[bool, tuple[float, ...]]:
     installed = install(config, load_workload(model), None)
     optimizer = torch.optim.SGD(installed.ddp.parameters(), lr=0.01)
     installed.begin(optimizer)
     set_on = SWITCHES[switch]()
     times: dict[bool, list[float]] = {True: [], False: []}
     works: dict[bool, list[float]] = {True: [], False: []}
+    waits: dict[bool, list[float]] = {True: [], False: []}
     for i in range(WARMUP + 2 * steps):
         on = (i // 2) % 2 == 0
         set_on(on)
         torch.distributed.barrier()
-        work = installed.thread_seconds() - installed.wait_seconds()
+        work, wait = installed.thread_seconds() - installed.wait_seconds(), installed.wait_seconds()
         start = time.perf_counter()
         installed.ddp().backward()
         optimizer.step()
@@ -96,8 +97,9 @@ def _run(rank: int, world: int, config: str, switch: str, steps: int, model: str
         if i >= WARMUP:
             times[on].append(time.perf_counter() - start)
             works[on].append(installed.thread_seconds() - installed.wait_seconds() - work)
+            waits[on].append(installed.wait_seconds() - wait)
     installed.hook.close()
-    return {on: (statistics.median(times[on]), statistics.median(works[on])) for on in (True, False)}
+    return {on: tuple(statistics.median(x[on]) for x in (times, works, waits)) for on in (True, False)}
 
 
 def main() -> None:
@@ -110,11 +112,9 @@ def main() -> None:
     torch.set_num_threads(1)
     results = run_workers(_run, 2, args.config, args.switch, args.steps, args.model, timeout=1800.0)
     for rank, result in enumerate(results):
-        (on_step, on_work), (off_step, off_work) = result[True], result[False]
-        print(
-            f"{args.config} rank{rank}: {args.switch} ON step {on_step * 1e3:.1f} ms work {on_work * 1e3:.2f} ms | "
-            f"OFF step {off_step * 1e3:.1f} ms work {off_work * 1e3:.2f} ms"
-        )
+        sides = [f"{name} step {t * 1e3:.1f} ms work {w * 1e3:.2f} ms wait {b * 1e3:.2f} ms"
+                 for name, (t, w, b) in (("ON", result[True]), ("OFF", result[False]))]  # fmt: skip
+        print(f"{args.config} rank{rank}: {args.switch} " + " | ".join(sides))
 
 
 if __name__ == "__main__":
