@@ -295,9 +295,11 @@ class Compressor(ABC):
         With error feedback the engine calls it right after compensating each slot, while ``p`` is still in cache
         and before the blocking NaN/Inf flag all-reduce, and hands the results to :meth:`reduce`
         (:meth:`ReduceContext.precomputed`). So the pass reads a ``p`` just written instead of a cold one, and a
-        rank that finishes backward early does this work while it waits for the others. It must be pure (read
-        ``tensor`` and the committed state, change nothing, issue no collective), and :meth:`reduce` must give the
-        same bits whether it was called or not. When some rank's bucket holds a NaN/Inf the results are dropped.
+        rank that finishes backward early does this work while it waits for the others. It must issue no collective
+        and change no state; it may change ``tensor`` only into what :meth:`reduce` leaves there anyway (SignSGD
+        writes its residual ``p - c``), and only when ``ctx.observed`` is false (observers copy the inputs after
+        it). :meth:`reduce` must give the same bits whether it was called or not. When some rank's bucket holds a
+        NaN/Inf the results are dropped.
         """
         return None
 
