@@ -21,6 +21,7 @@ version").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -31,7 +32,6 @@ import torch
 from lightning_gradcomp import hook as engine
 from lightning_gradcomp.bench.configs import install
 from lightning_gradcomp.bench.models import load_workload
-from lightning_gradcomp.compressors.quantized import QuantizedCompressor
 from lightning_gradcomp.compressors.signsgd import SignSGD
 from lightning_gradcomp.gloo_workers import run_workers
 
@@ -58,13 +58,14 @@ def _precompute_switch() -> Callable[[bool], None]:
 def _sign_residual_switch() -> Callable[[bool], None]:
     fused_quantize, fused_after = SignSGD._quantize, SignSGD._after_encode
 
-    def second_pass(self: SignSGD, tensors: list[torch.Tensor], decoded: Any, ctx: Any) -> Any:
-        for i, p in enumerate(tensors):
-            decoded.message(i).decode_add(p, -1.0, p)
-        return tensors, None
+    def quantize_only(self: SignSGD, index: int, x: Any, codec: Any, ctx: Any, shift: Any) -> Any:
+        return fused_quantize(self, index, x, codec, dataclasses.replace(ctx, observed=True), shift)
 
-    def set_on(on: bool) -> None:
-        SignSGD._quantize = fused_quantize if on else QuantizedCompressor._quantize  # type: ignore[method-assign]
+    def second_pass(self: SignSGD, tensors: Any, decoded: Any, ctx: Any) -> Any:
+        return fused_after(self, tensors, decoded, dataclasses.replace(ctx, observed=True))
+
+    def set_on(on: bool) -> None:  # off: SignSGD's own path for observed steps
+        SignSGD._quantize = fused_quantize if on else quantize_only  # type: ignore[method-assign]
         SignSGD._after_encode = fused_after if on else second_pass  # type: ignore[method-assign]
 
     return set_on

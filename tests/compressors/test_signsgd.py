@@ -11,6 +11,7 @@ import torch
 
 from helpers.distributed import run_workers
 from helpers.models import TinyNet, assert_replicas_identical, fit
+from helpers.reduce import make_slots
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors import SignSGD, create
@@ -125,10 +126,7 @@ def _observed_and_not(rank: int, world: int, aggregation: str, sizes: list[int])
     """The same inputs reduced with ``observed`` on (the residual in a second pass) and off (written by the quantize
     pass), each with its own compressor (its own server memory), three steps."""
     comm = Comm(None, CommStats())
-    slots, offset = [], 0
-    for i, n in enumerate(sizes):
-        slots.append(LayerSlot(f"l{i}", offset, (n,), True))
-        offset += n
+    slots = make_slots([(n,) for n in sizes])
     gen = torch.Generator().manual_seed(100 + rank)
     steps = [[torch.randn(n, generator=gen) * 10.0 ** (i % 3) for i, n in enumerate(sizes)] for _ in range(3)]
     out: dict[str, Any] = {}
