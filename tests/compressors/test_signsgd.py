@@ -145,7 +145,7 @@ def _observed_and_not(rank: int, world: int, aggregation: str, sizes: list[int])
 
 
 @pytest.mark.parametrize("sizes", [[1], [63, 64, 65], [1000, 7, 4097]])
-@pytest.mark.parametrize(("world", "aggregation"), [(2, "allgather"), (3, "alltoall"), (5, "alltoall")])
+@pytest.mark.parametrize(("world", "aggregation"), [(2, "allgather"), (3, "alltoall"), (4, "alltoall"), (5, "alltoall")])
 def test_residual_written_by_the_quantize_pass_gives_the_same_bits(
     world: int, aggregation: str, sizes: list[int]
 ) -> None:
