@@ -50,7 +50,9 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks; return the results by rank.
 
     Each rank runs with one intra-op thread, ``MASTER_ADDR=127.0.0.1`` and a fresh free port, and destroys its
-    process group on the way out.
+    process group on the way out. A parent that has run MKL matrix products should have started with
+    ``MKL_DISABLE_FAST_MM=1`` (the test suite sets it): a child forked from MKL's per-thread memory manager once
+    spun in it for good.
 
     Args:
         fn: called once per rank after ``init_process_group("gloo")``; its return value (tensors, containers,
