@@ -86,7 +86,7 @@ def compensate_checked(
         out = grad.to(torch.float32, copy=True)
         out = out if scale is None else out.div_(scale)
     elif scale is None:
-        out = memory + grad
+        out = memory + grad.to(torch.float32)  # not promoted to fp64: p is fp32 whatever the gradient's dtype
     else:
         out = torch.addcdiv(memory, grad.to(torch.float32), scale)
     if clear:

@@ -100,8 +100,8 @@ class _Recording:
         return out
 
 
-def _train(rank: int, world: int, name: str) -> dict[str, Any]:
-    model = LayerSizesNet(SHAPES)
+def _train(rank: int, world: int, name: str, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    model = LayerSizesNet(SHAPES).to(dtype)
     strategy = GradCompStrategy(compressor=VARIANTS[name](), start_step=START_STEP, **OPTIONS.get(name, FLAT))
     views = strategy._ddp_kwargs["gradient_as_bucket_view"]  # as a fit wraps the model: gradients in the buckets
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.004, gradient_as_bucket_view=views)  # ~1000 floats/bucket
@@ -115,20 +115,21 @@ def _train(rank: int, world: int, name: str) -> dict[str, Any]:
     total = sum(p.numel() for p in model.layers.values())
     for _ in range(STEPS):
         image, features = torch.randn(BATCH, 3, 5, 5, generator=gen), torch.randn(BATCH, total, generator=gen)
-        loss = (ddp(image, features).tanh() - torch.randn(BATCH, generator=gen).sign()).square().mean()
+        target = torch.randn(BATCH, generator=gen).sign()
+        loss = (ddp(image.to(dtype), features.to(dtype)).tanh() - target.to(dtype)).square().mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     return {"params": [p.detach().clone() for p in model.parameters()], "calls": recording.calls, "step": hook.step}
 
 
-def _sweep(rank: int, world: int, names: list[str]) -> dict[str, Any]:
+def _sweep(rank: int, world: int, names: list[str], dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     out = {}
     for name in names:
         try:
-            out[name] = _train(rank, world, name)
+            out[name] = _train(rank, world, name, dtype)
         except Exception as err:  # name the variant in the traceback run_workers reports
-            raise RuntimeError(f"{name} failed at W={world} on rank {rank}") from err
+            raise RuntimeError(f"{name} failed at W={world} on rank {rank} with {dtype} parameters") from err
     return out
 
 
@@ -168,6 +169,25 @@ def test_every_compressor_on_small_and_odd_layers(world: int) -> None:
     names = list(VARIANTS)
     results = run_workers(_sweep, world, names, timeout=120)
     problems = [p for name in names for p in _check(name, world, [r[name] for r in results])]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(("dtype", "world"), [(torch.float64, 3), (torch.bfloat16, 2), (torch.float16, 4)])
+def test_every_registered_compressor_on_parameters_of_other_dtypes(dtype: torch.dtype, world: int) -> None:
+    """fp64, bf16 and fp16 parameters: gradients and buckets of that dtype. Error feedback keeps fp32 memories, so
+    a compressor must get fp32 inputs from the second step on too (fp64 ones broke PowerSGD's factors and SignSGD's
+    residual); the parameters keep their dtype, move, stay finite and agree bit for bit across ranks."""
+    names = registry.list()
+    results = run_workers(_sweep, world, names, dtype, timeout=120)
+    problems = []
+    for name in names:
+        for rank, res in enumerate(r[name] for r in results):
+            if res["step"] != STEPS:
+                problems.append(f"{name} rank {rank}: hook.step = {res['step']}, expected {STEPS}")
+            for p0, a, b in zip(LayerSizesNet(SHAPES).to(dtype).parameters(), results[0][name]["params"], res["params"]):
+                if b.dtype != dtype or not torch.equal(a, b) or not torch.isfinite(b).all() or torch.equal(b, p0):
+                    problems.append(f"{name} rank {rank}: a {b.dtype} parameter {tuple(b.shape)} differs from rank 0, "
+                                    "is non-finite or never moved")
     assert not problems, "\n".join(problems)
 
 

@@ -21,7 +21,7 @@ def _torch_reference(m: Optional[torch.Tensor], g: torch.Tensor, scale: Optional
     if m is None:
         out = g.to(torch.float32, copy=True)
         return out if scale is None else out.div_(scale)
-    return m + g if scale is None else torch.addcdiv(m, g.to(torch.float32), scale)
+    return m + g.to(torch.float32) if scale is None else torch.addcdiv(m, g.to(torch.float32), scale)
 
 
 def _values(n: int, seed: int) -> torch.Tensor:
@@ -55,20 +55,25 @@ def test_the_kernel_gives_torchs_bits(n: int, level: int, scale: Optional[float]
         assert torch.equal(g.view(torch.int32), g_before.view(torch.int32))
 
 
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
 @pytest.mark.parametrize("clear", [False, True])
+@pytest.mark.parametrize("scaled", [True, False])
 @pytest.mark.parametrize(
     "case",
-    ["no memory", "fp16 gradient", "bf16 gradient", "strided gradient", "no kernel"],
+    ["no memory", "fp16 gradient", "bf16 gradient", "fp64 gradient", "strided gradient", "no kernel"],
 )
-def test_other_inputs_take_torchs_steps(case: str, clear: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_other_inputs_take_torchs_steps(case: str, scaled: bool, clear: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``p`` is fp32 whatever the gradient's dtype (an fp64 gradient is not promoted to fp64)."""
     n = 37
     m: Optional[torch.Tensor] = torch.randn(n)
     g = torch.randn(n)
-    scale: Optional[torch.Tensor] = torch.tensor([4.0])
+    scale: Optional[torch.Tensor] = torch.tensor([4.0]) if scaled else None
     if case == "no memory":
         m = None
     elif case.endswith("gradient") and "strided" not in case:
-        g = g.to(torch.float16 if case.startswith("fp16") else torch.bfloat16)
+        g = g.to(DTYPES[case.split()[0]])
     elif case == "strided gradient":
         g = torch.randn(n, 2)[:, 0]
     else:
