@@ -51,7 +51,8 @@ class SlotPolicy:
         min_numel: smallest tensor (in elements) that is compressed.
         compress_1d: also compress vectors (biases, norm weights).
         small_param: when set, the tensors this rule leaves out are compressed too, with this compression
-            parameter (e.g. a density of 0.25) instead of going dense; ``None``: they go dense.
+            parameter (e.g. a density of 0.25) instead of going dense; ``None``: they go dense. Empty tensors
+            always go dense (nothing to compress; a kept count of at least 1 would not fit them).
     """
 
     min_numel: int = 1024
@@ -126,7 +127,7 @@ def build_plan(
         slot = LayerSlot(name, offset, shape, compressed=False)
         if policy.wants(shape) and accepts(slot):
             slot = LayerSlot(name, offset, shape, compressed=True)
-        elif policy.small_param is not None and accepts(slot):
+        elif policy.small_param is not None and slot.numel > 0 and accepts(slot):
             slot = LayerSlot(name, offset, shape, compressed=True, small=True)
         slots.append(slot)
         offset += slot.numel

@@ -25,3 +25,11 @@ def test_build_plan_offsets_names_and_veto() -> None:
     assert [s.name for s in plan.compressed] == ["p0"]
     assert [s.name for s in plan.dense] == ["p1", "p2", "p3"]
     assert plan.slots[3].end == plan.numel
+
+
+def test_small_param_compresses_what_the_size_rule_leaves_out_except_empty_tensors() -> None:
+    params = [torch.zeros(64, 32), torch.zeros(0, 5), torch.zeros(7), torch.zeros(0)]
+    names = {id(p): f"p{i}" for i, p in enumerate(params)}
+    plan = build_plan(0, params, names, SlotPolicy(min_numel=1000, small_param=0.5))
+    assert [(s.name, s.small) for s in plan.compressed] == [("p0", False), ("p2", True)]
+    assert [s.name for s in plan.dense] == ["p1", "p3"]

@@ -30,9 +30,9 @@ from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.plan import BucketPlan, LayerSlot
 from lightning_gradcomp.schedule import WarmupSchedule
 
-SHAPES = {  # compressed layers of 1, 2, 3, 7, 31, 100, 127, 129, 1000 and 4097 elements, plus the conv below
+SHAPES = {  # layers of 1, 2, 3, 7, 31, 100, 127, 129, 1000 and 4097 elements, plus the conv below, and an empty one
     "v1": (1,), "v2": (2,), "m3": (3, 1), "v7": (7,), "v31": (31,), "logreg": (1, 100),
-    "v127": (127,), "v129": (129,), "m1000": (10, 100), "m4097": (17, 241),
+    "v127": (127,), "v129": (129,), "m1000": (10, 100), "m4097": (17, 241), "empty": (0, 5),
 }
 START_STEP, STEPS, BATCH = 2, 5, 4
 
@@ -144,7 +144,7 @@ def _check(name: str, world: int, results: list[dict[str, Any]]) -> list[str]:
         for (pname, p0), a, b in zip(init.named_parameters(), results[0]["params"], res["params"]):
             if not torch.equal(a, b):
                 problems.append(f"rank {rank}: {pname} differs from rank 0")
-            if not torch.isfinite(b).all() or torch.equal(b, p0.detach()):
+            if not torch.isfinite(b).all() or (b.numel() and torch.equal(b, p0.detach())):
                 problems.append(f"rank {rank}: {pname} is non-finite or never moved")
         for call in res["calls"]:
             compressing = call["step"] >= START_STEP and not comp.dense and bool(call["plan"].compressed)
@@ -185,7 +185,8 @@ def test_every_registered_compressor_on_parameters_of_other_dtypes(dtype: torch.
             if res["step"] != STEPS:
                 problems.append(f"{name} rank {rank}: hook.step = {res['step']}, expected {STEPS}")
             for p0, a, b in zip(LayerSizesNet(SHAPES).to(dtype).parameters(), results[0][name]["params"], res["params"]):
-                if b.dtype != dtype or not torch.equal(a, b) or not torch.isfinite(b).all() or torch.equal(b, p0):
+                moved = not b.numel() or not torch.equal(b, p0)
+                if b.dtype != dtype or not torch.equal(a, b) or not torch.isfinite(b).all() or not moved:
                     problems.append(f"{name} rank {rank}: a {b.dtype} parameter {tuple(b.shape)} differs from rank 0, "
                                     "is non-finite or never moved")
     assert not problems, "\n".join(problems)
@@ -197,7 +198,7 @@ def test_the_sweep_covers_every_compressor_class_and_the_issue_sizes() -> None:
         Compressor, QuantizedCompressor}
     assert concrete <= {type(make()) for make in VARIANTS.values()}
     sizes = {math.prod(s) for s in SHAPES.values()} | {p.numel() for p in nn.Conv2d(3, 5, 3).parameters()}
-    assert {1, 2, 3, 7, 31, 100, 127, 129, 1000, 4097, 135, 5} == sizes
+    assert {1, 2, 3, 7, 31, 100, 127, 129, 1000, 4097, 135, 5, 0} == sizes
 
 
 # ---------------------------------------------------------------------------- Lightning
