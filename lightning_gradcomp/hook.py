@@ -376,11 +376,16 @@ class GradCompHook:
             outputs=outputs,
             outputs_zeroed=clear,
         )
-        compensated, comp_flag = self._compensate(comp, grads, divisor, clear, ctx) if early else (None, None)
+        compensated, comp_flag, cleared_flag = (
+            self._compensate(comp, grads, divisor, clear, ctx) if early else (None, None, None)
+        )
+        flag_value = node_flag
+        if cleared_flag is not None:  # some g was zeroed unchecked: the bucket's scan misses it, its p shows it
+            flag_value = nonfinite_flag(buf).add_(cleared_flag)
         head: Optional[Future] = None
         if check_after:
             head = self._head_async(buf, dense, comm)
-        elif self._head(buf, dense, comm, flag=True, flag_value=node_flag, comp_flag=comp_flag):
+        elif self._head(buf, dense, comm, flag=True, flag_value=flag_value, comp_flag=comp_flag):
             return self._reduce_nonfinite(buf, comp, comm)
         if not comp:  # a hierarchy rank owning no compressed slot of this bucket (same on its cross-node group)
             return completed_future(buf)
@@ -423,21 +428,27 @@ class GradCompHook:
         divisor: Optional[Tensor],
         clear: bool,
         ctx: ReduceContext,
-    ) -> tuple[list[Tensor], Optional[bool]]:
+    ) -> tuple[list[Tensor], Optional[bool], Optional[Tensor]]:
         """Error feedback's ``p = m + g / divisor`` of every compressed slot (``clear``: zeroing ``g`` in the same
-        pass), and whether some ``g`` holds NaN/Inf (``None``: not checked, on the torch steps; the head then scans
-        the whole bucket). Each slot's :meth:`Compressor.precompute` runs right after its ``p`` is formed (still in
-        cache), into ``ctx.early``; not for a ``g`` found non-finite (the bucket's result is dropped anyway)."""
+        pass); whether some ``g`` holds NaN/Inf (``None``: not checked, on the torch steps; the head then scans
+        the whole bucket); and, when ``clear`` zeroed an unchecked ``g`` (which that scan would miss), a device flag
+        (one element, non-zero when NaN/Inf) of those slots' ``p``, which holds NaN/Inf where ``g`` does.
+        Each slot's :meth:`Compressor.precompute` runs right after its ``p`` is formed (still in cache), into
+        ``ctx.early``; not for a ``g`` found non-finite (the bucket's result is dropped anyway)."""
         tensors: list[Tensor] = []
         flags: list[Optional[bool]] = []
+        cleared: Optional[Tensor] = None
         early: list[Any] = []
         for index, (slot, g) in enumerate(zip(comp, grads)):
             p, bad = self.memory.compensate_checked(slot.name, g, divisor, clear=clear)
+            if bad is None and clear:
+                flag = nonfinite_flag(p)
+                cleared = flag if cleared is None else cleared.add_(flag)
             tensors.append(p)
             flags.append(bad)
             early.append(None if bad else self.compressor.precompute(index, p, ctx))
         ctx.early = early
-        return tensors, None if any(bad is None for bad in flags) else any(flags)
+        return tensors, None if any(bad is None for bad in flags) else any(flags), cleared
 
     def _checked(
         self, buf: Tensor, dense: tuple[LayerSlot, ...], head: Optional[Future], done: Future, ctx: ReduceContext

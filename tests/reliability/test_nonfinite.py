@@ -11,9 +11,19 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from typing import Any
+
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
+from helpers.distributed import run_workers
+from helpers.models import LayerSizesNet
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.comm import Comm, CommStats
+from lightning_gradcomp.compressors import registry
+from lightning_gradcomp.functional import _native
+from lightning_gradcomp.hook import gradcomp_comm_hook
 from reliability.launch import load, losses, run, tensors
 from reliability.scenarios import MAX_EPOCHS, STEPS_PER_EPOCH, config, errors
 
@@ -69,3 +79,73 @@ def test_swarm_nan_gradient_stays_contained(tmp_path: Path) -> None:
     cfg = config(tmp_path, "swarm", inject={"rank": 1, "step": STEP, "value": "nan"})
     assert run(cfg) == [0, 0], errors(tmp_path, 2)
     assert all(r["finite"] for rank in range(2) for r in losses(tmp_path, rank))
+
+
+# ---------------------------------------------------------------------------- the engine, without Lightning
+HOOK_START, HOOK_STEPS = 2, 5
+HOOK_CASES = {  # every registered compressor's defaults, each on every compressed layer of LayerSizesNet
+    name: (lambda n=name: registry.create(n)) for name in registry.list()
+}
+
+
+def _hook_run(rank: int, world: int, native: bool, bad_steps: tuple[int, ...], value: float) -> dict[str, Any]:
+    """Train LayerSizesNet under ``GradCompHook`` (``nonfinite="zero"``) for every case; rank 1's gradient of
+    ``m4097`` gets ``value`` at ``bad_steps``. ``native=False``: the torch steps (as on a GPU) instead of the kernel."""
+    if not native:
+        _native.load = lambda: None  # this forked process only
+    out = {}
+    for name, make in HOOK_CASES.items():
+        model = LayerSizesNet(HOOK_SHAPES)
+        strategy = GradCompStrategy(compressor=make(), start_step=HOOK_START, nonfinite="zero", min_numel=1,
+                                    compress_1d=True)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.004,
+                                      gradient_as_bucket_view=strategy._ddp_kwargs["gradient_as_bucket_view"])
+        hook = strategy.make_hook(Comm(None, CommStats()), {id(p): n for n, p in model.named_parameters()},
+                                  torch.device("cpu"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        hook.attach_optimizer(optimizer)
+        ddp.register_comm_hook(hook, gradcomp_comm_hook)
+        gen = torch.Generator().manual_seed(rank)
+        total = sum(p.numel() for p in model.layers.values())
+        for step in range(HOOK_STEPS):
+            image, features = torch.randn(4, 3, 5, 5, generator=gen), torch.randn(4, total, generator=gen)
+            loss = (ddp(image, features).tanh() - torch.randn(4, generator=gen).sign()).square().mean()
+            handle = None
+            if step in bad_steps and rank == 1:
+                handle = model.layers["m4097"].register_hook(lambda g: g.index_fill(0, torch.tensor([5]), value))
+            optimizer.zero_grad()
+            loss.backward()
+            if handle is not None:
+                handle.remove()
+            optimizer.step()
+        hook.close()
+        out[name] = {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                     "memory": hook.memory.state_dict(), "state": hook.compressor.state_dict(),
+                     "nonfinite": hook.stats.nonfinite_steps, "dense": hook.compressor.dense}
+    return out
+
+
+HOOK_SHAPES = {"v7": (7,), "m1000": (10, 100), "m4097": (17, 241)}
+
+
+@pytest.mark.parametrize(("world", "native", "bad_steps", "value"), [
+    (2, True, (HOOK_START, HOOK_START + 2), float("nan")),  # the first compressed step: no memory yet
+    (3, False, (HOOK_START, HOOK_START + 1), float("-inf")),
+    (2, False, (HOOK_START + 1,), float("inf")),
+])
+def test_zero_policy_catches_every_bad_step_on_the_kernel_and_the_torch_steps(
+        world: int, native: bool, bad_steps: tuple[int, ...], value: float) -> None:
+    """Error feedback's compensation zeroes a sparsifier's output slots while it reads ``g``; on the torch steps it
+    does not check ``g`` (a GPU, the first compressed step), so the flag must come from ``p``: a NaN/Inf there once
+    slipped into the average and rank 1's memory."""
+    results = run_workers(_hook_run, world, native, bad_steps, value, timeout=120)
+    for name in HOOK_CASES:
+        ranks = [r[name] for r in results]
+        for rank, res in enumerate(ranks):
+            where = f"{name} (W={world}, native={native}) rank {rank}"
+            assert all(bool(t.isfinite().all()) for t in tensors(res["memory"]) + tensors(res["state"])), where
+            if res["dense"]:  # plain DDP (no flag, no policy): the value reaches the parameters
+                assert not torch.isfinite(res["params"]).all(), where
+                continue
+            assert torch.isfinite(res["params"]).all() and torch.equal(res["params"], ranks[0]["params"]), where
+            assert res["nonfinite"] == len(bad_steps), where
