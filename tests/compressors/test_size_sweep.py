@@ -59,6 +59,7 @@ def _variants() -> dict[str, Callable[[], Compressor]]:
 
 
 VARIANTS = _variants()
+REGISTERED = registry.list()  # at collection time, like VARIANTS
 
 FLAT = {"min_numel": 1, "compress_1d": True}  # every layer goes to the compressor at its own parameter
 OPTIONS: dict[str, dict[str, Any]] = {  # variants of the strategy's parameter options (default: FLAT)
@@ -177,7 +178,7 @@ def test_every_registered_compressor_on_parameters_of_other_dtypes(dtype: torch.
     """fp64, bf16 and fp16 parameters: gradients and buckets of that dtype. Error feedback keeps fp32 memories, so
     a compressor must get fp32 inputs from the second step on too (fp64 ones broke PowerSGD's factors and SignSGD's
     residual); the parameters keep their dtype, move, stay finite and agree bit for bit across ranks."""
-    names = registry.list()
+    names = REGISTERED
     results = run_workers(_sweep, world, names, dtype, timeout=120)
     problems = []
     for name in names:
