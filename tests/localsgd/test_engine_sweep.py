@@ -37,9 +37,9 @@ from lightning_gradcomp.compressors import (CLTK, DIANA, QSGD, Cast, Compressor,
 from lightning_gradcomp.localsgd import OuterSync
 from lightning_gradcomp.plan import BucketPlan
 
-SHAPES = {  # 1, 3, 17, 1000, 1025 and 4097 elements, each as a vector and as a matrix; plus the Conv2d(3, 5, 3)
-    "v1": (1,), "m1": (1, 1), "v3": (3,), "m3": (3, 1), "v17": (17,), "m17": (1, 17), "v1000": (1000,),
-    "m1000": (8, 125), "v1025": (1025,), "m1025": (25, 41), "v4097": (4097,), "m4097": (17, 241),
+SHAPES = {  # 0, 1, 3, 17, 1000, 1025 and 4097 elements, each as a vector and as a matrix; plus the Conv2d(3, 5, 3)
+    "v0": (0,), "m0": (0, 5), "v1": (1,), "m1": (1, 1), "v3": (3,), "m3": (3, 1), "v17": (17,), "m17": (1, 17),
+    "v1000": (1000,), "m1000": (8, 125), "v1025": (1025,), "m1025": (25, 41), "v4097": (4097,), "m4097": (17, 241),
 }
 BUFFER = 7  # elements of the floating buffer (a running statistic each rank updates on its own)
 BATCH = 4
@@ -56,7 +56,7 @@ COMPRESSORS: dict[str, Callable[[], Compressor]] = {
     "fp16": lambda: Cast(torch.float16),
 }
 POLICIES = {"default": {}, "flat": {"min_numel": 1, "compress_1d": True}}  # flat: every tensor is compressed
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,7 @@ def _cases() -> dict[str, Case]:
              for policy in POLICIES if not (c == "none" and policy == "flat")]  # dense: every tensor is dense
     cases += [Case(c, policy="flat", dtype="bf16") for c in ("none", "cltk", "qsgd", "signsgd", "powersgd")]
     cases += [Case(c, policy="flat", dtype="fp16") for c in ("none", "cltk")]
+    cases += [Case(c, policy="flat", dtype="fp64") for c in ("cltk", "signsgd", "powersgd")]
     # streaming: a fragment every 2 steps, each synced every 4; 8 steps, then the final sync of fragment 0
     cases += [Case(c, outer, "flat", local_steps=4, fragments=2, steps=8)
               for c, outer in (("none", "average"), ("cltk", "nesterov"), ("qsgd", "average"),
@@ -346,7 +347,7 @@ def test_the_sweep_covers_every_accepted_compressor_sizes_and_options() -> None:
     with pytest.raises(ValueError, match="DIANA"):  # the one compressor the strategy refuses
         LocalSGDStrategy(compressor=DIANA())
     sizes = {math.prod(s) for s in SHAPES.values()}
-    assert {1, 3, 17, 1000, 1025, 4097} <= sizes
+    assert {0, 1, 3, 17, 1000, 1025, 4097} <= sizes
     assert all({math.prod(s) for s in SHAPES.values() if len(s) == d} == sizes for d in (1, 2))
     cases = CASES.values()
     assert {c.outer for c in cases} == {"average", "nesterov"} and {c.dtype for c in cases} == set(DTYPES)
