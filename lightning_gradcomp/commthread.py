@@ -11,7 +11,9 @@ Lightning, callbacks and checkpoints use the group only after ``backward()``, wh
 
 A job may return a value or a ``Future``; the job's ``Future`` resolves with that value, or when that Future
 does (a compressor's last collective may still be in flight when the job returns, so the thread starts the
-next bucket at once). An exception in a job fails its ``Future`` (DDP then raises it from ``backward()``).
+next bucket at once). An exception in a job fails its ``Future`` (DDP then raises it from ``backward()``, as a
+``RuntimeError`` with its message only, so the message gets the exception's type and the frames where it was
+raised appended).
 
 Numerics: the thread runs each job with the submitting thread's intra-op thread count (MKL and OpenMP counts
 are per thread, and a GEMM split over another number of threads rounds differently), so results are the bits
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import queue
 import threading
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -96,7 +100,7 @@ class CommThread:
                 else:
                     _resolve(fut, job())
             except BaseException as err:  # noqa: BLE001 - every failure must reach the waiting backward pass
-                fut.set_exception(err)
+                fut.set_exception(_located(err))
 
     def _run_cuda(self, job: Job, fut: Future, device: torch.device, event: Any) -> None:
         torch.cuda.set_device(device)
@@ -110,6 +114,28 @@ class CommThread:
                 result = result.wait()
         stream.synchronize()  # on this thread: the training thread never waits on the device
         fut.set_result(result)
+
+
+def _located(err: BaseException, frames: int = 4) -> BaseException:
+    """``err``, its message followed by its type and the last ``frames`` frames where it was raised on this thread.
+
+    DDP re-raises a failed hook Future from ``backward()`` as a ``RuntimeError`` carrying only the message, so the
+    type and the place would be lost. Only a single string argument is extended (other exceptions pass unchanged).
+
+    Example::
+
+        >>> try:
+        ...     raise ValueError("bad")
+        ... except ValueError as e:
+        ...     str(_located(e)).startswith("bad (ValueError on the communication thread, at ")
+        True
+    """
+    if len(err.args) == 1 and isinstance(err.args[0], str):
+        where = "; ".join(
+            f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in traceback.extract_tb(err.__traceback__)[-frames:]
+        )
+        err.args = (f"{err.args[0]} ({type(err).__name__} on the communication thread, at {where})",)
+    return err
 
 
 def _resolve(fut: Future, result: Any) -> None:
