@@ -99,6 +99,18 @@ BUILTIN_MODELS: dict[str, Callable[..., Workload]] = {
 }
 
 
+def check_model(spec: str) -> str:
+    """Return ``spec`` if it names a built-in model or has the form ``module.path:ClassName`` (not imported here).
+
+    Raises:
+        ValueError: anything else; the message names ``model`` and lists the built-in names.
+    """
+    module_name, colon, class_name = str(spec).partition(":")
+    if spec not in BUILTIN_MODELS and not (colon and module_name and class_name):
+        raise ValueError(f"`model` must be one of {', '.join(BUILTIN_MODELS)} or 'module.path:ClassName', got {spec!r}")
+    return spec
+
+
 def load_workload(spec: str, batch_size: Optional[int] = None) -> Workload:
     """A built-in model name, or ``package.module:ClassName`` naming a LightningModule.
 
@@ -111,8 +123,7 @@ def load_workload(spec: str, batch_size: Optional[int] = None) -> Workload:
     if spec in BUILTIN_MODELS:
         torch.manual_seed(0)
         return BUILTIN_MODELS[spec](**({} if batch_size is None else {"batch_size": batch_size}))
-    if ":" not in spec:
-        raise ValueError(f"`model` must be one of {', '.join(BUILTIN_MODELS)} or 'module.path:ClassName', got {spec!r}")
+    check_model(spec)
     if batch_size is not None:
         raise ValueError("`batch_size` applies to built-in models only; a LightningModule uses its own data loader")
     module_name, _, class_name = spec.partition(":")

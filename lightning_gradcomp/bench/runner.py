@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_gradcomp.bench.configs import available_configs, is_config
+from lightning_gradcomp.bench.models import check_model
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address
 from lightning_gradcomp.gloo_workers import free_port  # re-exported (in __all__)
 
@@ -238,6 +239,7 @@ def run_bench(
     unknown = [c for c in configs if not is_config(c)]
     if unknown:
         raise ValueError(f"unknown configurations {unknown}; available: {', '.join(available_configs())}")
+    check_model(model)  # here, not in the ranks after their imports
     if world_size < 2:
         raise ValueError(f"`world_size` must be >= 2, got {world_size}")
     if steps < 1 or warmup < 3:

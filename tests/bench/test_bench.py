@@ -146,6 +146,9 @@ def test_invalid_bench_arguments() -> None:
             run_bench(steps=5, rounds=rounds)
     with pytest.raises(ValueError, match="`batch_size` applies to built-in models only"):
         load_workload("my_package.models:MyModule", batch_size=8)
+    for model in ("nosuch", "module.path:", ":Class"):  # refused before any rank starts
+        with pytest.raises(ValueError, match=r"`model` must be one of mlp, .* or 'module.path:ClassName', got"):
+            run_bench(model=model)
 
 
 def test_batch_size_overrides_a_builtin_model() -> None:
