@@ -248,6 +248,10 @@ def run_bench(
         )
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise ValueError(f"`bucket_cap_mb` must be > 0 (MB) or None for each configuration's own, got {bucket_cap_mb}")
+    if threads < 1:
+        raise ValueError(f"`threads` must be >= 1, got {threads}")
     if not 1 <= rounds <= steps:
         raise ValueError(f"`rounds` must be between 1 and `steps` ({steps}), got {rounds}")
     note = "loopback (no link emulation requested)"

@@ -146,6 +146,11 @@ def test_invalid_bench_arguments() -> None:
             run_bench(steps=5, rounds=rounds)
     with pytest.raises(ValueError, match="`batch_size` applies to built-in models only"):
         load_workload("my_package.models:MyModule", batch_size=8)
+    for cap in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"`bucket_cap_mb` must be > 0 \(MB\) or None"):
+            run_bench(bucket_cap_mb=cap)
+    with pytest.raises(ValueError, match="`threads` must be >= 1, got 0"):
+        run_bench(threads=0)
     for model in ("nosuch", "module.path:", ":Class"):  # refused before any rank starts
         with pytest.raises(ValueError, match=r"`model` must be one of mlp, .* or 'module.path:ClassName', got"):
             run_bench(model=model)
