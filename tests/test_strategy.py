@@ -17,7 +17,7 @@ from lightning_gradcomp.comm import all_gather_bytes, all_reduce_bytes
 from lightning_gradcomp.compressors import (CLTK, DIANA, QSGD, Cast, Compressor, NoCompression, PowerSGD, RandomK,
                                             SignSGD, TernGrad, TopK)
 from lightning_gradcomp.functional import kept_count
-from lightning_gradcomp.strategy import CHECKPOINT_KEY
+from lightning_gradcomp.strategy import CHECKPOINT_KEY, sparse_gradient_modules
 
 COMPRESSORS = {
     "none": lambda: NoCompression(),
@@ -138,6 +138,27 @@ def test_find_unused_parameters(tmp_path: Path) -> None:
     records = fit(strategy(RandomK(0.1), find_unused_parameters=True), tmp_path, max_epochs=2,
                   model=TinyNet(unused_branch=True))
     assert_replicas_identical(records)
+
+
+class SparseEmbeddingNet(TinyNet):
+    """TinyNet whose input first goes through ``nn.Embedding(sparse=True)`` (sparse gradients)."""
+
+    def __init__(self, sparse: bool = True, frozen: bool = False) -> None:
+        super().__init__(in_features=8)
+        self.embed = torch.nn.Embedding(16, 8, sparse=sparse)
+        self.embed.weight.requires_grad_(not frozen)
+        self.x = torch.randint(0, 16, (self.hparams.samples,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(x)))
+
+
+def test_sparse_gradients_are_refused_at_setup_naming_the_module(tmp_path: Path) -> None:
+    with pytest.raises(Exception, match=r"cannot compress sparse gradients: 'embed' \(an embedding with sparse=True\)"):
+        fit(strategy(TopK(0.05)), tmp_path, max_epochs=1, model=SparseEmbeddingNet())
+    assert sparse_gradient_modules(SparseEmbeddingNet()) == ["embed"]
+    assert sparse_gradient_modules(SparseEmbeddingNet(sparse=False)) == []
+    assert sparse_gradient_modules(SparseEmbeddingNet(frozen=True)) == []  # no gradient at all
 
 
 def test_frozen_layers_are_left_out(tmp_path: Path) -> None:
