@@ -55,6 +55,8 @@ def _variants() -> dict[str, Callable[[], Compressor]]:
     out["topk-delta16-bf16"] = lambda: TopK(ratio=0.3, index_coding="delta16", value_dtype="bfloat16")
     out["randomk-unbiased-bf16"] = lambda: RandomK(ratio=0.1, unbiased=True, value_dtype="bfloat16")
     out["cltk-delta16-fp16"] = lambda: CLTK(ratio=0.1, index_coding="delta16", value_dtype=torch.float16)
+    out["cltk-approx"] = lambda: CLTK(ratio=0.05, selection="approx")  # sampled threshold, count within a band
+    out["powersgd-cold"] = lambda: PowerSGD(rank=3, warm_start=False)  # a fresh shared Q every step
     return out
 
 
