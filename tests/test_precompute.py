@@ -81,7 +81,7 @@ def _train(rank: int, world: int, poison: bool, dtype: torch.dtype) -> dict[tupl
                 steps=6,
                 nonfinite="zero",
                 dtype=dtype,
-                poison_step=3 if poison else None,
+                poison_steps=(3,) if poison else (),
             )
             out[(name, early)] = {
                 "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),

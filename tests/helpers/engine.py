@@ -3,7 +3,7 @@ ways of computing the same reduction)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Collection
 
 import torch
 from torch import nn
@@ -22,11 +22,13 @@ def train_through_hook(
     steps: int,
     nonfinite: str = "dense",
     dtype: torch.dtype = torch.float32,
-    poison_step: Optional[int] = None,
+    poison_steps: Collection[int] = (),
+    poison: float = float("inf"),
 ) -> tuple[nn.Module, GradCompHook]:
     """A 33-130-77-5 MLP (seed 0, in ``dtype``) in DDP with 20 KB buckets, every layer compressed by ``compressor``
-    (``min_numel=1``), trained ``steps`` SGD steps on data seeded by ``rank``; with ``poison_step``, rank 1's loss at
-    that step gets an Inf through the first layer's ``weight[0, 0]``. Returns the model and the (closed) hook."""
+    (``min_numel=1``), trained ``steps`` SGD steps on data seeded by ``rank``; at ``poison_steps``, rank 1's loss gets
+    ``poison`` (NaN, +Inf or -Inf) through the first layer's ``weight[0, 0]``, whose gradient it becomes. Returns the
+    model and the (closed) hook."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(33, 130), nn.Tanh(), nn.Linear(130, 77), nn.Tanh(), nn.Linear(77, 5)).to(dtype)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)
@@ -40,8 +42,8 @@ def train_through_hook(
     for step in range(steps):
         optimizer.zero_grad()
         loss = ddp(torch.randn(8, 33, generator=data).to(dtype)).float().square().mean()
-        if step == poison_step and rank == 1:
-            loss = loss + model[0].weight[0, 0] * float("inf")
+        if step in poison_steps and rank == 1:
+            loss = loss + model[0].weight[0, 0] * poison
         loss.backward()
         optimizer.step()
     hook.close()

@@ -15,15 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from helpers.distributed import run_workers
-from helpers.models import LayerSizesNet
-from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.comm import Comm, CommStats
+from helpers.engine import train_through_hook
 from lightning_gradcomp.compressors import registry
 from lightning_gradcomp.functional import _native
-from lightning_gradcomp.hook import gradcomp_comm_hook
 from reliability.launch import load, losses, run, tensors
 from reliability.scenarios import MAX_EPOCHS, STEPS_PER_EPOCH, config, errors
 
@@ -82,50 +78,25 @@ def test_swarm_nan_gradient_stays_contained(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- the engine, without Lightning
-HOOK_START, HOOK_STEPS = 2, 5
-HOOK_CASES = {  # every registered compressor's defaults, each on every compressed layer of LayerSizesNet
+HOOK_START, HOOK_STEPS = 2, 5  # GradCompStrategy's default start_step: steps 0 and 1 are dense
+HOOK_CASES = {  # every registered compressor's defaults, each on every layer of the helper's MLP
     name: (lambda n=name: registry.create(n)) for name in registry.list()
 }
 
 
 def _hook_run(rank: int, world: int, native: bool, bad_steps: tuple[int, ...], value: float) -> dict[str, Any]:
-    """Train LayerSizesNet under ``GradCompHook`` (``nonfinite="zero"``) for every case; rank 1's gradient of
-    ``m4097`` gets ``value`` at ``bad_steps``. ``native=False``: the torch steps (as on a GPU) instead of the kernel."""
+    """Every case trained through the hook (``nonfinite="zero"``); rank 1's gradient gets ``value`` at ``bad_steps``.
+    ``native=False``: the torch steps (as on a GPU) instead of the kernel."""
     if not native:
         _native.load = lambda: None  # this forked process only
     out = {}
     for name, make in HOOK_CASES.items():
-        model = LayerSizesNet(HOOK_SHAPES)
-        strategy = GradCompStrategy(compressor=make(), start_step=HOOK_START, nonfinite="zero", min_numel=1,
-                                    compress_1d=True)
-        ddp = DistributedDataParallel(model, bucket_cap_mb=0.004,
-                                      gradient_as_bucket_view=strategy._ddp_kwargs["gradient_as_bucket_view"])
-        hook = strategy.make_hook(Comm(None, CommStats()), {id(p): n for n, p in model.named_parameters()},
-                                  torch.device("cpu"))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        hook.attach_optimizer(optimizer)
-        ddp.register_comm_hook(hook, gradcomp_comm_hook)
-        gen = torch.Generator().manual_seed(rank)
-        total = sum(p.numel() for p in model.layers.values())
-        for step in range(HOOK_STEPS):
-            image, features = torch.randn(4, 3, 5, 5, generator=gen), torch.randn(4, total, generator=gen)
-            loss = (ddp(image, features).tanh() - torch.randn(4, generator=gen).sign()).square().mean()
-            handle = None
-            if step in bad_steps and rank == 1:
-                handle = model.layers["m4097"].register_hook(lambda g: g.index_fill(0, torch.tensor([5]), value))
-            optimizer.zero_grad()
-            loss.backward()
-            if handle is not None:
-                handle.remove()
-            optimizer.step()
-        hook.close()
+        model, hook = train_through_hook(rank, make(), steps=HOOK_STEPS, nonfinite="zero", poison_steps=bad_steps,
+                                         poison=value)
         out[name] = {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
                      "memory": hook.memory.state_dict(), "state": hook.compressor.state_dict(),
                      "nonfinite": hook.stats.nonfinite_steps, "dense": hook.compressor.dense}
     return out
-
-
-HOOK_SHAPES = {"v7": (7,), "m1000": (10, 100), "m4097": (17, 241)}
 
 
 @pytest.mark.parametrize(("world", "native", "bad_steps", "value"), [
