@@ -54,7 +54,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -376,16 +376,11 @@ class GradCompHook:
             outputs=outputs,
             outputs_zeroed=clear,
         )
-        compensated, comp_flag, cleared_flag = (
-            self._compensate(comp, grads, divisor, clear, ctx) if early else (None, None, None)
-        )
-        flag_value = node_flag
-        if cleared_flag is not None:  # some g was zeroed unchecked: the bucket's scan misses it, its p shows it
-            flag_value = nonfinite_flag(buf).add_(cleared_flag)
+        compensated, comp_flag = self._compensate(comp, grads, divisor, clear, ctx) if early else (None, None)
         head: Optional[Future] = None
         if check_after:
             head = self._head_async(buf, dense, comm)
-        elif self._head(buf, dense, comm, flag=True, flag_value=flag_value, comp_flag=comp_flag):
+        elif self._head(buf, dense, comm, flag=True, flag_value=node_flag, comp_flag=comp_flag):
             return self._reduce_nonfinite(buf, comp, comm)
         if not comp:  # a hierarchy rank owning no compressed slot of this bucket (same on its cross-node group)
             return completed_future(buf)
@@ -428,27 +423,32 @@ class GradCompHook:
         divisor: Optional[Tensor],
         clear: bool,
         ctx: ReduceContext,
-    ) -> tuple[list[Tensor], Optional[bool], Optional[Tensor]]:
+    ) -> tuple[list[Tensor], Union[bool, Tensor, None]]:
         """Error feedback's ``p = m + g / divisor`` of every compressed slot (``clear``: zeroing ``g`` in the same
-        pass); whether some ``g`` holds NaN/Inf (``None``: not checked, on the torch steps; the head then scans
-        the whole bucket); and, when ``clear`` zeroed an unchecked ``g`` (which that scan would miss), a device flag
-        (one element, non-zero when NaN/Inf) of those slots' ``p``, which holds NaN/Inf where ``g`` does.
+        pass), and the compressed slots' NaN/Inf flag for :meth:`_head`'s ``comp_flag``: whether some ``g`` holds
+        NaN/Inf, as the kernel's pass found; or, where the torch steps did not check a ``g`` they zeroed (which a
+        scan of the bucket would miss), a one-element device tensor, non-zero when that slot's ``p`` holds NaN/Inf
+        (where ``g`` does); ``None`` where an unchecked ``g`` is still in the bucket (the head scans it there).
         Each slot's :meth:`Compressor.precompute` runs right after its ``p`` is formed (still in cache), into
         ``ctx.early``; not for a ``g`` found non-finite (the bucket's result is dropped anyway)."""
         tensors: list[Tensor] = []
         flags: list[Optional[bool]] = []
-        cleared: Optional[Tensor] = None
+        zeroed: Optional[Tensor] = None  # the flag of the p whose g the torch steps zeroed unchecked
         early: list[Any] = []
         for index, (slot, g) in enumerate(zip(comp, grads)):
             p, bad = self.memory.compensate_checked(slot.name, g, divisor, clear=clear)
             if bad is None and clear:
                 flag = nonfinite_flag(p)
-                cleared = flag if cleared is None else cleared.add_(flag)
+                zeroed = flag if zeroed is None else zeroed.add_(flag)
             tensors.append(p)
             flags.append(bad)
             early.append(None if bad else self.compressor.precompute(index, p, ctx))
         ctx.early = early
-        return tensors, None if any(bad is None for bad in flags) else any(flags), cleared
+        if any(flags):
+            return tensors, True
+        if zeroed is not None:  # clear: every unchecked g was zeroed, and its p carries the flag
+            return tensors, zeroed
+        return tensors, None if None in flags else False
 
     def _checked(
         self, buf: Tensor, dense: tuple[LayerSlot, ...], head: Optional[Future], done: Future, ctx: ReduceContext
@@ -511,12 +511,13 @@ class GradCompHook:
         comm: Comm,
         flag: bool,
         flag_value: Optional[Tensor] = None,
-        comp_flag: Optional[bool] = None,
+        comp_flag: Union[bool, Tensor, None] = None,
     ) -> bool:
         """All-reduce ``dense`` (divided by W), plus a "NaN/Inf in ``buf``" flag (or ``flag_value``) when ``flag``,
         in **one** collective over ``comm``; write them back. ``comp_flag``: whether the compressed slots hold
-        NaN/Inf, checked already (error-feedback compensation): then only the dense slots are scanned. Returns
-        whether any rank flagged (skipped when there is nothing to send)."""
+        NaN/Inf, checked already (error-feedback compensation), as a bool or a one-element device flag (non-zero:
+        NaN/Inf): then only the dense slots are scanned. Returns whether any rank flagged (skipped when there is
+        nothing to send)."""
         if not dense and not flag:
             return False
         # the flags are summed: NaN/Inf anywhere makes the sum non-zero
@@ -526,7 +527,11 @@ class GradCompHook:
             head = self._dense_payload(buf, dense, flag_value if flag_value is not None else nonfinite_flag(buf))
         else:  # x / W is NaN/Inf exactly where x is: scan the divided dense slots
             head = self._dense_payload(buf, dense, buf.new_zeros(1))
-            head[-1:] = buf.new_ones(1) if comp_flag else nonfinite_flag(head[:-1])
+            if comp_flag is True:
+                head[-1:] = buf.new_ones(1)
+            else:  # False, or the compressed slots' device flag (no host sync)
+                dense_flag = nonfinite_flag(head[:-1])
+                head[-1:] = dense_flag if comp_flag is False else dense_flag.add_(comp_flag)
         comm.all_reduce(head, shares=[(s.name, s.numel) for s in dense])
         self._write_dense(buf, dense, head)
         return flag and bool(head[-1] != 0)
