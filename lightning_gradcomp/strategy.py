@@ -496,7 +496,8 @@ def sparse_gradient_modules(module: torch.nn.Module) -> list[str]:
 
 
 def _check_dense_gradients(module: torch.nn.Module) -> None:
-    """Refuse a model with sparse gradients: a DDP communication hook (ours or PyTorch's) gets dense buckets only."""
+    """Refuse a model with sparse gradients: DDP hands them to the communication hook as sparse buckets, and the
+    compressors read dense ones only."""
     names = sparse_gradient_modules(module)
     if names:
         raise ValueError(

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from helpers.distributed import run_workers
-from helpers.models import LayerSizesNet
-from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.comm import Comm, CommStats
+from helpers.engine import train_through_hook
 from lightning_gradcomp.commthread import CommThread
 from lightning_gradcomp.compressors import TopK
-from lightning_gradcomp.hook import gradcomp_comm_hook
 
 
 def _failing_job() -> None:
@@ -37,14 +33,8 @@ class _Broken(TopK):
 
 
 def _backward(rank: int, world: int) -> str:
-    model = LayerSizesNet({"m": (30, 40)})
-    strategy = GradCompStrategy(compressor=_Broken(), start_step=2)
-    ddp = DistributedDataParallel(model)
-    ddp.register_comm_hook(strategy.make_hook(Comm(None, CommStats()), {id(p): n for n, p in model.named_parameters()},
-                                              torch.device("cpu")), gradcomp_comm_hook)
     try:
-        for _ in range(3):  # two dense steps, then the compressor's
-            ddp(torch.randn(2, 3, 5, 5), torch.randn(2, 1200)).sum().backward()
+        train_through_hook(rank, _Broken(), steps=3)  # two dense steps, then the compressor's
     except RuntimeError as err:
         return str(err)
     return "no error"
