@@ -180,14 +180,14 @@ def test_every_registered_compressor_on_parameters_of_other_dtypes(dtype: torch.
     """fp64, bf16 and fp16 parameters: gradients and buckets of that dtype. Error feedback keeps fp32 memories, so
     a compressor must get fp32 inputs from the second step on too (fp64 ones broke PowerSGD's factors and SignSGD's
     residual); the parameters keep their dtype, move, stay finite and agree bit for bit across ranks."""
-    names = REGISTERED
-    results = run_workers(_sweep, world, names, dtype, timeout=120)
+    results = run_workers(_sweep, world, REGISTERED, dtype, timeout=120)
+    initial = list(LayerSizesNet(SHAPES).to(dtype).parameters())
     problems = []
-    for name in names:
+    for name in REGISTERED:
         for rank, res in enumerate(r[name] for r in results):
             if res["step"] != STEPS:
                 problems.append(f"{name} rank {rank}: hook.step = {res['step']}, expected {STEPS}")
-            for p0, a, b in zip(LayerSizesNet(SHAPES).to(dtype).parameters(), results[0][name]["params"], res["params"]):
+            for p0, a, b in zip(initial, results[0][name]["params"], res["params"]):
                 moved = not b.numel() or not torch.equal(b, p0)
                 if b.dtype != dtype or not torch.equal(a, b) or not torch.isfinite(b).all() or not moved:
                     problems.append(f"{name} rank {rank}: a {b.dtype} parameter {tuple(b.shape)} differs from rank 0, "
