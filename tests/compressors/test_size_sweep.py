@@ -175,7 +175,8 @@ def test_every_compressor_on_small_and_odd_layers(world: int) -> None:
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize(("dtype", "world"), [(torch.float64, 3), (torch.bfloat16, 2), (torch.float16, 4)])
+@pytest.mark.parametrize(("dtype", "world"), [(torch.float64, 3), (torch.bfloat16, 2), (torch.float16, 4),
+                                              (torch.float64, 5)])
 def test_every_registered_compressor_on_parameters_of_other_dtypes(dtype: torch.dtype, world: int) -> None:
     """fp64, bf16 and fp16 parameters: gradients and buckets of that dtype. Error feedback keeps fp32 memories, so
     a compressor must get fp32 inputs from the second step on too (fp64 ones broke PowerSGD's factors and SignSGD's

@@ -103,6 +103,8 @@ def _hook_run(rank: int, world: int, native: bool, bad_steps: tuple[int, ...], v
     (2, True, (HOOK_START, HOOK_START + 2), float("nan")),  # the first compressed step: no memory yet
     (3, False, (HOOK_START, HOOK_START + 1), float("-inf")),
     (2, False, (HOOK_START + 1,), float("inf")),
+    (4, True, (HOOK_START,), float("-inf")),
+    (5, False, (HOOK_START, HOOK_START + 2), float("nan")),
 ])
 def test_zero_policy_catches_every_bad_step_on_the_kernel_and_the_torch_steps(
         world: int, native: bool, bad_steps: tuple[int, ...], value: float) -> None:
