@@ -10,13 +10,19 @@ Two things follow from replicas that drift apart:
   :mod:`lightning_gradcomp.sharded_checkpoints`, and the strategy loads it into ``self._restored`` on load); a
   rank restores its own when it has them, else the checkpoint's ``state_dict`` and rank 0's optimizer state
   (after a world-size change).
+* **A NaN/Inf gradient stays on its rank**: nothing averages it away before the local step, so
+  :meth:`DivergentReplicas._guarded` zeroes it first (unless a loss scaler is in charge).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_gradcomp.functional.finite import zero_if_nonfinite
 
 __all__ = ["DivergentReplicas"]
 
@@ -27,6 +33,26 @@ class DivergentReplicas:
     _eval_backup: Optional[dict[str, Tensor]]
     _restored: Optional[dict[str, Any]]
     lightning_module: Any
+    precision_plugin: Any
+
+    def _guarded(
+        self, optimizer: Optimizer, closure: Callable[[], Any], count: Callable[[Tensor], None]
+    ) -> Callable[[], Any]:
+        """``closure`` (forward and backward), then every gradient of ``optimizer`` zeroed when one holds NaN/Inf
+        (:func:`~lightning_gradcomp.functional.finite.zero_if_nonfinite`; ``count`` receives its one-element flag),
+        so the local step cannot take the value into the rank's model or optimizer state. ``closure`` itself
+        with a loss scaler (fp16 AMP): the scaler skips such steps."""
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            return closure
+
+        def guarded() -> Any:
+            result = closure()
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            if grads:
+                count(zero_if_nonfinite(grads))
+            return result
+
+        return guarded
 
     def _enter_eval(self) -> None:
         """Swap the evaluated model in (and keep what it replaced in ``self._eval_backup``)."""

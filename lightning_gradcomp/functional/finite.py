@@ -1,4 +1,4 @@
-"""The engine's "this rank saw NaN/Inf" flag: one read pass over a bucket.
+"""The engine's "this rank saw NaN/Inf" flag: one read pass over a bucket; and zeroing a gradient that holds one.
 
 On a contiguous fp32 CPU tensor the compiled kernel (:mod:`._native`) tests every value's exponent bits (all ones:
 NaN or an infinity), 8 at a time; elsewhere (CUDA, 16-bit buckets, ``LIGHTNING_GRADCOMP_NO_NATIVE=1``) torch's
@@ -7,6 +7,7 @@ NaN or an infinity), 8 at a time; elsewhere (CUDA, 16-bit buckets, ``LIGHTNING_G
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -14,7 +15,7 @@ from torch import Tensor
 
 from lightning_gradcomp.functional import _native
 
-__all__ = ["nonfinite_flag"]
+__all__ = ["nonfinite_flag", "zero_if_nonfinite"]
 
 
 def nonfinite_flag(x: Tensor, level: Optional[int] = None) -> Tensor:
@@ -32,3 +33,35 @@ def nonfinite_flag(x: Tensor, level: Optional[int] = None) -> Tensor:
         bad = kernel.any_nonfinite(x.data_ptr(), x.numel(), _native._level(kernel, level))
         return torch.full((1,), float(bad), dtype=x.dtype)
     return (~torch.isfinite(x).all()).to(x.dtype).reshape(1)
+
+
+def zero_if_nonfinite(tensors: Sequence[Tensor]) -> Tensor:
+    """Zero every tensor of ``tensors`` in place when some entry of any of them is NaN or infinite.
+
+    Returns the decision as a one-element fp32 tensor on the tensors' device (1: they were zeroed; 0 for an empty
+    sequence, on the CPU). No host sync: on the CPU the flag is read to skip the zeroing of finite tensors; on other
+    devices every tensor is masked with the flag on the device (one pass each).
+
+    Example::
+
+        >>> grads = [torch.tensor([1.0, 2.0]), torch.tensor([float("inf")])]
+        >>> zero_if_nonfinite(grads).item(), [g.tolist() for g in grads]
+        (1.0, [[0.0, 0.0], [0.0]])
+    """
+    if not tensors:
+        return torch.zeros(1)
+    flag = torch.cat([nonfinite_flag(t).to(torch.float32) for t in tensors]).amax().reshape(1)
+    if flag.device.type == "cpu":
+        if flag.item():
+            for t in tensors:
+                t.zero_()
+        return flag
+    _zero_where(tensors, flag)
+    return flag
+
+
+def _zero_where(tensors: Sequence[Tensor], flag: Tensor) -> None:
+    """Zero every tensor of ``tensors`` where the one-element ``flag`` is non-zero, on the device (one pass each)."""
+    bad = flag.bool().reshape(())  # broadcasts to any shape, 0-dim included
+    for t in tensors:
+        t.masked_fill_(bad, 0)

@@ -18,6 +18,13 @@ fragment) does, in the same order on every rank:
    ``delta``;
 5. every rank's parameters (and the fragment's buffers) become ``theta``: replicas are bit-identical after it.
 
+**Non-finite contributions are contained** before step 2, on the thread that runs the exchange: when some
+pseudo-gradient of this rank holds NaN/Inf, all of its pseudo-gradients of the exchange become zeros (the rank
+contributes "no progress"), and a floating buffer holding NaN/Inf is replaced by its value at the last sync. No
+memory, compressor state, momentum or other rank ever sees the value; the rank's parameters become ``theta`` at
+step 5 as everyone's do. Counted in ``stats.nonfinite_steps`` when the exchange is applied, with the inner steps
+whose gradient :meth:`note_nonfinite` reports (the strategy zeroes those before its inner optimizer steps).
+
 **Overlap** (``overlap=tau >= 1``): a fragment's exchange (steps 1-3) is *issued* at its sync step and runs
 in a background thread on a dedicated process group while the rank takes its next ``tau`` local steps; the
 outer step and the write-back (4-5) are *applied* at step ``issue + tau``, on the main thread. At application
@@ -44,6 +51,7 @@ from torch import Tensor, nn
 
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext
+from lightning_gradcomp.functional.finite import nonfinite_flag, zero_if_nonfinite
 from lightning_gradcomp.hook import HookObserver, reduce_with_feedback
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.plan import BucketPlan, SlotPolicy, build_plan
@@ -89,6 +97,7 @@ class _Exchange:
     thread: Optional[threading.Thread] = None
     error: Optional[BaseException] = None
     seconds: float = 0.0
+    nonfinite: bool = False  # this rank's contribution held NaN/Inf and was contained
 
 
 class OuterSync:
@@ -159,12 +168,15 @@ class OuterSync:
         self.step = 0  # syncs done (identical on all ranks)
         self.local_steps = 0  # optimizer steps done
         self.cursor = 0  # the fragment synced next
+        self._inner_nonfinite: Optional[Tensor] = None  # inner steps zeroed since the last fold (a device count)
         self._step_dense = sum(all_reduce_bytes(p.numel() * p.element_size(), comm.world_size) for p in tensors)
 
     # ------------------------------------------------------------------ GradCompHook-like surface
     @property
     def stats(self) -> CommStats:
-        """This rank's cumulative communication figures."""
+        """This rank's cumulative communication figures (inner steps zeroed for NaN/Inf counted up to now: a host
+        read of the count when there are some; the engine itself writes ``comm.stats``)."""
+        self.fold_nonfinite()
         return self.comm.stats
 
     def plans(self) -> list[BucketPlan]:
@@ -179,7 +191,7 @@ class OuterSync:
     def count_step(self) -> None:
         """An optimizer step happened: count what per-step DDP would have sent for it."""
         self.local_steps += 1
-        stats = self.stats
+        stats = self.comm.stats
         stats.steps += 1
         stats.dense_bytes += self._step_dense
         world = self.comm.world_size
@@ -210,7 +222,7 @@ class OuterSync:
         if job.error is not None:
             raise job.error
         self._apply(job)
-        self.stats.hook_seconds += time.perf_counter() - start
+        self.comm.stats.hook_seconds += time.perf_counter() - start
 
     def issue(self, indices: list[int]) -> None:
         """Start the exchange of fragments ``indices`` in the background; applied ``overlap`` steps later."""
@@ -223,7 +235,7 @@ class OuterSync:
         )
         self._inflight = job
         job.thread.start()
-        self.stats.hook_seconds += time.perf_counter() - start
+        self.comm.stats.hook_seconds += time.perf_counter() - start
 
     def due(self) -> bool:
         """Whether an exchange in flight is to be applied at the current optimizer step."""
@@ -241,8 +253,8 @@ class OuterSync:
         start = time.perf_counter()
         job.thread.join()
         job.thread = None
-        self.stats.hook_seconds += time.perf_counter() - start
-        self.stats.comm_thread_seconds += job.seconds
+        self.comm.stats.hook_seconds += time.perf_counter() - start
+        self.comm.stats.comm_thread_seconds += job.seconds
         if job.error is not None:
             self._inflight = None
             raise job.error
@@ -256,7 +268,7 @@ class OuterSync:
         start = time.perf_counter()
         self._inflight = None
         self._apply(job)
-        self.stats.hook_seconds += time.perf_counter() - start
+        self.comm.stats.hook_seconds += time.perf_counter() - start
 
     def _prepare(self, indices: list[int], apply_at: int) -> _Exchange:
         """Snapshot the pseudo-gradients (and, with the last fragment, the buffers); count the sync."""
@@ -271,7 +283,7 @@ class OuterSync:
                     n: b.detach().reshape(-1).to(torch.float32, copy=True) for n, b in self.buffers.items()
                 }
         self.step += 1
-        self.stats.compressed_steps += int(not self.compressor.dense)
+        self.comm.stats.compressed_steps += int(not self.compressor.dense)
         return job
 
     def _run(self, job: _Exchange, comm: Comm) -> None:
@@ -279,6 +291,7 @@ class OuterSync:
         start = time.perf_counter()
         try:
             with torch.no_grad():
+                job.nonfinite = self._contain(job)
                 job.averaged, job.buffers = self._reduce(job, comm)
         except BaseException as error:  # re-raised on the main thread by sync / drain
             job.error = error
@@ -287,6 +300,8 @@ class OuterSync:
     def _apply(self, job: _Exchange) -> None:
         """Outer step on ``theta`` for the exchanged fragments; parameters (and buffers) become the global model."""
         assert job.averaged is not None and job.buffers is not None
+        self.comm.stats.nonfinite_steps += int(job.nonfinite)
+        self.fold_nonfinite()
         with torch.no_grad():
             for i in job.indices:
                 for slot in self.fragments[i].slots:
@@ -295,6 +310,31 @@ class OuterSync:
             for name, value in job.buffers.items():
                 self.buffers[name].copy_(value.view_as(self.buffers[name]))
                 self.theta_buffers[name] = self.buffers[name].detach().clone()
+
+    def _contain(self, job: _Exchange) -> bool:
+        """Replace this rank's non-finite contributions to ``job``: every pseudo-gradient by zeros when one holds
+        NaN/Inf, a floating buffer holding NaN/Inf by its value at the last sync. Returns whether any was replaced
+        (a host read of one flag, on the thread that runs the exchange)."""
+        deltas = list(job.deltas.values())
+        replaced = bool(zero_if_nonfinite(deltas).item()) if deltas else False
+        for name, value in job.buffer_values.items():
+            if nonfinite_flag(value).item():
+                job.buffer_values[name] = self.theta_buffers[name].reshape(-1).to(torch.float32, copy=True)
+                replaced = True
+        return replaced
+
+    def note_nonfinite(self, flag: Tensor) -> None:
+        """Count an inner step whose gradient held NaN/Inf (``flag``: a one-element 0/1 tensor, e.g. from
+        :func:`~lightning_gradcomp.functional.finite.zero_if_nonfinite`), without a host sync: added to
+        ``stats.nonfinite_steps`` at the next sync (or :meth:`fold_nonfinite`)."""
+        count = self._inner_nonfinite
+        self._inner_nonfinite = flag.detach().clone() if count is None else count.add_(flag)
+
+    def fold_nonfinite(self) -> None:
+        """Add the inner steps counted by :meth:`note_nonfinite` to ``stats.nonfinite_steps`` (a host read)."""
+        if self._inner_nonfinite is not None:
+            self.comm.stats.nonfinite_steps += int(self._inner_nonfinite.item())
+            self._inner_nonfinite = None
 
     def _reduce(self, job: _Exchange, comm: Comm) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         world = comm.world_size
@@ -427,10 +467,12 @@ class OuterSync:
     def rank_state(self) -> dict[str, Any]:
         """This rank's own state: error-feedback memories, compressor state, stats."""
         self.drain()
+        self.fold_nonfinite()
         return {
             "memory": self.memory.state_dict(),
             "compressor": self.compressor.state_dict(),
-            "stats": self.stats.state_dict(),
+            "stats": self.comm.stats.state_dict(),
+            "pending_nonfinite": self._inflight is not None and self._inflight.nonfinite,
         }
 
     def load_rank_state(self, state: Optional[dict[str, Any]]) -> None:
@@ -442,4 +484,6 @@ class OuterSync:
         device = next(iter(self.params.values())).device if self.params else None
         self.memory.load_state_dict(state["memory"], device=device)
         self.compressor.load_state_dict(state["compressor"])
-        self.stats.load_state_dict(state["stats"])
+        self.comm.stats.load_state_dict(state["stats"])
+        if self._inflight is not None:  # counted when it is applied, as in the uninterrupted run
+            self._inflight.nonfinite = bool(state.get("pending_nonfinite", False))

@@ -214,7 +214,10 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
     @property
     def comm_stats(self) -> CommStats:
         """Bytes this rank sent for syncs (``wire_bytes``) and what per-step DDP would have sent
-        (``dense_bytes``) over the same ``steps`` optimizer steps."""
+        (``dense_bytes``) over the same ``steps`` optimizer steps; ``nonfinite_steps``: inner steps whose gradient
+        held NaN/Inf (zeroed) and syncs at which this rank's contribution did (contained)."""
+        if self._engine is not None:
+            return self._engine.stats  # with the inner steps counted up to now
         return self._comm_stats
 
     @property
@@ -316,7 +319,13 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         model: Optional[Union[pl.LightningModule, torch.nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        """The local step; then, every ``local_steps / fragments`` steps, a sync (first optimizer only)."""
+        """The local step; then, every ``local_steps / fragments`` steps, a sync (first optimizer only).
+
+        A gradient holding NaN/Inf is zeroed before the inner update (counted in ``comm_stats.nonfinite_steps``,
+        without a host sync on accelerators), so it never reaches this rank's model or inner optimizer state. With a
+        loss scaler (fp16 AMP) the scaler's own skip logic is left in charge."""
+        if self._engine is not None:
+            closure = self._guarded(optimizer, closure, self._engine.note_nonfinite)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._engine is not None and self._is_first_optimizer(optimizer):
             self._engine.count_step()

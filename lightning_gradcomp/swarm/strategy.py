@@ -427,24 +427,15 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         so it never reaches this rank's model and, through gossip, its partners. With a loss scaler (fp16 AMP)
         the scaler's own skip logic is left in charge.
         """
-        if getattr(self.precision_plugin, "scaler", None) is None:
-            closure = self._guard_nonfinite(optimizer, closure)
+        closure = self._guarded(optimizer, closure, self._count_nonfinite)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._engine is not None and self._is_first_optimizer(optimizer):
             self._local_step_done()
         return output
 
-    def _guard_nonfinite(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
-        def guarded() -> Any:
-            result = closure()
-            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            if grads and not bool(torch.isfinite(torch.stack([g.float().sum() for g in grads]).sum())):
-                for grad in grads:
-                    grad.zero_()
-                self._swarm_stats.nonfinite_steps += 1
-            return result
-
-        return guarded
+    def _count_nonfinite(self, flag: Tensor) -> None:
+        if flag.item():  # a host read (free on the CPU)
+            self._swarm_stats.nonfinite_steps += 1
 
     def _is_first_optimizer(self, optimizer: Optimizer) -> bool:
         if not self.optimizers:

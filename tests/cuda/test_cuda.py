@@ -114,3 +114,21 @@ def test_the_cpu_kernels_entry_points_take_torchs_steps_on_cuda() -> None:
     assert torch.equal(fused.codes, plain.codes) and torch.equal(fused.scales, plain.scales)
     mat, factor = torch.randn(40, 30, device=device), torch.randn(30, 4, device=device)
     torch.testing.assert_close(thin_matmul(mat, factor, torch.empty(40, 4, device=device)), mat @ factor)
+
+
+def test_zero_if_nonfinite_decides_on_the_device_without_a_host_sync() -> None:
+    """The local-step guard of LocalSGDStrategy: no host sync on CUDA, every tensor zeroed when one holds NaN/Inf."""
+    from lightning_gradcomp.functional.finite import zero_if_nonfinite
+
+    device = torch.device("cuda", 0)
+    finite = [torch.randn(s, device=device) for s in [(), (5,), (3, 4)]]
+    poisoned = [t.clone() for t in finite]
+    poisoned[2][1, 1] = float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kept, zeroed = zero_if_nonfinite([t.clone() for t in finite]), zero_if_nonfinite(poisoned)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert kept.item() == 0.0 and zeroed.item() == 1.0
+    assert all(not t.any() for t in poisoned)

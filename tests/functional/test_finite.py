@@ -1,14 +1,16 @@
 """The NaN/Inf flag of a bucket: the kernel's exponent scan and torch's ``isfinite(x).all()`` agree on every class
 of input (finite extremes, NaN/Inf anywhere in the vector body or the tail), at the portable level and the CPU's
-best; other dtypes take torch's steps."""
+best; other dtypes take torch's steps. ``zero_if_nonfinite`` (the local-step guards) on every dtype and shape."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from lightning_gradcomp.functional import _native
-from lightning_gradcomp.functional.finite import nonfinite_flag
+from lightning_gradcomp.functional.finite import _zero_where, nonfinite_flag, zero_if_nonfinite
 
 kernel = _native.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the compiled kernel could not be built here")
@@ -45,3 +47,41 @@ def test_other_dtypes_and_views_take_torchs_steps() -> None:
     strided = torch.ones(20)[::2].clone()
     strided[4] = float("nan")
     assert nonfinite_flag(torch.stack([strided, strided], 1)[:, 0]).item() == 1.0  # not contiguous
+
+
+SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 3, 4)]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_if_nonfinite_zeroes_every_tensor_exactly_when_one_holds_nan_or_inf(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+
+    def tensors() -> list[torch.Tensor]:
+        return [torch.randn(s, generator=gen).to(dtype) + 1 for s in SHAPES]
+
+    finite = tensors()
+    before = [t.clone() for t in finite]
+    flag = zero_if_nonfinite(finite)
+    assert flag.shape == (1,) and flag.dtype == torch.float32 and flag.item() == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(finite, before))  # untouched
+    for where, shape in enumerate(SHAPES):
+        if not math.prod(shape):
+            continue
+        for value in (float("nan"), float("inf"), -float("inf")):
+            poisoned = tensors()
+            poisoned[where].view(-1)[-1] = value
+            assert zero_if_nonfinite(poisoned).item() == 1.0
+            assert all(t.dtype == dtype and not t.any() for t in poisoned)  # every tensor, not only the bad one
+    assert zero_if_nonfinite([]).item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_device_branch_masks_on_the_flag(dtype: torch.dtype) -> None:
+    """What ``zero_if_nonfinite`` does off the CPU (no host read), run here on CPU tensors."""
+    for value in (0.0, 1.0):
+        tensors = [torch.full(s, float("nan") if value else 2.0, dtype=dtype) for s in SHAPES]
+        _zero_where(tensors, torch.tensor([value]))
+        for t, s in zip(tensors, SHAPES):
+            assert t.shape == s and t.dtype == dtype
+            assert (not t.any()) if value else bool((t == 2.0).all())

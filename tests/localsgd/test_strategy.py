@@ -292,7 +292,7 @@ def test_rank_zero_file_holds_the_manifest_and_each_rank_its_own_shard(tmp_path:
     torch.save({k: v for k, v in entry.items() if k != "shared"}, buffer)  # all but the replicated state
     assert buffer.tell() < 16 * 1024 < min(shard["bytes"] for shard in entry["shards"])
     for rank, state in enumerate(read_shards(last, key="localsgd")):
-        assert set(state) == {"model", "optimizers", "memory", "compressor", "stats"}
+        assert set(state) == {"model", "optimizers", "memory", "compressor", "stats", "pending_nonfinite"}
         assert torch.equal(torch.cat([v.reshape(-1) for v in state["model"].values()]), records[rank]["params"][-1])
     assert not torch.equal(records[0]["params"][-1], records[1]["params"][-1])  # the shards differ
 

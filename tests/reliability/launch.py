@@ -34,7 +34,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
-from lightning_gradcomp import GradCompStrategy, SwarmStrategy
+from lightning_gradcomp import GradCompStrategy, LocalSGDStrategy, SwarmStrategy
 from lightning_gradcomp.bench.runner import free_port
 from lightning_gradcomp.callbacks import LGreCo
 from lightning_gradcomp.compressors import (CLTK, DIANA, QSGD, Cast, Compressor, PowerSGD, RandomK, SignSGD,
@@ -53,13 +53,15 @@ STATEFUL = ("topk", "cltk", "powersgd", "diana", "signsgd", "lgreco", "swarm")
 
 # ---------------------------------------------------------------------------------------------- cases
 def build_case(case: str, *, timeout: Optional[float] = None, nonfinite: str = "dense") -> Strategy:
-    """The strategy of ``case``: ``"ddp"``, ``"swarm"``, a compressor name below, or ``"lgreco"`` (PowerSGD with
+    """The strategy of ``case``: ``"ddp"``, ``"swarm"``, ``"localsgd"``, a compressor name below, or ``"lgreco"`` (PowerSGD with
     L-GreCo choosing per-layer ranks at steps 4, 7, 10...). ``timeout`` in seconds."""
     extra: dict[str, Any] = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     if case == "ddp":
         return DDPStrategy(**extra)
     if case == "swarm":
         return SwarmStrategy(local_steps=2, bits=8, mode="lockstep", **extra)  # exact restart needs lock-step
+    if case == "localsgd":
+        return LocalSGDStrategy(local_steps=2, compressor=CLTK(0.05), **extra)  # DiLoCo with CLT-k and its memory
     compressors: dict[str, Callable[[], Compressor]] = {
         "topk": lambda: TopK(0.05),
         "randomk": lambda: RandomK(0.1),
@@ -149,7 +151,7 @@ def _snapshot(trainer: Any, module: Any) -> dict[str, Any]:
     snap: dict[str, Any] = {"global_step": trainer.global_step, "params": _flat_params(module)}
     hook = getattr(strategy, "hook", None)
     if hook is not None:
-        snap["hook"] = hook.state_dict()
+        snap["hook"] = hook.rank_state() if hasattr(hook, "rank_state") else hook.state_dict()  # LocalSGD's engine
     if hasattr(strategy, "swarm_stats"):
         snap["round_index"] = strategy.round_index
         snap["swarm_stats"] = strategy.swarm_stats.state_dict()

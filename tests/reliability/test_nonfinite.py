@@ -71,6 +71,20 @@ def test_dense_policy_passes_the_value_on_like_ddp_but_spares_the_state(tmp_path
         assert [r["finite"] for r in losses(tmp_path, rank)][STEP - 1:STEP + 1] == [True, False]
 
 
+def test_localsgd_zeroes_the_nan_gradient_and_every_rank_trains_on(tmp_path: Path) -> None:
+    """LocalSGDStrategy's inner-step guard: rank 1's NaN gradient is zeroed before its inner step, so neither its
+    model nor its optimizer, its error-feedback memory or, through the syncs, rank 0 ever holds a NaN."""
+    assert run(config(tmp_path, "localsgd", inject={"rank": 1, "step": STEP, "value": "nan"})) == [0, 0], errors(
+        tmp_path, 2)
+    ends = [load(tmp_path, "end", r) for r in range(2)]
+    assert [end["hook"]["stats"]["nonfinite_steps"] for end in ends] == [0, 1]
+    for rank, end in enumerate(ends):
+        assert tensors(end["hook"]["memory"]), f"rank {rank}: no error-feedback memory to check"
+        assert all(bool(t.isfinite().all()) for part in ("memory", "compressor") for t in tensors(end["hook"][part]))
+        assert all(r["finite"] and math.isfinite(r["loss"]) for r in losses(tmp_path, rank))
+        assert torch.equal(end["params"], ends[0]["params"])  # the last step is a sync (local_steps = 2)
+
+
 def test_swarm_nan_gradient_stays_contained(tmp_path: Path) -> None:
     cfg = config(tmp_path, "swarm", inject={"rank": 1, "step": STEP, "value": "nan"})
     assert run(cfg) == [0, 0], errors(tmp_path, 2)
