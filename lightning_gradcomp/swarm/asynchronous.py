@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradcomp.swarm.exchange import PairwiseGossip
+from lightning_gradcomp.swarm.exchange import PairwiseGossip, with_progress
 from lightning_gradcomp.swarm.pairing import round_generator
 
 __all__ = ["AsyncGossip", "PairingRecord", "StoreMatchmaker"]
@@ -304,7 +304,10 @@ class AsyncGossip:
         assert job.average is not None
         self.engine.stats.exchanges += 1
         self.log.append((job.pub_step, job.peer, job.peer_step, job.ticket, step, int(drained)))
-        return job.average + (x_now.detach().float() - job.x_pub)
+        updated, nonfinite = with_progress(job.average, x_now, job.x_pub)
+        if nonfinite and bool(torch.isfinite(job.x_pub).all()):  # else the exchange thread counted it already
+            self.engine.stats.nonfinite_exchanges += 1
+        return updated
 
     def _replay_boundary(self, step: int, current: Callable[[], Tensor], draining: bool = False) -> Optional[Tensor]:
         assert self.replay is not None

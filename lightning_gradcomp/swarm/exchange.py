@@ -13,9 +13,14 @@ Protocol of one exchange between ranks ``a`` and ``b`` (both run the same code):
    the block was exact, and passes only if *both* decodes of the block were exact, so both ends reach
    the same per-block verdict without another message.
 3. Accepted blocks: both set the average to ``(Q(x_a) + Q(x_b)) / 2`` (float addition is commutative:
-   identical bits on both ends). Rejected blocks (a decode wrapped, or could have): both send those
-   blocks of their model in fp32 (a second, usually empty, exchange whose size both ends know) and
-   average them; such exchanges are counted in :class:`SwarmStats` and logged.
+   identical bits on both ends). Rejected blocks (a decode wrapped, or could have; or a block of either model
+   holds NaN/Inf, which makes its side non-finite, sent as is): both send those blocks of their model in fp32 (a
+   second, usually empty, exchange whose size both ends know) and average them; such exchanges are counted in
+   :class:`SwarmStats` and logged.
+
+**NaN/Inf stay on their rank**: where one end's value is NaN/Inf and the other's finite, both take the finite one
+(:func:`contained_average`, in the fp32 blocks and the fp32 exchange), and a non-finite local progress counts as
+none, so a diverged model heals from its partner instead of spreading.
 
 Rounding: ``LatticeCodec(rounding="nearest")`` (default) rounds to the nearest lattice point, which is
 deterministic and biased (the error is a fixed function of the value); ``rounding="dithered"`` shifts
@@ -61,6 +66,8 @@ __all__ = [
     "SwarmStats",
     "average_pair",
     "blockwise_absmax",
+    "contained_average",
+    "with_progress",
 ]
 
 log = logging.getLogger(__name__)
@@ -174,6 +181,31 @@ class LatticeCodec:
         return Decoded(index=index, side=side, checksum_ok=lattice_checksum(index) == checksum, dither=dither)
 
 
+def contained_average(a: Tensor, b: Tensor) -> Tensor:
+    """``(a + b) / 2`` elementwise, except where exactly one of ``a`` and ``b`` is NaN/Inf: there the finite one.
+
+    Symmetric (``contained_average(b, a)`` has the same bits), so both ends of an exchange agree.
+
+    Example::
+
+        >>> contained_average(torch.tensor([1.0, float("nan"), 2.0]), torch.tensor([3.0, 5.0, float("inf")])).tolist()
+        [2.0, 5.0, 2.0]
+    """
+    average = (a + b) / 2
+    finite_a, finite_b = torch.isfinite(a), torch.isfinite(b)
+    return torch.where(finite_a == finite_b, average, torch.where(finite_a, a, b))
+
+
+def with_progress(average: Optional[Tensor], x_now: Tensor, x_old: Tensor) -> tuple[Tensor, bool]:
+    """``average + (x_now - x_old)`` (the non-blocking update; flat fp32), where a non-finite progress counts as none
+    (so a model that went NaN/Inf takes the exchange's average there); the progress alone when ``average`` is
+    ``None``. Also returns whether some progress was NaN/Inf (a host read)."""
+    progress = x_now.detach().float() - x_old
+    finite = torch.isfinite(progress)
+    progress = torch.where(finite, progress, torch.zeros((), dtype=progress.dtype, device=progress.device))
+    return (progress if average is None else average + progress), not bool(finite.all())
+
+
 def average_pair(codec: LatticeCodec, own: Encoded, partner: Decoded) -> tuple[Tensor, Tensor, Tensor]:
     """The pair average ``(Q(x_own) + Q(x_partner)) / 2`` (flat fp32) and which blocks may use it.
 
@@ -186,7 +218,7 @@ def average_pair(codec: LatticeCodec, own: Encoded, partner: Decoded) -> tuple[T
     other_value = lattice_value(partner.index, partner.side.view(-1, 1), partner.dither)
     gap = (own_value - other_value).abs().amax(dim=1)
     accepted = pair_decodable(own_value, other_value, own.side.view(-1, 1), partner.side.view(-1, 1), codec.bits)
-    accepted &= partner.checksum_ok
+    accepted &= partner.checksum_ok & torch.isfinite(own.side) & torch.isfinite(partner.side)  # NaN/Inf: fp32
     return ((own_value + other_value) / 2).reshape(-1)[: own.numel], accepted, gap
 
 
@@ -202,6 +234,8 @@ class SwarmStats:
         fallback_blocks: blocks resent in fp32, in all.
         consensus: last measured ``max_i ||x_i - mean||_2`` (``nan`` if never measured).
         nonfinite_steps: local steps whose gradient held NaN/Inf and was zeroed before the update.
+        nonfinite_exchanges: exchanges in which this rank's posted model, or its progress since the post, held
+            NaN/Inf; the partner's values (or the pair's average) were taken there (:func:`contained_average`).
     """
 
     rounds: int = 0
@@ -211,6 +245,7 @@ class SwarmStats:
     fallback_blocks: int = 0
     consensus: float = float("nan")
     nonfinite_steps: int = 0
+    nonfinite_exchanges: int = 0
     consensus_history: list[float] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
@@ -223,12 +258,14 @@ class SwarmStats:
             "fallback_blocks": self.fallback_blocks,
             "consensus": self.consensus,
             "nonfinite_steps": self.nonfinite_steps,
+            "nonfinite_exchanges": self.nonfinite_exchanges,
             "consensus_history": list(self.consensus_history),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`."""
-        for key in ("rounds", "exchanges", "sat_out", "fallbacks", "fallback_blocks", "consensus", "nonfinite_steps"):
+        keys = ("rounds", "exchanges", "sat_out", "fallbacks", "fallback_blocks", "consensus", "nonfinite_steps")
+        for key in (*keys, "nonfinite_exchanges"):
             setattr(self, key, state.get(key, getattr(self, key)))
         self.consensus_history = list(state.get("consensus_history", []))
 
@@ -324,7 +361,7 @@ class PairwiseGossip:
         pending.wait()
         x_old = pending.x_old
         if self.codec is None:
-            average = (x_old + pending.received) / 2  # commutative: both ends get the same bits
+            average = contained_average(x_old, pending.received)  # symmetric: both ends get the same bits
         else:
             own = pending.own if pending.own is not None else self._own_from_message(pending)
             partner = self.codec.decode(pending.received, x_old, self._dither(pending.round_index, pending.peer))
@@ -333,10 +370,13 @@ class PairwiseGossip:
                 self._fallback(pending, accepted, average, gap)
             self.spread = gap if self.spread is None else torch.maximum(gap, _SPREAD_DECAY * self.spread)
         if x_now is None:
+            if not bool(torch.isfinite(x_old).all()):  # one host read (the lattice path reads its verdict too)
+                self.stats.nonfinite_exchanges += 1
             if self.codec is not None:
                 self.anchor = average.clone()
             return average
-        progress = x_now.detach().float() - x_old
+        progress, nonfinite = with_progress(None, x_now, x_old)  # x_old's NaN/Inf make the progress's too
+        self.stats.nonfinite_exchanges += int(nonfinite)
         if self.codec is not None:
             self.drift = blockwise_absmax(progress, self.codec.block_size)
         return average + progress
@@ -360,9 +400,9 @@ class PairwiseGossip:
         mine = pending.x_old[mask].contiguous()
         theirs = torch.empty_like(mine)
         self.comm.exchange(mine, theirs, pending.peer)
-        average[mask] = (mine + theirs) / 2
+        average[mask] = contained_average(mine, theirs)
         exact = pending.x_old.new_zeros(self.numel)
-        exact[mask] = (mine - theirs).abs()
+        exact[mask] = (mine - theirs).abs().nan_to_num(0.0, 0.0, 0.0)  # the distance estimate stays finite
         gap[rejected] = blockwise_absmax(exact, block)[rejected]
 
     def _own_from_message(self, pending: PendingExchange) -> Encoded:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import os
 import shutil
 from datetime import timedelta
@@ -310,3 +311,29 @@ def test_old_single_file_checkpoint_still_resumes_exactly(tmp_path: Path) -> Non
 def test_bad_arguments_are_rejected(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         SwarmStrategy(**kwargs)
+
+
+class _PoisonRankOne(pl.Callback):
+    """Writes ``value`` into one weight of rank 1's model after step 5 (a diverged model, not a gradient)."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == 5 and trainer.global_rank == 1:
+            with torch.no_grad():
+                pl_module.body[2].weight.view(-1)[3] = self.value
+
+
+@pytest.mark.parametrize("mode, value", [("lockstep", float("nan")), ("async", float("inf"))])
+def test_a_diverged_model_heals_from_its_partner_and_poisons_nobody(tmp_path: Path, mode: str, value: float) -> None:
+    """Rank 1's model holds NaN/Inf from step 5 on: rank 0 stays finite at every step, and rank 1 is finite again
+    after its next exchange (it took rank 0's values there), in lock-step and asynchronous gossip."""
+    strategy = SwarmStrategy(local_steps=2, bits=8, mode=mode, start_method="fork")
+    records = fit(strategy, tmp_path, max_epochs=3, callbacks=[_PoisonRankOne(value), SwarmProbe(tmp_path)])
+    finite = [[bool(torch.isfinite(p).all()) for p in rec["params"]] for rec in records]
+    assert all(finite[0]), finite[0]
+    assert all(math.isfinite(loss) for loss in records[0]["losses"]) and all(finite[1][7:]), finite[1]
+    probes = [torch.load(tmp_path / f"probe{r}.pt", weights_only=True) for r in range(2)]
+    assert [p["swarm"]["nonfinite_exchanges"] for p in probes] == [0, 1]  # the poison took, on rank 1 only
