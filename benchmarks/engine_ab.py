@@ -13,6 +13,11 @@ thread's time less its blocking waits, as the bench's "work ms") and of those wa
 
       python benchmarks/engine_ab.py signsgd --switch sign-residual --steps 30
 
+* ``sparse-outputs``: a sparsifier's output slots zeroed in the compensation pass (``Compressor.sparse_outputs``, now
+  under ``nonfinite="dense"`` too, the bench's policy); off, each slot zeroed by the compressor in ``reduce``::
+
+      python benchmarks/engine_ab.py gradcomp_topk --switch sparse-outputs --steps 30
+
 Both sides run on the same gradients, caches and machine state (and give the same bits), so differences of a few
 percent of the work show that a step-time A/B between two bench runs cannot (docs/benchmarks.md, "Engine speed, this
 version").
@@ -33,6 +38,7 @@ from lightning_gradcomp import hook as engine
 from lightning_gradcomp.bench.configs import install
 from lightning_gradcomp.bench.models import load_workload
 from lightning_gradcomp.compressors.signsgd import SignSGD
+from lightning_gradcomp.compressors.sparse import SparseCompressor
 from lightning_gradcomp.gloo_workers import run_workers
 
 WARMUP = 6
@@ -71,9 +77,17 @@ def _sign_residual_switch() -> Callable[[bool], None]:
     return set_on
 
 
+def _sparse_outputs_switch() -> Callable[[bool], None]:
+    def set_on(on: bool) -> None:  # off: the compressor zeroes its output slots itself (ctx.output)
+        SparseCompressor.sparse_outputs = on
+
+    return set_on
+
+
 SWITCHES: dict[str, Callable[[], Callable[[bool], None]]] = {
     "precompute": _precompute_switch,
     "sign-residual": _sign_residual_switch,
+    "sparse-outputs": _sparse_outputs_switch,
 }
 
 

@@ -15,8 +15,10 @@ so ranks never deadlock):
    the averaged bucket afterwards (:meth:`GradCompHook._checked`).
 3. If any rank flagged a non-finite value, no memory or compressor state is touched and the event is
    counted; with ``nonfinite="dense"`` the compressed slots are reduced densely too (what DDP would do:
-   under fp16 AMP the GradScaler then sees the Inf and skips the step), with ``nonfinite="zero"`` the
-   whole bucket's gradient becomes zero on every rank (the step adds no gradient; training goes on).
+   under fp16 AMP the GradScaler then sees the Inf and skips the step; a sparsifier's gradients, zeroed by the
+   compensation pass, are recovered from ``p`` first: NaN/Inf where they were, the rest within rounding), with
+   ``nonfinite="zero"`` the whole bucket's gradient becomes zero on every rank (the step adds no gradient;
+   training goes on).
 4. Otherwise the compressed slots, error-compensated (``p = m + g``) when the compressor uses error
    feedback, go through the compressor *together*. (With error feedback the compensation comes before step 2,
    slot by slot, each followed by the compressor's :meth:`~lightning_gradcomp.compressors.base.Compressor.precompute`
@@ -355,16 +357,12 @@ class GradCompHook:
         needs_raw = any(getattr(obs, "needs_gradients", False) for obs in watchers)
         raw = [_unscaled(g, divisor) for g in grads] if needs_raw and use_ef else None  # before clearing them
         # error feedback compensates ahead of the flag: the kernel's pass checks g for NaN/Inf on the way (no pass
-        # of the flag's own); a discarded p changes nothing. The pass zeroes a sparsifier's output slots too, unless
-        # a NaN/Inf would need the gradient back (nonfinite="dense"). Each slot's precompute (a selection, P = M Q,
-        # a message) follows its compensation, while p is in cache and before this rank waits for the others
+        # of the flag's own); a discarded p changes nothing. The pass zeroes a sparsifier's output slots too (a
+        # non-finite step under nonfinite="dense" recovers g from p: _reduce_nonfinite). Each slot's precompute (a
+        # selection, P = M Q, a message) follows its compensation, while p is in cache and before this rank waits
+        # for the others
         early = use_ef and node_flag is None and bool(comp)
-        clear = (
-            use_ef
-            and self.compressor.sparse_outputs
-            and outputs is not None
-            and (not early or self.nonfinite == "zero")
-        )
+        clear = use_ef and self.compressor.sparse_outputs and outputs is not None
         ctx = ReduceContext(
             comm,
             step,
@@ -381,7 +379,8 @@ class GradCompHook:
         if check_after:
             head = self._head_async(buf, dense, comm)
         elif self._head(buf, dense, comm, flag=True, flag_value=node_flag, comp_flag=comp_flag):
-            return self._reduce_nonfinite(buf, comp, comm)
+            cleared = compensated if early and clear else None
+            return self._reduce_nonfinite(buf, comp, comm, cleared, divisor)
         if not comp:  # a hierarchy rank owning no compressed slot of this bucket (same on its cross-node group)
             return completed_future(buf)
 
@@ -536,14 +535,27 @@ class GradCompHook:
         self._write_dense(buf, dense, head)
         return flag and bool(head[-1] != 0)
 
-    def _reduce_nonfinite(self, buf: Tensor, comp: tuple[LayerSlot, ...], comm: Comm) -> Future:
-        """Some rank saw NaN/Inf: leave all state untouched; reduce ``comp`` densely over ``comm`` or zero ``buf``."""
+    def _reduce_nonfinite(
+        self,
+        buf: Tensor,
+        comp: tuple[LayerSlot, ...],
+        comm: Comm,
+        cleared: Optional[list[Tensor]] = None,
+        divisor: Optional[Tensor] = None,
+    ) -> Future:
+        """Some rank saw NaN/Inf: leave all state untouched; reduce ``comp`` densely over ``comm`` or zero ``buf``.
+
+        ``cleared``: the compensations ``p`` of ``comp`` (divided by ``divisor``) whose gradients the compensation
+        pass zeroed; the dense reduction sends the gradients recovered from them (:meth:`ErrorFeedback.recover`:
+        NaN/Inf where the gradient had them, the rest within rounding)."""
         self.stats.nonfinite_steps += 1
         if self.nonfinite == "zero":
             buf.zero_()
             return completed_future(buf)
         if not comp:  # a hierarchy rank owning no compressed slot of this bucket
             return completed_future(buf)
+        for slot, p in zip(comp, cleared or ()):
+            buf[slot.offset : slot.end].copy_(self.memory.recover(slot.name, p, divisor))
         rest = torch.cat([buf[s.offset : s.end] for s in comp]).div_(self.comm.world_size)
         comm.all_reduce(rest, shares=[(s.name, s.numel) for s in comp])
         for slot, piece in zip(comp, torch.split(rest, [s.numel for s in comp])):

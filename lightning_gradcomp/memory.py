@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.checks import is_number
-from lightning_gradcomp.functional.feedback import compensate_checked
+from lightning_gradcomp.functional.feedback import compensate_checked, recover_gradient
 
 __all__ = ["ErrorFeedback", "validate_beta"]
 
@@ -91,6 +91,12 @@ class ErrorFeedback:
         if memory is not None and memory.shape != grad.shape:
             memory = None
         return compensate_checked(memory, grad, scale, clear=clear)
+
+    def recover(self, name: str, p: Tensor, scale: Optional[Tensor] = None) -> Tensor:
+        """The gradient of layer ``name`` that :meth:`compensate` turned into ``p`` (same ``scale``), recovered from
+        the committed memory: :func:`~.functional.feedback.recover_gradient`."""
+        memory = self.memories.get(name)
+        return recover_gradient(memory if memory is not None and memory.shape == p.shape else None, p, scale)
 
     def update(self, name: str, residual: Tensor) -> None:
         """Stage ``m <- (1 - beta) m + beta * residual`` where ``residual = p - c`` (see :meth:`commit`).

@@ -81,8 +81,9 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         seed: base seed of the compressors' generators (shared and per-rank streams derive from it).
         nonfinite: what happens to a bucket whose gradient holds NaN/Inf on some rank (memories and
             compressor state are never updated from it): ``"dense"`` reduces it densely, as DDP would (use
-            with fp16 AMP, whose GradScaler then skips the step); ``"zero"`` zeroes it on every rank, so the
-            step contributes no gradient and training continues.
+            with fp16 AMP, whose GradScaler then skips the step; a sparsifier's slots carry the gradients
+            recovered from their compensation: NaN/Inf where DDP's have them, the rest within rounding);
+            ``"zero"`` zeroes it on every rank, so the step contributes no gradient and training continues.
         schedule: the compression parameter over optimizer steps, e.g. a density warm-up:
             :class:`~lightning_gradcomp.schedule.WarmupSchedule` (``WarmupSchedule(steps=300, start=0.25)``), a
             ``{step: value}`` mapping, or a callable ``step -> value``; per-layer parameters (L-GreCo) follow it

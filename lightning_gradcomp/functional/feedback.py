@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_gradcomp.functional import _native
 
-__all__ = ["compensate", "compensate_checked"]
+__all__ = ["compensate", "compensate_checked", "recover_gradient"]
 
 
 def compensate(
@@ -92,6 +92,24 @@ def compensate_checked(
     if clear:
         grad.zero_()
     return out, None
+
+
+def recover_gradient(memory: Optional[Tensor], p: Tensor, scale: Optional[Tensor] = None) -> Tensor:
+    """The gradient a compensation ``p = memory + g / scale`` came from, as far as ``p`` tells: a new fp32 tensor
+    ``(p - memory) * scale`` (``p * scale`` without a memory: exact when ``scale`` is a power of two).
+
+    NaN and infinities come back where ``g`` had them; other entries within the rounding of ``p`` (relative to
+    ``|memory|``). For a gradient cleared in the compensation pass and needed after all (a non-finite step reduced
+    densely).
+
+    Example::
+
+        >>> m, g = torch.tensor([0.5, 1.0]), torch.tensor([2.0, float("inf")])
+        >>> recover_gradient(m, compensate(m, g, torch.tensor([4.0])), torch.tensor([4.0])).tolist()
+        [2.0, inf]
+    """
+    out = p.clone() if memory is None else p - memory
+    return out if scale is None else out.mul_(scale)
 
 
 def _kernel_for(memory: Tensor, grad: Tensor, scale: Optional[Tensor]) -> Optional[ModuleType]:

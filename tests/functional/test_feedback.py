@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.functional import _native
-from lightning_gradcomp.functional.feedback import compensate, compensate_checked
+from lightning_gradcomp.functional.feedback import compensate, compensate_checked, recover_gradient
 
 kernel = _native.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the compiled kernel could not be built here")
@@ -112,3 +112,23 @@ def test_the_torch_steps_do_not_check(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_native, "load", lambda: None)
     assert compensate_checked(torch.zeros(3), torch.tensor([1.0, float("nan"), 2.0]))[1] is None
     assert compensate_checked(None, torch.ones(3))[1] is None
+
+
+@pytest.mark.parametrize("scale", [None, 1.0, 1024.0, 2.0**-3])
+@pytest.mark.parametrize("with_memory", [False, True])
+def test_recover_gradient_gives_back_nan_and_inf_exactly_and_the_rest_within_rounding(
+        scale: Optional[float], with_memory: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    grad = torch.randn(1000, generator=gen) * torch.logspace(-3, 3, 1000)
+    grad[[7, 500, 999]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    memory = torch.randn(1000, generator=gen) if with_memory else None
+    s = None if scale is None else torch.tensor([scale])
+    back = recover_gradient(memory, compensate(memory, grad.clone(), s), s)
+    for where in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(where(back), where(grad))
+    finite = torch.isfinite(grad)
+    if memory is None:  # p = g / s with s a power of two: exact
+        assert torch.equal(back[finite], grad[finite])
+    else:  # p's rounding, relative to |m| (times s)
+        tolerance = 2.0**-23 * (memory.abs() + (grad / (scale or 1.0)).abs()) * (scale or 1.0)
+        assert bool(((back - grad).abs()[finite] <= tolerance[finite]).all())

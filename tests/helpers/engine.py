@@ -4,6 +4,7 @@ ways of computing the same reduction)."""
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Optional
 
 import torch
 from torch import nn
@@ -24,11 +25,12 @@ def train_through_hook(
     dtype: torch.dtype = torch.float32,
     poison_steps: Collection[int] = (),
     poison: float = float("inf"),
+    grads: Optional[list[torch.Tensor]] = None,
 ) -> tuple[nn.Module, GradCompHook]:
     """A 33-130-77-5 MLP (seed 0, in ``dtype``) in DDP with 20 KB buckets, every layer compressed by ``compressor``
     (``min_numel=1``), trained ``steps`` SGD steps on data seeded by ``rank``; at ``poison_steps``, rank 1's loss gets
     ``poison`` (NaN, +Inf or -Inf) through the first layer's ``weight[0, 0]``, whose gradient it becomes. Returns the
-    model and the (closed) hook."""
+    model and the (closed) hook; ``grads`` (when given) receives each step's averaged gradients, flat."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(33, 130), nn.Tanh(), nn.Linear(130, 77), nn.Tanh(), nn.Linear(77, 5)).to(dtype)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)
@@ -45,6 +47,8 @@ def train_through_hook(
         if step in poison_steps and rank == 1:
             loss = loss + model[0].weight[0, 0] * poison
         loss.backward()
+        if grads is not None:
+            grads.append(torch.cat([p.grad.detach().reshape(-1).clone() for p in model.parameters()]))
         optimizer.step()
     hook.close()
     return model, hook
