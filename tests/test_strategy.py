@@ -11,7 +11,8 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
-from helpers.models import ReadyOrderNet, TinyNet, assert_replicas_identical, assert_resume_matches, fit
+from helpers.models import (ReadyOrderNet, SparseEmbeddingNet, TinyNet, assert_replicas_identical,
+                            assert_resume_matches, fit)
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.comm import all_gather_bytes, all_reduce_bytes
 from lightning_gradcomp.compressors import (CLTK, DIANA, QSGD, Cast, Compressor, NoCompression, PowerSGD, RandomK,
@@ -138,19 +139,6 @@ def test_find_unused_parameters(tmp_path: Path) -> None:
     records = fit(strategy(RandomK(0.1), find_unused_parameters=True), tmp_path, max_epochs=2,
                   model=TinyNet(unused_branch=True))
     assert_replicas_identical(records)
-
-
-class SparseEmbeddingNet(TinyNet):
-    """TinyNet whose input first goes through ``nn.Embedding(sparse=True)`` (sparse gradients)."""
-
-    def __init__(self, sparse: bool = True, frozen: bool = False) -> None:
-        super().__init__(in_features=8)
-        self.embed = torch.nn.Embedding(16, 8, sparse=sparse)
-        self.embed.weight.requires_grad_(not frozen)
-        self.x = torch.randint(0, 16, (self.hparams.samples,))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(self.embed(x)))
 
 
 def test_sparse_gradients_are_refused_at_setup_naming_the_module(tmp_path: Path) -> None:

@@ -40,7 +40,8 @@ def zero_if_nonfinite(tensors: Sequence[Tensor]) -> Tensor:
 
     Returns the decision as a one-element fp32 tensor on the tensors' device (1: they were zeroed; 0 for an empty
     sequence, on the CPU). No host sync: on the CPU the flag is read to skip the zeroing of finite tensors; on other
-    devices every tensor is masked with the flag on the device (one pass each).
+    devices every tensor is masked with the flag on the device (one pass each). Sparse COO tensors (the gradient of
+    ``nn.Embedding(sparse=True)``) are judged and zeroed by their stored values.
 
     Example::
 
@@ -50,7 +51,7 @@ def zero_if_nonfinite(tensors: Sequence[Tensor]) -> Tensor:
     """
     if not tensors:
         return torch.zeros(1)
-    flag = torch.cat([nonfinite_flag(t).to(torch.float32) for t in tensors]).amax().reshape(1)
+    flag = torch.cat([nonfinite_flag(_stored(t)).to(torch.float32) for t in tensors]).amax().reshape(1)
     if flag.device.type == "cpu":
         if flag.item():
             for t in tensors:
@@ -64,4 +65,9 @@ def _zero_where(tensors: Sequence[Tensor], flag: Tensor) -> None:
     """Zero every tensor of ``tensors`` where the one-element ``flag`` is non-zero, on the device (one pass each)."""
     bad = flag.bool().reshape(())  # broadcasts to any shape, 0-dim included
     for t in tensors:
-        t.masked_fill_(bad, 0)
+        _stored(t).masked_fill_(bad, 0)
+
+
+def _stored(t: Tensor) -> Tensor:
+    """The values ``t`` stores: a sparse COO tensor's ``values`` (a view), else ``t``."""
+    return t._values() if t.is_sparse else t

@@ -85,3 +85,22 @@ def test_the_device_branch_masks_on_the_flag(dtype: torch.dtype) -> None:
         for t, s in zip(tensors, SHAPES):
             assert t.shape == s and t.dtype == dtype
             assert (not t.any()) if value else bool((t == 2.0).all())
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), None])
+def test_sparse_gradients_are_judged_and_zeroed_by_their_stored_values(value: float) -> None:
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    embedding(torch.tensor([1, 2, 1])).sum().backward()  # uncoalesced: index 1 stored twice
+    grad, dense = embedding.weight.grad, torch.ones(4)
+    if value is not None:
+        grad._values()[2, 1] = value
+    before = grad.to_dense().clone()
+    flag = zero_if_nonfinite([grad, dense])
+    assert flag.item() == float(value is not None)
+    if value is None:
+        assert torch.equal(grad.to_dense(), before) and torch.equal(dense, torch.ones(4))
+    else:
+        assert not grad.to_dense().any() and not dense.any()
+    device_branch = embedding.weight.grad.clone()
+    _zero_where([device_branch], torch.ones(1))
+    assert not device_branch.to_dense().any()

@@ -66,6 +66,33 @@ class TinyNet(pl.LightningModule):
         return DataLoader(TensorDataset(self.x, self.y), batch_size=self.hparams.batch_size, shuffle=True)
 
 
+class SparseEmbeddingNet(TinyNet):
+    """TinyNet whose input first goes through ``nn.Embedding(sparse=True)`` (sparse gradients). ``poison_step``:
+    rank 1's embedding gradient gets a NaN in its first stored value at that global step."""
+
+    def __init__(self, sparse: bool = True, frozen: bool = False, poison_step: Optional[int] = None) -> None:
+        super().__init__(in_features=8)
+        self.embed = torch.nn.Embedding(16, 8, sparse=sparse)
+        self.embed.weight.requires_grad_(not frozen)
+        self.x = torch.randint(0, 16, (self.hparams.samples,))
+        self.poison_step = poison_step
+
+    def on_train_start(self) -> None:
+        if self.poison_step is not None and self.trainer.global_rank == 1:
+            self.embed.weight.register_hook(self._poison)
+
+    def _poison(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.trainer.global_step != self.poison_step:
+            return grad
+        grad = grad.coalesce()
+        values = grad.values().clone()
+        values.view(-1)[0] = float("nan")
+        return torch.sparse_coo_tensor(grad.indices(), values, grad.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(x)))
+
+
 class ReadyOrderNet(TinyNet):
     """TinyNet without biases, its layers defined output first: in the order their gradients become ready.
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_gradcomp  # noqa: F401 - registers "localsgd", "diloco", "diloco_cltk"
-from helpers.models import TinyNet, fit
+from helpers.models import SparseEmbeddingNet, TinyNet, fit
 from helpers.shards import damage_shard
 from lightning_gradcomp import LocalSGDStrategy
 from lightning_gradcomp.callbacks import CompressionLogger
@@ -393,3 +393,13 @@ def test_more_fragments_than_tensors_is_rejected():
     assert split_fragments([3, 1, 2], 3) == [[0], [1], [2]]
     with pytest.raises(ValueError, match="fragments.*at most.*3"):
         split_fragments([3, 1, 2], 4)
+
+
+def test_sparse_embedding_gradients_train_and_a_nan_in_them_is_zeroed(tmp_path: Path) -> None:
+    """``nn.Embedding(sparse=True)``: the inner-step guard reads and zeroes sparse gradients by their stored values."""
+    strategy = LocalSGDStrategy(local_steps=2, start_method="fork")
+    records = fit(strategy, tmp_path, max_epochs=2, model=SparseEmbeddingNet(poison_step=3))
+    for rank, rec in enumerate(records):
+        assert all(bool(torch.isfinite(p).all()) for p in rec["params"]), rank
+        assert rec["stats"]["nonfinite_steps"] == rank  # rank 1's poisoned step only
+    assert torch.equal(records[0]["params"][-1], records[1]["params"][-1])  # the last step is a sync

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_gradcomp  # noqa: F401 - registers "swarmsgd"
-from helpers.models import TinyNet, fit
+from helpers.models import SparseEmbeddingNet, TinyNet, fit
 from helpers.shards import damage_shard
 from lightning_gradcomp import SwarmStrategy
 from lightning_gradcomp.checkpoint_shards import read_shards, shard_dir
@@ -337,3 +337,13 @@ def test_a_diverged_model_heals_from_its_partner_and_poisons_nobody(tmp_path: Pa
     assert all(math.isfinite(loss) for loss in records[0]["losses"]) and all(finite[1][7:]), finite[1]
     probes = [torch.load(tmp_path / f"probe{r}.pt", weights_only=True) for r in range(2)]
     assert [p["swarm"]["nonfinite_exchanges"] for p in probes] == [0, 1]  # the poison took, on rank 1 only
+
+
+def test_sparse_embedding_gradients_train_and_a_nan_in_them_is_zeroed(tmp_path: Path) -> None:
+    """``nn.Embedding(sparse=True)``: the local-step guard reads and zeroes sparse gradients by their stored values."""
+    strategy = SwarmStrategy(local_steps=2, bits=8, mode="lockstep", start_method="fork")
+    records = fit(strategy, tmp_path, max_epochs=2, model=SparseEmbeddingNet(poison_step=3),
+                  callbacks=[SwarmProbe(tmp_path)])
+    assert all(bool(torch.isfinite(p).all()) for rec in records for p in rec["params"])
+    probes = [torch.load(tmp_path / f"probe{r}.pt", weights_only=True) for r in range(2)]
+    assert [p["swarm"]["nonfinite_steps"] for p in probes] == [0, 1]
