@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from helpers.distributed import run_workers
 from helpers.models import LayerSizesNet
+from helpers.trees import tensors
 from lightning_gradcomp import LocalSGDStrategy
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors import CLTK, QSGD, NoCompression, PowerSGD, SignSGD, TopK
@@ -98,18 +99,8 @@ def _train(rank: int, world: int, case: tuple, poison: bool, group: dist.Process
         finite_after.append(bool(torch.isfinite(_flat(model.parameters())).all()))
     state = engine.rank_state()
     return {"final": _flat([*model.parameters(), model.stat]), "finite_after": finite_after,
-            "state": [t for part in ("memory", "compressor") for t in _tensors(state[part])],
+            "state": [t for part in ("memory", "compressor") for t in tensors(state[part])],
             "nonfinite": engine.stats.nonfinite_steps, "momentum": list(engine.momentum.values())}
-
-
-def _tensors(state: Any) -> list[torch.Tensor]:
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in _tensors(v)]
-    if isinstance(state, (list, tuple)):
-        return [t for v in state for t in _tensors(v)]
-    return []
 
 
 def _both(rank: int, world: int) -> dict[str, Any]:

@@ -44,6 +44,8 @@ TESTS_DIR = Path(__file__).resolve().parents[1]
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
+from helpers.trees import tensors  # noqa: E402 - re-exported for the reliability tests
+
 MARKER_ENV = "GRADCOMP_RELIABILITY_RUN"
 """Environment variable carrying a per-launch token: any process holding it belongs to that launch."""
 
@@ -368,17 +370,6 @@ def text(out: Path, name: str, rank: int) -> str:
     """``error``/``warnings`` text of one rank ('' if absent)."""
     path = Path(out) / f"{name}{rank}.txt"
     return path.read_text(errors="replace") if path.exists() else ""
-
-
-def tensors(tree: Any) -> list[Any]:
-    """Every tensor in a nested dict/list."""
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in tensors(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in tensors(v)]
-    return []
 
 
 if __name__ == "__main__":
