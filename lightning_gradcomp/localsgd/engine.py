@@ -314,11 +314,14 @@ class OuterSync:
     def _contain(self, job: _Exchange) -> bool:
         """Replace this rank's non-finite contributions to ``job``: every pseudo-gradient by zeros when one holds
         NaN/Inf, a floating buffer holding NaN/Inf by its value at the last sync. Returns whether any was replaced
-        (a host read of one flag, on the thread that runs the exchange)."""
+        (two host reads at most, on the thread that runs the exchange)."""
         deltas = list(job.deltas.values())
         replaced = bool(zero_if_nonfinite(deltas).item()) if deltas else False
-        for name, value in job.buffer_values.items():
-            if nonfinite_flag(value).item():
+        names = list(job.buffer_values)
+        per_buffer = [nonfinite_flag(job.buffer_values[n]).to(torch.float32) for n in names]
+        flags = torch.cat(per_buffer).tolist() if per_buffer else []  # one host read for all buffers
+        for name, flag in zip(names, flags):
+            if flag:
                 job.buffer_values[name] = self.theta_buffers[name].reshape(-1).to(torch.float32, copy=True)
                 replaced = True
         return replaced
