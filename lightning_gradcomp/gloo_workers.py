@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
+import queue
 import socket
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
@@ -29,7 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, conn: Connection) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -38,31 +41,35 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
         result = fn(rank, world_size, *args)
         buffer = io.BytesIO()  # plain bytes: shared-memory tensors would vanish when this process exits
         torch.save(result, buffer)
-        queue.put((rank, True, buffer.getvalue()))
+        message: tuple[bool, Any] = (True, buffer.getvalue())
     except BaseException:  # report the failure to the parent instead of hanging it
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        message = (False, traceback.format_exc())
+    # sent whole before any teardown: send_bytes returns once the parent can read all of it, so even a crash while
+    # the process group is destroyed or the interpreter exits cannot cut the message short
+    conn.send_bytes(pickle.dumps(message))
+    conn.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks; return the results by rank.
 
     Each rank runs with one intra-op thread, ``MASTER_ADDR=127.0.0.1`` and a fresh free port, and destroys its
-    process group on the way out. A parent that has run MKL matrix products should have started with
-    ``MKL_DISABLE_FAST_MM=1`` (the test suite sets it): a child forked from MKL's per-thread memory manager once
-    spun in it for good.
+    process group on the way out. Each rank sends its result on its own pipe, so a rank that dies (a signal, an
+    abort in native code) is reported, never waited for. A parent that has run MKL matrix products should have
+    started with ``MKL_DISABLE_FAST_MM=1`` (the test suite sets it): a child forked from MKL's per-thread memory
+    manager once spun in it for good.
 
     Args:
         fn: called once per rank after ``init_process_group("gloo")``; its return value (tensors, containers,
             numbers) is sent back to the parent.
         world_size: number of processes.
         *args: passed to ``fn`` after ``rank`` and ``world_size``.
-        timeout: seconds to wait for each rank's result before giving up.
+        timeout: seconds to wait for each next rank's result before giving up.
 
     Raises:
-        AssertionError: a rank raised; the message holds its traceback.
+        AssertionError: a rank raised (the message holds its traceback) or died before sending its result.
         queue.Empty: no result arrived within ``timeout`` (the ranks still alive are killed).
 
     Example::
@@ -75,21 +82,42 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
         [3.0, 3.0]
     """
     ctx = mp.get_context("fork")
-    queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    procs: list[Any] = []
+    readers: dict[Connection, int] = {}
+    for rank in range(world_size):
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, writer))
+        proc.start()
+        writer.close()  # the rank holds the only writer left: its death ends the pipe
+        procs.append(proc)
+        readers[reader] = rank
     results: dict[int, Any] = {}
     try:
-        for _ in range(world_size):
-            rank, ok, value = queue.get(timeout=timeout)
-            if not ok:
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        while readers:
+            ready = wait(list(readers), timeout=timeout)
+            if not ready:
+                raise queue.Empty(f"no result from ranks {sorted(readers.values())} within {timeout} s")
+            for done in ready:
+                assert isinstance(done, Connection)
+                rank = readers.pop(done)
+                try:
+                    ok, value = pickle.loads(done.recv_bytes())
+                except EOFError:
+                    procs[rank].join(timeout=10)
+                    raise AssertionError(
+                        f"rank {rank} died before sending its result (exit code {procs[rank].exitcode})"
+                    ) from None
+                finally:
+                    done.close()
+                if not ok:
+                    raise AssertionError(f"rank {rank} failed:\n{value}")
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        for reader in readers:
+            reader.close()
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
     return [results[r] for r in range(world_size)]
