@@ -15,7 +15,7 @@ from torch import Tensor
 
 from lightning_gradcomp.functional import _native
 
-__all__ = ["nonfinite_flag", "zero_if_nonfinite"]
+__all__ = ["DeferredCount", "nonfinite_flag", "zero_if_nonfinite"]
 
 
 def nonfinite_flag(x: Tensor, level: Optional[int] = None) -> Tensor:
@@ -71,3 +71,28 @@ def _zero_where(tensors: Sequence[Tensor], flag: Tensor) -> None:
 def _stored(t: Tensor) -> Tensor:
     """The values ``t`` stores: a sparse COO tensor's ``values`` (a view), else ``t``."""
     return t._values() if t.is_sparse else t
+
+
+class DeferredCount:
+    """A count of one-element 0/1 device flags (e.g. from :func:`zero_if_nonfinite`), summed on their device without
+    a host sync and read when asked (:meth:`take`: one host read).
+
+    Example::
+
+        >>> count = DeferredCount()
+        >>> count.add(torch.ones(1)); count.add(torch.zeros(1)); count.add(torch.ones(1))
+        >>> count.take(), count.take()
+        (2, 0)
+    """
+
+    def __init__(self) -> None:
+        self._sum: Optional[Tensor] = None
+
+    def add(self, flag: Tensor) -> None:
+        """Add ``flag`` (kept on its device)."""
+        self._sum = flag.detach().clone() if self._sum is None else self._sum.add_(flag)
+
+    def take(self) -> int:
+        """The flags added since the last call (a host read), and start again from zero."""
+        total, self._sum = self._sum, None
+        return 0 if total is None else int(total.sum().item())

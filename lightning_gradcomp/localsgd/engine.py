@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext
-from lightning_gradcomp.functional.finite import nonfinite_flag, zero_if_nonfinite
+from lightning_gradcomp.functional.finite import DeferredCount, nonfinite_flag, zero_if_nonfinite
 from lightning_gradcomp.hook import HookObserver, reduce_with_feedback
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.plan import BucketPlan, SlotPolicy, build_plan
@@ -168,7 +168,7 @@ class OuterSync:
         self.step = 0  # syncs done (identical on all ranks)
         self.local_steps = 0  # optimizer steps done
         self.cursor = 0  # the fragment synced next
-        self._inner_nonfinite: Optional[Tensor] = None  # inner steps zeroed since the last fold (a device count)
+        self._inner_nonfinite = DeferredCount()  # inner steps zeroed since the last fold
         self._step_dense = sum(all_reduce_bytes(p.numel() * p.element_size(), comm.world_size) for p in tensors)
 
     # ------------------------------------------------------------------ GradCompHook-like surface
@@ -330,14 +330,11 @@ class OuterSync:
         """Count an inner step whose gradient held NaN/Inf (``flag``: a one-element 0/1 tensor, e.g. from
         :func:`~lightning_gradcomp.functional.finite.zero_if_nonfinite`), without a host sync: added to
         ``stats.nonfinite_steps`` at the next sync (or :meth:`fold_nonfinite`)."""
-        count = self._inner_nonfinite
-        self._inner_nonfinite = flag.detach().clone() if count is None else count.add_(flag)
+        self._inner_nonfinite.add(flag)
 
     def fold_nonfinite(self) -> None:
         """Add the inner steps counted by :meth:`note_nonfinite` to ``stats.nonfinite_steps`` (a host read)."""
-        if self._inner_nonfinite is not None:
-            self.comm.stats.nonfinite_steps += int(self._inner_nonfinite.item())
-            self._inner_nonfinite = None
+        self.comm.stats.nonfinite_steps += self._inner_nonfinite.take()
 
     def _reduce(self, job: _Exchange, comm: Comm) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         world = comm.world_size

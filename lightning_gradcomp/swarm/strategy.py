@@ -39,6 +39,7 @@ from lightning_gradcomp.checkpoint_shards import load_verified
 from lightning_gradcomp.checks import check_bool, check_int, check_number, check_timeout, is_int
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.distributed import DEFAULT_TIMEOUT
+from lightning_gradcomp.functional.finite import DeferredCount
 from lightning_gradcomp.presets import register_preset, register_presets
 from lightning_gradcomp.replicas import DivergentReplicas
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
@@ -198,6 +199,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             start_method=start_method,
         )
         self._swarm_stats = SwarmStats()
+        self._nonfinite = DeferredCount()  # local steps zeroed for NaN/Inf, not yet in swarm_stats
         self._comm_stats = CommStats()
         self._aux_stats = CommStats()
         self._comm: Optional[Comm] = None
@@ -230,7 +232,9 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
 
     @property
     def swarm_stats(self) -> SwarmStats:
-        """Rounds, exchanges, rounds sat out, fp32 fallbacks and the last consensus distance."""
+        """Rounds, exchanges, rounds sat out, fp32 fallbacks, the last consensus distance and NaN/Inf events (the
+        zeroed local steps counted up to now: a host read)."""
+        self._swarm_stats.nonfinite_steps += self._nonfinite.take()
         return self._swarm_stats
 
     @property
@@ -427,15 +431,11 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         so it never reaches this rank's model and, through gossip, its partners. With a loss scaler (fp16 AMP)
         the scaler's own skip logic is left in charge.
         """
-        closure = self._guarded(optimizer, closure, self._count_nonfinite)
+        closure = self._guarded(optimizer, closure, self._nonfinite.add)  # counted without a host sync
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._engine is not None and self._is_first_optimizer(optimizer):
             self._local_step_done()
         return output
-
-    def _count_nonfinite(self, flag: Tensor) -> None:
-        if flag.item():  # a host read (free on the CPU)
-            self._swarm_stats.nonfinite_steps += 1
 
     def _is_first_optimizer(self, optimizer: Optimizer) -> bool:
         if not self.optimizers:
@@ -592,6 +592,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
     def _rank_state(self) -> dict[str, Any]:
         if self._async is not None:
             self.flush()  # async: no exchange in flight while saving (lock-step keeps its pending exchange)
+        self._swarm_stats.nonfinite_steps += self._nonfinite.take()
         return {
             "async": self._async.state_dict() if self._async is not None else None,
             "model": self._local_model_state(),
