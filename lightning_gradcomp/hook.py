@@ -379,7 +379,7 @@ class GradCompHook:
         if check_after:
             head = self._head_async(buf, dense, comm)
         elif self._head(buf, dense, comm, flag=True, flag_value=node_flag, comp_flag=comp_flag):
-            cleared = compensated if early and clear else None
+            cleared = compensated if clear else None  # None when not early
             return self._reduce_nonfinite(buf, comp, comm, cleared, divisor)
         if not comp:  # a hierarchy rank owning no compressed slot of this bucket (same on its cross-node group)
             return completed_future(buf)

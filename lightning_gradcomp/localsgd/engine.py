@@ -22,8 +22,9 @@ fragment) does, in the same order on every rank:
 pseudo-gradient of this rank holds NaN/Inf, all of its pseudo-gradients of the exchange become zeros (the rank
 contributes "no progress"), and a floating buffer holding NaN/Inf is replaced by its value at the last sync. No
 memory, compressor state, momentum or other rank ever sees the value; the rank's parameters become ``theta`` at
-step 5 as everyone's do. Counted in ``stats.nonfinite_steps`` when the exchange is applied, with the inner steps
-whose gradient :meth:`note_nonfinite` reports (the strategy zeroes those before its inner optimizer steps).
+step 5 as everyone's do. Counted in ``stats.nonfinite_steps`` when the exchange is applied; the inner steps whose
+gradient :meth:`note_nonfinite` reports (the strategy zeroes those before its inner optimizer steps) are counted on
+the device and added when :attr:`stats` is read or the rank's state saved.
 
 **Overlap** (``overlap=tau >= 1``): a fragment's exchange (steps 1-3) is *issued* at its sync step and runs
 in a background thread on a dedicated process group while the rank takes its next ``tau`` local steps; the
@@ -301,7 +302,6 @@ class OuterSync:
         """Outer step on ``theta`` for the exchanged fragments; parameters (and buffers) become the global model."""
         assert job.averaged is not None and job.buffers is not None
         self.comm.stats.nonfinite_steps += int(job.nonfinite)
-        self.fold_nonfinite()
         with torch.no_grad():
             for i in job.indices:
                 for slot in self.fragments[i].slots:
@@ -316,7 +316,7 @@ class OuterSync:
         NaN/Inf, a floating buffer holding NaN/Inf by its value at the last sync. Returns whether any was replaced
         (two host reads at most, on the thread that runs the exchange)."""
         deltas = list(job.deltas.values())
-        replaced = bool(zero_if_nonfinite(deltas).item()) if deltas else False
+        replaced = bool(zero_if_nonfinite(deltas).item())
         names = list(job.buffer_values)
         per_buffer = [nonfinite_flag(job.buffer_values[n]).to(torch.float32) for n in names]
         flags = torch.cat(per_buffer).tolist() if per_buffer else []  # one host read for all buffers
@@ -329,7 +329,7 @@ class OuterSync:
     def note_nonfinite(self, flag: Tensor) -> None:
         """Count an inner step whose gradient held NaN/Inf (``flag``: a one-element 0/1 tensor, e.g. from
         :func:`~lightning_gradcomp.functional.finite.zero_if_nonfinite`), without a host sync: added to
-        ``stats.nonfinite_steps`` at the next sync (or :meth:`fold_nonfinite`)."""
+        ``stats.nonfinite_steps`` when :attr:`stats` is read or :meth:`rank_state` saved (:meth:`fold_nonfinite`)."""
         self._inner_nonfinite.add(flag)
 
     def fold_nonfinite(self) -> None:

@@ -202,8 +202,10 @@ def with_progress(average: Optional[Tensor], x_now: Tensor, x_old: Tensor) -> tu
     ``None``. Also returns whether some progress was NaN/Inf (a host read)."""
     progress = x_now.detach().float() - x_old
     finite = torch.isfinite(progress)
-    progress = torch.where(finite, progress, torch.zeros((), dtype=progress.dtype, device=progress.device))
-    return (progress if average is None else average + progress), not bool(finite.all())
+    nonfinite = not bool(finite.all())
+    if nonfinite:  # the masking pass only when needed
+        progress = torch.where(finite, progress, torch.zeros((), dtype=progress.dtype, device=progress.device))
+    return (progress if average is None else average + progress), nonfinite
 
 
 def average_pair(codec: LatticeCodec, own: Encoded, partner: Decoded) -> tuple[Tensor, Tensor, Tensor]:
