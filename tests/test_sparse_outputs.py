@@ -82,7 +82,7 @@ def _nonfinite_step(rank: int, world: int, poison: float) -> dict[tuple[str, boo
     return out
 
 
-@pytest.mark.parametrize(("world", "poison"), [(2, float("nan")), (3, float("inf")), (4, -float("inf"))])
+@pytest.mark.parametrize(("world", "poison"), [(2, float("nan")), (3, float("inf")), (4, -float("inf")), (5, float("nan"))])
 def test_a_dense_nonfinite_step_recovers_the_cleared_gradients(world: int, poison: float) -> None:
     results = run_workers(_nonfinite_step, world, poison)
     for name in CASES:
