@@ -5,8 +5,8 @@ and returns a Future: no waiting, no host sync and no compression on the autogra
 while the bucket is reduced. The thread runs each bucket's protocol, in bucket order (identical on every rank,
 so ranks never deadlock):
 
-1. Before ``start_step`` (or for a dense compressor) the bucket is divided by W and all-reduced in
-   one async collective, exactly like DDP's default hook.
+1. Before ``start_step`` (or for a dense compressor) the bucket is scaled by ``1 / W`` and all-reduced in
+   one async collective, exactly like DDP's default (:func:`~.functional.mean.predivide_`: DDP's bits at every W).
 2. Otherwise the bucket's layer plan splits it into dense and compressed slots. The dense slots,
    plus one "this rank saw NaN/Inf" flag, are all-reduced in **one** collective, waited in-line (on the
    communication thread: the non-finite decision is made there). A compressor that
@@ -67,6 +67,7 @@ from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes, completed
 from lightning_gradcomp.commthread import CommThread
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
 from lightning_gradcomp.functional.finite import nonfinite_flag
+from lightning_gradcomp.functional.mean import predivide_
 from lightning_gradcomp.hierarchy import Hierarchy
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy, build_plan
@@ -311,7 +312,7 @@ class GradCompHook:
 
     def _reduce_dense(self, plan: BucketPlan, buf: Tensor, comm: Comm) -> Future:
         """DDP's default: divide by W first, then one async all-reduce of the whole bucket over ``comm`` (all W)."""
-        buf.div_(self.comm.world_size)
+        predivide_(buf, self.comm.world_size)
         fut = comm.all_reduce(buf, async_op=True, shares=[(s.name, s.numel) for s in plan.slots])
         assert fut is not None
         return fut
@@ -495,7 +496,7 @@ class GradCompHook:
     def _dense_payload(self, buf: Tensor, dense: tuple[LayerSlot, ...], flag: Optional[Tensor] = None) -> Tensor:
         """The slots ``dense`` of ``buf``, then ``flag`` when given, concatenated and divided by W (the head)."""
         pieces = [buf[s.offset : s.end] for s in dense]
-        return torch.cat(pieces if flag is None else [*pieces, flag]).div_(self.comm.world_size)
+        return predivide_(torch.cat(pieces if flag is None else [*pieces, flag]), self.comm.world_size)
 
     @staticmethod
     def _write_dense(buf: Tensor, dense: tuple[LayerSlot, ...], head: Tensor) -> None:
@@ -556,7 +557,7 @@ class GradCompHook:
             return completed_future(buf)
         for slot, p in zip(comp, cleared or ()):
             buf[slot.offset : slot.end].copy_(self.memory.recover(slot.name, p, divisor))
-        rest = torch.cat([buf[s.offset : s.end] for s in comp]).div_(self.comm.world_size)
+        rest = predivide_(torch.cat([buf[s.offset : s.end] for s in comp]), self.comm.world_size)
         comm.all_reduce(rest, shares=[(s.name, s.numel) for s in comp])
         for slot, piece in zip(comp, torch.split(rest, [s.numel for s in comp])):
             buf[slot.offset : slot.end].copy_(piece)

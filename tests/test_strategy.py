@@ -47,9 +47,11 @@ def test_replicas_identical_after_every_step(tmp_path: Path, name: str, world: i
         assert stats["wire_bytes"] < stats["dense_bytes"]
 
 
-def test_no_compression_is_bit_identical_to_ddp(tmp_path: Path) -> None:
-    ours = fit(strategy(NoCompression()), tmp_path / "ours", max_epochs=2)
-    ddp = fit(DDPStrategy(start_method="fork"), tmp_path / "ddp", max_epochs=2)
+@pytest.mark.parametrize("world", [2, 3])
+def test_no_compression_is_bit_identical_to_ddp(tmp_path: Path, world: int) -> None:
+    """At W = 3 too, where DDP's scaling by ``1 / W`` and a division by W differ (tests/functional/test_mean.py)."""
+    ours = fit(strategy(NoCompression()), tmp_path / "ours", devices=world, max_epochs=2)
+    ddp = fit(DDPStrategy(start_method="fork"), tmp_path / "ddp", devices=world, max_epochs=2)
     for a, b in zip(ours[0]["params"], ddp[0]["params"], strict=True):
         assert torch.equal(a, b)
     assert ours[0]["losses"] == ddp[0]["losses"]

@@ -8,6 +8,7 @@ from torch import Tensor
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
+from lightning_gradcomp.functional.mean import predivide_
 from lightning_gradcomp.presets import register_preset
 
 __all__ = ["NoCompression"]
@@ -22,7 +23,7 @@ class NoCompression(Compressor):
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
         """Average by one all-reduce of the concatenated slots."""
         counts = [t.numel() for t in tensors]
-        flat = torch.cat(tensors).div_(ctx.world_size)
+        flat = predivide_(torch.cat(tensors), ctx.world_size)
         fut = ctx.comm.all_reduce(flat, async_op=True, shares=ctx.shares(counts))
         return Reduction(averaged=then_same_numerics(fut, lambda f: split_flat(f.value(), counts), ctx.comm.stats))
 
