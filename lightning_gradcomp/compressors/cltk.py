@@ -18,7 +18,8 @@ into different buckets in the first step after a resume.
 Wire options:
 
 * ``value_dtype``: fp32 (default), fp16 or bf16 values; 16-bit values are divided by W before the
-  cast (no overflow in the 16-bit sum), and the cast's rounding stays in the residual.
+  cast and saturated (:func:`~.sparse.saturated_wire_values`: no overflow in the 16-bit sum), and the cast's rounding
+  and the part clamped off stay in the residual.
 * ``index_coding``: ``"int32"`` (default), or ``"delta16"``: the sorted indices of a layer as uint16
   gaps, where code 0 means "advance 65535 without keeping" (so any gap fits). A layer of ``n``
   elements uses ``k + (n - 1) // 65535`` codes, a fixed size all ranks know: about half the index bytes.
@@ -44,6 +45,7 @@ from lightning_gradcomp.compressors.sparse import (
     SparseCompressor,
     check_index_coding,
     pack_bytes,
+    saturated_wire_values,
     slot_positions,
     unpack_bytes,
 )
@@ -157,8 +159,8 @@ class CLTK(SparseCompressor):
             values = torch.zeros(sum(ks), dtype=torch.float32, device=device).index_copy_(0, slotted, taken)
         if self.value_dtype == torch.float32:
             sent, local, divisor = values, values, world
-        else:  # pre-divided by W (no 16-bit overflow); the cast's rounding stays in the residual
-            sent, divisor = values.div(world).to(self.value_dtype), 1
+        else:  # pre-divided by W and saturated (no 16-bit overflow); the cast's rounding stays in the residual
+            sent, divisor = saturated_wire_values(values, self.value_dtype, world), 1
             local = sent.to(torch.float32).mul_(world)  # this rank's contribution c as the wire carries it
         lost = values - local  # residual p - c at the chosen entries, written in p's storage
         lost = lost if slotted is None else lost.index_select(0, slotted)

@@ -12,7 +12,7 @@ from lightning_gradcomp.checks import check_bool
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
-from lightning_gradcomp.compressors.sparse import SparseCompressor, slot_positions
+from lightning_gradcomp.compressors.sparse import SparseCompressor, saturated_wire_values, slot_positions
 from lightning_gradcomp.functional.layerwise import randomk_errors, sparse_sizes
 from lightning_gradcomp.functional.sparsify import kept_count, scatter_dense, stratified_layers
 from lightning_gradcomp.presets import register_preset
@@ -36,7 +36,8 @@ class RandomK(SparseCompressor):
         unbiased: scale kept values by their block size (``n / k``) and skip error feedback (unbiased, high
             variance);
             the default keeps values unscaled and relies on error feedback.
-        value_dtype: wire dtype of the values (fp32, fp16 or bf16).
+        value_dtype: wire dtype of the values (fp32, fp16 or bf16; 16-bit values are divided by W and saturated
+            before the cast: :func:`~.sparse.saturated_wire_values`).
     """
 
     def __init__(
@@ -75,19 +76,20 @@ class RandomK(SparseCompressor):
             values = torch.cat([t.index_select(0, i) for t, i in zip(tensors, split_flat(local, ks))])
         if self.unbiased:
             values = values * sizes.to(values.dtype)
-        sent = values.to(self.value_dtype)
+        world = ctx.world_size
+        # 16 bits: divided by W and saturated (the all-reduce's sums never overflow to Inf)
+        sent = saturated_wire_values(values, self.value_dtype, world)
         residuals = None
         if self.uses_error_feedback:
-            lost = values - sent.to(torch.float32)  # p - c at the kept entries (zeros in fp32)
+            contribution = sent if self.value_dtype == torch.float32 else sent.to(torch.float32).mul_(world)
+            lost = values - contribution  # p - c at the kept entries (zeros in fp32), c as the wire carries it
             if gathered is not None:
                 gathered[0].index_copy_(0, gathered[1], lost)
             else:
                 for t, i, r in zip(tensors, split_flat(local, ks), split_flat(lost, ks)):
                     t.index_copy_(0, i, r)
             residuals = tensors
-        sent = sent.div_(ctx.world_size) if self.value_dtype != torch.float32 else sent
         fut = ctx.comm.all_reduce(sent, async_op=True, shares=ctx.shares(ks))
-        world = ctx.world_size
         scale = 1.0 if self.value_dtype != torch.float32 else 1.0 / world
         outputs = [ctx.output(slot, t) for slot, t in enumerate(tensors)]  # zeroed while the values travel
         scattered = slot_positions(outputs, local, ks)

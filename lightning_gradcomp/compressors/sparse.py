@@ -20,6 +20,7 @@ __all__ = [
     "check_index_coding",
     "check_value_dtype",
     "pack_bytes",
+    "saturated_wire_values",
     "slot_positions",
     "slot_shift",
     "unpack_bytes",
@@ -43,6 +44,27 @@ def check_index_coding(index_coding: Any) -> str:
     if index_coding not in INDEX_CODINGS:
         raise ValueError(f"`index_coding` must be 'int32' or 'delta16', got {index_coding!r}")
     return str(index_coding)
+
+
+def saturated_wire_values(values: Tensor, dtype: torch.dtype, world_size: int = 1) -> Tensor:
+    """``values / world_size`` in the 16-bit wire ``dtype``, clamped so that no value, and no sum of ``world_size`` of
+    them (an all-reduce in ``dtype``, each partial sum rounded), overflows to Inf: magnitudes at most
+    ``finfo(dtype).max * (1 - eps / 2) ** (world_size + 1) / world_size`` (fp16: about 65,400 / W). With error
+    feedback the part clamped off stays in the residual ``p - c``, to be sent at later steps; where nothing is
+    clamped the result is the plain ``(values / world_size).to(dtype)``. fp32: ``values`` unchanged (sums of them
+    overflow only beyond ``3.4e38``). NaN stays NaN.
+
+    Example::
+
+        >>> saturated_wire_values(torch.tensor([1e5, -1e5, 3.0, float("nan")]), torch.float16, 2).tolist()
+        [32704.0, -32704.0, 1.5, nan]
+    """
+    if dtype == torch.float32:
+        return values
+    info = torch.finfo(dtype)
+    limit = info.max * (1.0 - info.eps / 2) ** (world_size + 1) / world_size
+    scaled = values if world_size == 1 else values.div(world_size)
+    return scaled.clamp(-limit, limit).to(dtype)
 
 
 def pack_bytes(tensors: Sequence[Tensor]) -> Tensor:

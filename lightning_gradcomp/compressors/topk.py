@@ -21,6 +21,7 @@ from lightning_gradcomp.compressors.sparse import (
     SparseCompressor,
     check_index_coding,
     pack_bytes,
+    saturated_wire_values,
     slot_positions,
     slot_shift,
     unpack_bytes,
@@ -47,7 +48,9 @@ class TopK(SparseCompressor):
 
     Args:
         ratio: fraction of each layer's elements kept, in (0, 1].
-        value_dtype: wire dtype of the kept values (fp32, fp16 or bf16).
+        value_dtype: wire dtype of the kept values (fp32, fp16 or bf16; 16-bit values saturate at the dtype's
+            largest finite value instead of overflowing, the rest kept in the residual:
+            :func:`~.sparse.saturated_wire_values`).
         index_coding: ``"int32"`` or ``"delta16"``: each layer's sorted indices as uint16 gaps
             (:func:`~lightning_gradcomp.functional.sparsify.encode_delta16`), about half the index bytes, a fixed size
             every rank knows (the all-gather's payloads stay equal).
@@ -102,7 +105,7 @@ class TopK(SparseCompressor):
             values = gathered[0].index_select(0, gathered[1])
         else:
             values = torch.cat([t.index_select(0, i) for t, i in zip(tensors, indices)])
-        sent = values.to(self.value_dtype)
+        sent = saturated_wire_values(values, self.value_dtype)  # a 16-bit value never overflows to Inf
         delta16 = self.index_coding == "delta16"
         slots = [self.index_slots(t.numel(), k) for t, k in zip(tensors, ks)]
         codes = encode_delta16_layers(indices, slots) if delta16 else local.to(torch.int32)
