@@ -218,11 +218,23 @@ def _pnorms(x: Tensor, group_size: int, p: float) -> Tensor:
 
 
 def _norm_rows(rows: Tensor, p: float) -> Tensor:
-    """The ``p``-norm of each row of a 2-D tensor."""
-    if p == 2.0:
-        return torch.linalg.vector_norm(rows, 2, dim=-1)
-    magnitudes = rows.abs()
-    return magnitudes.amax(dim=-1) if p == math.inf else magnitudes.sum(dim=-1)
+    """The ``p``-norm of each row of a 2-D tensor.
+
+    A 2- or 1-norm sums in the rows' dtype, so finite entries can overflow it (fp32: squares beyond ``3.4e38``, i.e.
+    entries from about ``1.8e19``); the rows whose norm came out infinite are computed again scaled by their largest
+    magnitude (finite whenever the true norm is). Reading whether any did is one host read of the norms, made on the
+    thread that quantizes (the communication thread), never the training thread."""
+    if p == math.inf:
+        return rows.abs().amax(dim=-1)
+    norms = torch.linalg.vector_norm(rows, 2, dim=-1) if p == 2.0 else rows.abs().sum(dim=-1)
+    overflowed = torch.isinf(norms)
+    if not bool(overflowed.any()):
+        return norms
+    where = overflowed.nonzero().squeeze(1)
+    big = rows.index_select(0, where)
+    peak = big.abs().amax(dim=-1)  # Inf where the row holds an Inf: its norm stays Inf
+    rescaled = _norm_rows(big / peak.unsqueeze(1), p).mul_(peak)
+    return norms.index_copy(0, where, torch.where(torch.isfinite(peak), rescaled, norms.index_select(0, where)))
 
 
 def group_norms(x: Tensor, group_size: int, p: PNorm) -> Tensor:

@@ -1,5 +1,6 @@
-"""16-bit sparse values saturate instead of overflowing to Inf: a finite gradient never becomes a non-finite result or
-memory (``compressors.sparse.saturated_wire_values``)."""
+"""A huge but finite gradient never becomes a non-finite result or state: 16-bit sparse values saturate instead of
+overflowing to Inf (``compressors.sparse.saturated_wire_values``), and 2-norm quantization scales do not overflow
+(``functional.quantize.group_norms``)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 from helpers.distributed import run_workers
 from helpers.engine import train_through_hook
+from helpers.trees import tensors
 
-from lightning_gradcomp.compressors import CLTK, Compressor, RandomK, TopK
+from lightning_gradcomp.compressors import CLTK, DIANA, QSGD, Compressor, RandomK, TopK
 from lightning_gradcomp.compressors.sparse import saturated_wire_values
 
 HALVES = [torch.float16, torch.bfloat16]
@@ -45,38 +47,42 @@ COMPRESSORS: dict[str, Callable[[], Compressor]] = {
     "cltk fp16": lambda: CLTK(0.2, value_dtype=torch.float16),
     "cltk approx fp16": lambda: CLTK(0.2, selection="approx", value_dtype=torch.float16),
     "cltk bf16": lambda: CLTK(0.2, value_dtype=torch.bfloat16),
+    "qsgd l2": lambda: QSGD(8, bucket_size=64, p=2),
+    "diana l2": lambda: DIANA("l2:64"),
 }
 SELECTS_LARGEST = {"topk fp16", "topk fp16 delta16", "cltk fp16", "cltk approx fp16", "cltk bf16"}
 POISON_STEP = 3
 
 
 def _train(rank: int, world: int, big: float) -> dict[str, tuple]:
-    out = {}
+    out: dict[str, tuple] = {}
     for name, make in COMPRESSORS.items():
         grads: list[torch.Tensor] = []
         model, hook = train_through_hook(rank, make(), steps=6, poison_steps={POISON_STEP}, poison=big, grads=grads)
-        memories = list(hook.memory.memories.values())
-        out[name] = ([p.detach() for p in model.parameters()], grads, memories, hook.stats.nonfinite_steps)
+        state = [t for t in tensors(hook.state_dict()) if t.is_floating_point()]  # memories, DIANA's shifts...
+        first = next(iter(hook.memory.memories.values()), None)  # the first layer's memory
+        out[name] = ([p.detach() for p in model.parameters()], grads, state, hook.stats.nonfinite_steps, first)
     return out
 
 
 @pytest.mark.parametrize("big", [1e6, 1e30])
 @pytest.mark.parametrize("world", [2, 3, 4, 5])
-def test_a_huge_finite_gradient_stays_finite_through_16_bit_values(world: int, big: float) -> None:
-    """Rank 1's gradient entry of 1e6 or 1e30 (finite, beyond fp16's 65504): every step's averaged gradient, every
-    parameter and memory stay finite, replicas identical, no step counted non-finite, and a compressor that keeps the
+def test_a_huge_finite_gradient_stays_finite(world: int, big: float) -> None:
+    """Rank 1's gradient entry of 1e6 or 1e30 (finite; beyond fp16's 65504, and 1e30's square beyond fp32's range):
+    through 16-bit sparse values and 2-norm quantizers every step's averaged gradient, every parameter and state
+    tensor stay finite, replicas identical, no step counted non-finite, and a compressor that keeps the
     largest entries sends that one (saturated in fp16: the rest stays in rank 1's memory)."""
     results = run_workers(_train, world, big, timeout=120)
     for name in COMPRESSORS:
         params0 = results[0][name][0]
         for rank, result in enumerate(results):
-            params, grads, memories, nonfinite = result[name]
+            params, grads, state, nonfinite, _ = result[name]
             assert all(torch.equal(a, b) for a, b in zip(params, params0)), (name, rank)
-            assert all(torch.isfinite(t).all() for t in [*params, *grads, *memories]), (name, rank)
+            assert all(torch.isfinite(t).all() for t in [*params, *grads, *state]), (name, rank)
             assert nonfinite == 0, name
         # weight[0, 0], the first entry, carries the poison; CLT-k sends it once rank 1 leads
         if name in SELECTS_LARGEST:
             sent = max(float(step[0]) for step in results[0][name][1][POISON_STEP:])
             assert sent > 1e4 / world, name
         if name.startswith("topk fp16"):  # beyond 65504: the part clamped off stays in rank 1's memory for later steps
-            assert float(results[1][name][2][0].reshape(-1)[0]) > 1e4, name
+            assert float(results[1][name][4].reshape(-1)[0]) > 1e4, name
