@@ -63,7 +63,7 @@ class WarmupSchedule(CompressionSchedule):
 
     def __init__(self, steps: int, start: float, stages: int = 4) -> None:
         self.steps = check_int("steps", steps, 1)
-        self.start = float(check_number("start", start, 0.0, float("inf")))
+        self.start = float(check_number("start", start, 0.0, float("inf"), high_open=True))
         self.stages = check_int("stages", stages, 1)
 
     def value(self, step: int, target: Any) -> float:
@@ -93,7 +93,7 @@ class StepSchedule(CompressionSchedule):
         for step, value in values.items():
             key = int(step) if isinstance(step, str) and step.strip().isdigit() else step
             check_int("schedule step", key, 0)
-            check_number(f"schedule value at step {key}", value, 0.0, float("inf"))
+            check_number(f"schedule value at step {key}", value, 0.0, float("inf"), high_open=True)
             checked[int(key)] = float(value)
         self.values = dict(sorted(checked.items()))
 

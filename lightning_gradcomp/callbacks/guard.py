@@ -125,7 +125,7 @@ class CompressionGuard(Callback):
 
     def __init__(self, warmup_steps: int = 3, min_ratio: float = 1.05) -> None:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 1, 10**9)
-        self.min_ratio = float(check_number("min_ratio", min_ratio, 1.0, float("inf")))
+        self.min_ratio = float(check_number("min_ratio", min_ratio, 1.0, float("inf"), high_open=True))
         self.message: Optional[str] = None
         self._done = False
         self._baseline: Optional[tuple[int, float, float]] = None

@@ -174,15 +174,15 @@ class LGreCo(Callback):
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 1)
         self.accumulate_steps = check_int("accumulate_steps", accumulate_steps, 1, self.period)
-        self.alpha = float(check_number("alpha", alpha, 0.0, inf))
+        self.alpha = float(check_number("alpha", alpha, 0.0, inf, high_open=True))
         if candidates is not None:
             if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence) or not candidates:
                 raise TypeError(f"`candidates` must be a non-empty sequence of numbers, got {candidates!r}")
             for c in candidates:
-                check_number("candidates", c, 0.0, inf)
+                check_number("candidates", c, 0.0, inf, high_open=True)
         self.candidates = None if candidates is None else list(candidates)
         self.min_factor = float(check_number("min_factor", min_factor, 0.0, 1.0))
-        self.max_factor = float(check_number("max_factor", max_factor, 1.0, inf, low_open=False))
+        self.max_factor = float(check_number("max_factor", max_factor, 1.0, inf, low_open=False, high_open=True))
         self.num_candidates = check_int("num_candidates", num_candidates, 1)
         self.resolution = check_int("resolution", resolution, 1)
         self.log_layers = check_bool("log_layers", log_layers)

@@ -15,6 +15,7 @@ Wire bytes per rank and bucket: ``2 (W-1)/W * 4 * sum_l (n_l + m_l) r_l`` over t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
@@ -69,7 +70,7 @@ class PowerSGD(Compressor):
         self.rank: int = check_int("rank", rank, 1)
         self.warm_start = check_bool("warm_start", warm_start)
         self.min_compression_rate = float(
-            check_number("min_compression_rate", min_compression_rate, 1.0, float("inf"), low_open=False)
+            check_number("min_compression_rate", min_compression_rate, 1.0, math.inf, low_open=False, high_open=True)
         )
         self._factors = StagedState()
 

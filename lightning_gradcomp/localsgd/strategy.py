@@ -158,7 +158,7 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         if outer not in OUTERS:
             raise ValueError(f"`outer` must be one of {OUTERS}, got {outer!r}")
         self.outer = outer
-        self.outer_lr = float(check_number("outer_lr", outer_lr, 0.0, float("inf")))
+        self.outer_lr = float(check_number("outer_lr", outer_lr, 0.0, float("inf"), high_open=True))
         self.outer_momentum = float(
             check_number("outer_momentum", outer_momentum, 0, 1, low_open=False, high_open=True)
         )

@@ -141,8 +141,8 @@ class LatticeCodec:
             raise ValueError(f"`bits` must be an integer in [1, 8] (or None for fp32), got {self.bits!r}")
         if not is_int(self.block_size) or not 1 <= self.block_size <= MAX_BLOCK:
             raise ValueError(f"`block_size` must be an integer in [1, {MAX_BLOCK}], got {self.block_size!r}")
-        if not is_number(self.margin) or not self.margin >= 1:
-            raise ValueError(f"`lattice_margin` must be a number >= 1, got {self.margin!r}")
+        if not is_number(self.margin) or not 1 <= self.margin < math.inf:
+            raise ValueError(f"`lattice_margin` must be a finite number >= 1, got {self.margin!r}")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"`rounding` must be one of {ROUNDINGS}, got {self.rounding!r}")
 

@@ -187,7 +187,9 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             raise ValueError("`replay` reproduces an asynchronous run: it needs mode='async'")
         self.replay = _check_replay(replay)
         self.gossip_buffers = check_bool("gossip_buffers", gossip_buffers)
-        self.exchange_timeout = float(check_number("exchange_timeout", exchange_timeout, 0, float("inf")))
+        self.exchange_timeout = float(
+            check_number("exchange_timeout", exchange_timeout, 0, float("inf"), high_open=True)
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -15,12 +15,15 @@ from typing import Any, Optional
 import pytest
 import torch
 import yaml
+from helpers.models import TinyNet
 from lightning.pytorch.cli import LightningCLI
 
-from helpers.models import TinyNet
-from lightning_gradcomp import GradCompStrategy, SwarmStrategy
+from lightning_gradcomp import GradCompStrategy, LocalSGDStrategy, SwarmStrategy
 from lightning_gradcomp.callbacks import CompressionGuard, CompressionLogger, LGreCo, LowPassMemoryFilter
 from lightning_gradcomp.compressors import CLTK, DIANA, QSGD, Cast, PowerSGD, RandomK, SignSGD, TernGrad, TopK
+from lightning_gradcomp.schedule import WarmupSchedule
+
+INF = float("inf")
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
 
@@ -86,7 +89,7 @@ TABLE = [
         r"Parser key \"index_coding\":\s+Expected a typing.Literal\['int32', 'delta16'\]. Got value: int16"),
     Bad(PowerSGD, {"rank": 0}, ValueError, r"`rank` must be in \[1, inf\], got 0", "compressor"),
     Bad(PowerSGD, {"warm_start": "no"}, TypeError, r"`warm_start` must be a bool, got 'no'"),
-    Bad(PowerSGD, {"min_compression_rate": 0.5}, ValueError, r"`min_compression_rate` must be in \[1.0, inf\], "
+    Bad(PowerSGD, {"min_compression_rate": 0.5}, ValueError, r"`min_compression_rate` must be in \[1.0, inf\), "
                                                              r"got 0.5", "compressor"),
     Bad(QSGD, {"bits": 9}, ValueError, r"`bits` must be in \[2, 8\], got 9", "compressor"),
     Bad(QSGD, {"bits": 1}, ValueError, r"`bits` must be in \[2, 8\], got 1", "compressor"),
@@ -110,7 +113,7 @@ TABLE = [
     Bad(LGreCo, {"period": 0}, ValueError, r"`period` must be in \[1, inf\], got 0", "layerwise"),
     Bad(LGreCo, {"period": 5, "accumulate_steps": 6}, ValueError, r"`accumulate_steps` must be in \[1, 5\], got 6",
         "layerwise"),
-    Bad(LGreCo, {"alpha": 0}, ValueError, r"`alpha` must be in \(0.0, inf\], got 0", "callback"),
+    Bad(LGreCo, {"alpha": 0}, ValueError, r"`alpha` must be in \(0.0, inf\), got 0", "callback"),
     Bad(LGreCo, {"error": "max"}, ValueError, r"`error` must be 'norm', 'squared' or 'feedback', got 'max'", "callback"),
     Bad(LGreCo, {"candidates": []}, TypeError, r"`candidates` must be a non-empty sequence of numbers, got \[\]"),
     Bad(LowPassMemoryFilter, {"beta": 0}, ValueError, r"`beta` must be a number in \(0, 1\], got 0", "callback"),
@@ -121,15 +124,24 @@ TABLE = [
     Bad(CompressionLogger, {"error_every_n_steps": -1}, ValueError, r"`error_every_n_steps` must be in \[0, \d+\], "
                                                                     r"got -1", "callback"),
     Bad(CompressionLogger, {"per_layer": "yes"}, TypeError, r"`per_layer` must be a bool, got 'yes'"),
-    Bad(CompressionGuard, {"min_ratio": 1.0}, ValueError, r"`min_ratio` must be in \(1.0, inf\], got 1.0", "callback"),
+    Bad(CompressionGuard, {"min_ratio": 1.0}, ValueError, r"`min_ratio` must be in \(1.0, inf\), got 1.0", "callback"),
+    Bad(CompressionGuard, {"min_ratio": INF}, ValueError, r"`min_ratio` must be in \(1.0, inf\), got inf"),
     # SwarmSGD
     Bad(SwarmStrategy, {"local_steps": 0}, ValueError, r"`local_steps` must be in \[1, inf\], got 0", "strategy"),
     Bad(SwarmStrategy, {"bits": 9}, ValueError, r"`bits` must be an integer in \[1, 8\] \(or None for fp32\), got 9",
         "strategy"),
     Bad(SwarmStrategy, {"topology": "star"}, ValueError, r"`topology` must be one of \('complete', 'ring', "
                                                          r"'torus'\) or a list of edges, got 'star'", "strategy"),
-    Bad(SwarmStrategy, {"lattice_margin": 0.5}, ValueError, r"`lattice_margin` must be a number >= 1, got 0.5",
+    Bad(SwarmStrategy, {"lattice_margin": 0.5}, ValueError, r"`lattice_margin` must be a finite number >= 1, got 0.5",
         "strategy"),
+    Bad(SwarmStrategy, {"lattice_margin": INF}, ValueError, r"`lattice_margin` must be a finite number >= 1, got inf"),
+    Bad(SwarmStrategy, {"exchange_timeout": INF}, ValueError, r"`exchange_timeout` must be in \(0, inf\), got inf"),
+    # infinite values where only finite ones mean something
+    Bad(LocalSGDStrategy, {"outer_lr": INF}, ValueError, r"`outer_lr` must be in \(0.0, inf\), got inf"),
+    Bad(PowerSGD, {"min_compression_rate": INF}, ValueError, r"`min_compression_rate` must be in \[1.0, inf\), got inf"),
+    Bad(LGreCo, {"alpha": INF}, ValueError, r"`alpha` must be in \(0.0, inf\), got inf"),
+    Bad(LGreCo, {"max_factor": INF}, ValueError, r"`max_factor` must be in \[1.0, inf\), got inf"),
+    Bad(WarmupSchedule, {"steps": 10, "start": INF}, ValueError, r"`start` must be in \(0.0, inf\), got inf"),
     Bad(SwarmStrategy, {"eval_model": "best"}, ValueError, r"`eval_model` must be one of \('mean', 'rank0', "
                                                            r"'local'\), got 'best'"),
     Bad(SwarmStrategy, {"timeout": 0}, ValueError, r"`timeout` must be positive and finite"),
