@@ -48,8 +48,8 @@ class TopK(SparseCompressor):
 
     Args:
         ratio: fraction of each layer's elements kept, in (0, 1].
-        value_dtype: wire dtype of the kept values (fp32, fp16 or bf16; 16-bit values saturate at the dtype's
-            largest finite value instead of overflowing, the rest kept in the residual:
+        value_dtype: wire dtype of the kept values (fp32, fp16 or bf16; 16-bit values saturate just below the
+            dtype's largest finite value instead of overflowing, the rest kept in the residual:
             :func:`~.sparse.saturated_wire_values`).
         index_coding: ``"int32"`` or ``"delta16"``: each layer's sorted indices as uint16 gaps
             (:func:`~lightning_gradcomp.functional.sparsify.encode_delta16`), about half the index bytes, a fixed size
