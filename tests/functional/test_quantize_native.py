@@ -101,8 +101,11 @@ def test_sign_quantize_in_one_pass(n: int, group_size: int, kind: str) -> None:
         assert (q.levels, q.group_size) == (0, group_size)
         assert _bits_equal(q.scales, got[0].scales)
     exact = x.double().abs()
-    sums = torch.stack([exact[i: i + group_size].sum() for i in range(0, n, group_size)])
-    means = torch.stack([exact[i: i + group_size].mean() for i in range(0, n, group_size)])
+    groups = -(-n // group_size)  # each bucket's sum and mean in fp64, the short last bucket by its own length
+    sums = torch.nn.functional.pad(exact, (0, groups * group_size - n)).reshape(groups, group_size).sum(dim=1)
+    lengths = torch.full((groups,), float(group_size), dtype=torch.float64)
+    lengths[-1] = n - (groups - 1) * group_size
+    means = sums / lengths
     finite = torch.isfinite(sums) & (sums < 1e38)  # sums of huge values overflow fp32 in any order
     assert torch.equal(torch.isinf(got[0].scales[finite]), torch.zeros(int(finite.sum()), dtype=torch.bool))
     torch.testing.assert_close(got[0].scales.double()[finite], means[finite], rtol=4 * min(group_size, n) * 2.0**-24,
