@@ -129,6 +129,7 @@ def check_timeout(timeout: Any) -> Optional[timedelta]:
         seconds = float(timeout)
     else:
         raise TypeError(f"`timeout` must be a datetime.timedelta, a number of seconds or None, got {timeout!r}")
-    if not seconds > 0 or seconds == math.inf:
-        raise ValueError(f"`timeout` must be positive and finite (seconds in (0, inf)), got {timeout!r}")
+    # a timedelta holds whole microseconds: fewer would round to a zero timeout, not a short one
+    if not seconds >= 1e-6 or seconds == math.inf:
+        raise ValueError(f"`timeout` must be positive and finite (seconds in [1e-06, inf)), got {timeout!r}")
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)

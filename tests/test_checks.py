@@ -140,7 +140,7 @@ def test_check_timeout_accepts(value: Any, expected: Any) -> None:
     (0, ValueError), (-1, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
     (timedelta(0), ValueError), (timedelta(seconds=-3), ValueError), (True, TypeError), ("10", TypeError)])
 def test_check_timeout_rejects(value: Any, error: type) -> None:
-    match = r"`timeout` must be positive and finite \(seconds in \(0, inf\)\)" if error is ValueError \
+    match = r"`timeout` must be positive and finite \(seconds in \[1e-06, inf\)\)" if error is ValueError \
         else "`timeout` must be a datetime.timedelta, a number of seconds or None"
     with pytest.raises(error, match=match):
         check_timeout(value)

@@ -69,7 +69,7 @@ TABLE = [
     Bad(GradCompStrategy, {"layerwise": "lgreco"}, TypeError,
         r"`layerwise` must be a Lightning Callback such as LGreCo\(...\), got 'lgreco'"),
     Bad(GradCompStrategy, {"timeout": 0}, ValueError, r"`timeout` must be positive and finite \(seconds in "
-                                                      r"\(0, inf\)\), got 0", "strategy"),
+                                                      r"\[1e-06, inf\)\), got 0", "strategy"),
     Bad(GradCompStrategy, {"timeout": timedelta(seconds=-5)}, ValueError, r"`timeout` must be positive"),
     Bad(GradCompStrategy, {"timeout": "soon"}, TypeError, r"`timeout` must be a datetime.timedelta, a number of "
                                                           r"seconds or None, got 'soon'"),
@@ -145,6 +145,8 @@ TABLE = [
     Bad(SwarmStrategy, {"eval_model": "best"}, ValueError, r"`eval_model` must be one of \('mean', 'rank0', "
                                                            r"'local'\), got 'best'"),
     Bad(SwarmStrategy, {"timeout": 0}, ValueError, r"`timeout` must be positive and finite"),
+    Bad(GradCompStrategy, {"timeout": 1e-9}, ValueError, r"`timeout` must be positive and finite \(seconds in "
+                                                         r"\[1e-06, inf\)\), got 1e-09"),
 ]
 
 
