@@ -188,11 +188,20 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
     def set_layer_params(self, params: dict[str, Any]) -> None:
         """Override the compression parameter (ratio / rank / bits) of named layers on this rank.
 
-        Every rank must receive the same dictionary (callbacks decide on one rank and broadcast).
+        Every rank must receive the same dictionary (callbacks decide on one rank and broadcast). Raises ``ValueError``
+        for a value outside the compressor's range, or a name that is no parameter of the model (a typo would
+        otherwise change nothing, silently).
         """
         checked = {name: self.compressor.check_param(value) for name, value in params.items()}
         if self._hook is None:
             raise RuntimeError("set_layer_params() needs the hook: call it during fit")
+        known = set(self._hook.param_names.values())
+        unknown = sorted(name for name in checked if name not in known)
+        if unknown:
+            raise ValueError(
+                f"set_layer_params(): {unknown} name no parameter of the model (names as in "
+                f"`named_parameters()`, e.g. {sorted(known)[:3]})"
+            )
         self._hook.layer_params.update(checked)
 
     def make_hook(

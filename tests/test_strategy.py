@@ -11,10 +11,11 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
+from helpers.distributed import run_workers
 from helpers.models import (ReadyOrderNet, SparseEmbeddingNet, TinyNet, assert_replicas_identical,
                             assert_resume_matches, fit)
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.comm import all_gather_bytes, all_reduce_bytes
+from lightning_gradcomp.comm import Comm, all_gather_bytes, all_reduce_bytes
 from lightning_gradcomp.compressors import (CLTK, DIANA, QSGD, Cast, Compressor, NoCompression, PowerSGD, RandomK,
                                             SignSGD, TernGrad, TopK)
 from lightning_gradcomp.functional import kept_count
@@ -321,3 +322,25 @@ def test_the_cli_gets_the_same_views_default(given: dict, expected: bool) -> Non
 def test_a_bad_views_flag_is_refused_by_name() -> None:
     with pytest.raises((ValueError, TypeError), match="gradient_as_bucket_view"):
         GradCompStrategy(compressor="topk", gradient_as_bucket_view="yes")
+
+
+def _layer_params_on_one_rank(rank: int, world: int) -> tuple[dict[str, Any], list[str]]:
+    net = TinyNet()
+    strategy = GradCompStrategy(compressor=TopK(0.05))
+    strategy._hook = strategy.make_hook(Comm(), {id(p): n for n, p in net.named_parameters()})
+    strategy.set_layer_params({"body.0.weight": 0.2})
+    errors = []
+    for bad in ({"body.0.wieght": 0.2}, {"body.0.weight": 1.5}):
+        try:
+            strategy.set_layer_params(bad)
+        except ValueError as error:
+            errors.append(str(error))
+    return dict(strategy._hook.layer_params), errors
+
+
+def test_set_layer_params_rejects_unknown_names_and_bad_values() -> None:
+    """A misspelt layer name would otherwise change nothing, silently; nothing is applied from a rejected call."""
+    applied, errors = run_workers(_layer_params_on_one_rank, 1)[0]
+    assert applied == {"body.0.weight": 0.2}
+    assert len(errors) == 2 and "['body.0.wieght'] name no parameter of the model" in errors[0]
+    assert "ratio" in errors[1]
