@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -38,7 +38,7 @@ from torch import Tensor
 from lightning_gradcomp.checks import is_number
 from lightning_gradcomp.functional.feedback import compensate_checked, recover_gradient
 
-__all__ = ["ErrorFeedback", "validate_beta"]
+__all__ = ["ErrorFeedback", "validate_beta", "validate_beta_for"]
 
 
 def validate_beta(beta: float) -> float:
@@ -46,6 +46,18 @@ def validate_beta(beta: float) -> float:
     if not is_number(beta) or not 0.0 < float(beta) <= 1.0:
         raise ValueError(f"`beta` must be a number in (0, 1], got {beta!r}")
     return float(beta)
+
+
+def validate_beta_for(beta: float, compressor: Any) -> float:
+    """:func:`validate_beta`, and a ``beta`` below 1 only for a ``compressor`` that keeps an error-feedback memory
+    (``uses_error_feedback``): for any other the filter would change nothing, silently. Raises ``ValueError``."""
+    value = validate_beta(beta)
+    if value != 1.0 and not compressor.uses_error_feedback:
+        raise ValueError(
+            f"`beta` below 1 low-pass filters the error-feedback memory, and {compressor!r} keeps none: use beta=1 "
+            "(the default) or an error-feedback compressor (TopK, RandomK, CLTK, SignSGD, PowerSGD)"
+        )
+    return value
 
 
 class ErrorFeedback:

@@ -25,7 +25,7 @@ from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, is_collective_failur
 from lightning_gradcomp.functional.selection import prepare_native
 from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, HierarchySpec, check_hierarchy, group_size_for
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.memory import ErrorFeedback, validate_beta
+from lightning_gradcomp.memory import ErrorFeedback, validate_beta_for
 from lightning_gradcomp.plan import SlotPolicy, size_rule
 from lightning_gradcomp.presets import PRESETS, preset_class, register_presets
 from lightning_gradcomp.schedule import CompressionSchedule, as_schedule
@@ -77,7 +77,8 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         small_param: compress the tensors that ``min_numel`` / ``compress_1d`` leave out too, with this
             compression parameter (a density such as 0.25 for the sparsifiers, bits for the quantizers) instead
             of all-reducing them dense: on small models they otherwise cap the ratio. ``None``: dense.
-        beta: error-feedback low-pass factor in (0, 1] (1 = classic error feedback).
+        beta: error-feedback low-pass factor in (0, 1] (1 = classic error feedback); below 1 only with a compressor
+            that keeps an error-feedback memory (else a ``ValueError``: the filter would change nothing).
         seed: base seed of the compressors' generators (shared and per-rank streams derive from it).
         nonfinite: what happens to a bucket whose gradient holds NaN/Inf on some rank (memories and
             compressor state are never updated from it): ``"dense"`` reduces it densely, as DDP would (use
@@ -143,7 +144,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             compress_1d=check_bool("compress_1d", compress_1d),
             small_param=_check_small_param(small_param, self.compressor),
         )
-        self.beta = validate_beta(beta)
+        self.beta = validate_beta_for(beta, self.compressor)
         self.schedule = as_schedule(schedule, self.compressor)
         self.seed = check_int("seed", seed, 0, 2**63 - 1)
         if nonfinite not in ("dense", "zero"):
@@ -180,8 +181,8 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         return self._hook.memory if self._hook is not None else None
 
     def set_beta(self, beta: float) -> None:
-        """Set the memory low-pass factor from now on."""
-        self.beta = validate_beta(beta)
+        """Set the memory low-pass factor from now on (below 1 only for an error-feedback compressor)."""
+        self.beta = validate_beta_for(beta, self.compressor)
         if self._hook is not None:
             self._hook.memory.beta = self.beta
 

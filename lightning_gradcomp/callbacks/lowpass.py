@@ -143,6 +143,12 @@ class LowPassMemoryFilter(Callback):
             raise TypeError(
                 f"LowPassMemoryFilter needs a GradCompStrategy (with `set_beta`), got {type(trainer.strategy).__name__}"
             )
+        compressor = getattr(trainer.strategy, "compressor", None)
+        if compressor is not None and not compressor.uses_error_feedback:
+            raise ValueError(
+                f"LowPassMemoryFilter filters the error-feedback memory, and {compressor!r} keeps none: use it with "
+                "an error-feedback compressor (TopK, RandomK, CLTK, SignSGD, PowerSGD)"
+            )
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

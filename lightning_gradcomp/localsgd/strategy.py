@@ -41,7 +41,7 @@ from lightning_gradcomp.compressors.none import NoCompression
 from lightning_gradcomp.compressors.registry import as_compressor
 from lightning_gradcomp.distributed import DEFAULT_TIMEOUT
 from lightning_gradcomp.localsgd.engine import OUTERS, OuterSync
-from lightning_gradcomp.memory import ErrorFeedback, validate_beta
+from lightning_gradcomp.memory import ErrorFeedback, validate_beta_for
 from lightning_gradcomp.plan import SlotPolicy, size_rule
 from lightning_gradcomp.presets import register_preset, register_presets
 from lightning_gradcomp.replicas import DivergentReplicas
@@ -185,7 +185,7 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         self.policy = SlotPolicy(
             min_numel=check_int("min_numel", min_numel, 1), compress_1d=check_bool("compress_1d", compress_1d)
         )
-        self.beta = validate_beta(beta)
+        self.beta = validate_beta_for(beta, self.compressor)
         self.seed = check_int("seed", seed, 0, 2**63 - 1)
         self.sync_at_end = check_bool("sync_at_end", sync_at_end)
         super().__init__(

@@ -16,7 +16,7 @@ from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.callbacks import LowPassMemoryFilter
 from lightning_gradcomp.callbacks.lowpass import count_sketch, mean_pairwise_cosine
 from lightning_gradcomp.comm import all_reduce_bytes
-from lightning_gradcomp.compressors import CLTK
+from lightning_gradcomp.compressors import CLTK, DIANA, QSGD, Cast, Compressor, NoCompression
 from lightning_gradcomp.memory import ErrorFeedback
 
 
@@ -63,6 +63,17 @@ def test_needs_a_gradcomp_strategy() -> None:
     trainer = SimpleNamespace(strategy=object())
     with pytest.raises(TypeError, match="GradCompStrategy"):
         LowPassMemoryFilter().setup(trainer, None, "fit")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("compressor", [QSGD(), DIANA(), Cast(), NoCompression()])
+def test_needs_an_error_feedback_compressor(compressor: Compressor) -> None:
+    """Without an error-feedback memory the filter would change nothing: a clear error at setup, naming the
+    compressor."""
+    trainer = SimpleNamespace(strategy=GradCompStrategy(compressor))
+    message = f"LowPassMemoryFilter filters the error-feedback memory, and {type(compressor).__name__}"
+    with pytest.raises(ValueError, match=message):
+        LowPassMemoryFilter().setup(trainer, None, "fit")  # type: ignore[arg-type]
+    LowPassMemoryFilter().setup(SimpleNamespace(strategy=_strategy()), None, "fit")  # type: ignore[arg-type]
 
 
 def test_schedule_is_piecewise_constant() -> None:

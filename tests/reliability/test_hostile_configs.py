@@ -136,6 +136,11 @@ TABLE = [
         "strategy"),
     Bad(SwarmStrategy, {"lattice_margin": INF}, ValueError, r"`lattice_margin` must be a finite number >= 1, got inf"),
     Bad(SwarmStrategy, {"exchange_timeout": INF}, ValueError, r"`exchange_timeout` must be in \(0, inf\), got inf"),
+    # a low-pass filter with no memory to filter
+    Bad(GradCompStrategy, {"compressor": QSGD(), "beta": 0.5}, ValueError, r"`beta` below 1 low-pass filters the "
+        r"error-feedback memory, and QSGD\(.*\) keeps none: use beta=1"),
+    Bad(LocalSGDStrategy, {"beta": 0.5}, ValueError, r"`beta` below 1 low-pass filters the error-feedback memory, "
+        r"and NoCompression\(.*\) keeps none"),
     # infinite values where only finite ones mean something
     Bad(LocalSGDStrategy, {"outer_lr": INF}, ValueError, r"`outer_lr` must be in \(0.0, inf\), got inf"),
     Bad(PowerSGD, {"min_compression_rate": INF}, ValueError, r"`min_compression_rate` must be in \[1.0, inf\), got inf"),
