@@ -152,6 +152,11 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         self.nonfinite = nonfinite
         if layerwise is not None and not isinstance(layerwise, Callback):
             raise TypeError(f"`layerwise` must be a Lightning Callback such as LGreCo(...), got {layerwise!r}")
+        if layerwise is not None and not self.compressor.tunable:  # known now: fail here, not at the fit's start
+            raise ValueError(
+                f"`layerwise` tunes per-layer compression parameters, but {self.compressor._not_tunable()}: use "
+                "TopK, RandomK, CLTK, QSGD or PowerSGD"
+            )
         self.layerwise: Optional[Callback] = copy.deepcopy(layerwise)
         self.hierarchy = _check_hierarchy_combination(check_hierarchy(hierarchy), self.compressor, self.layerwise)
         if kwargs.get("bucket_cap_mb") is None and self.compressor.bucket_cap_mb is not None:

@@ -136,6 +136,9 @@ TABLE = [
         "strategy"),
     Bad(SwarmStrategy, {"lattice_margin": INF}, ValueError, r"`lattice_margin` must be a finite number >= 1, got inf"),
     Bad(SwarmStrategy, {"exchange_timeout": INF}, ValueError, r"`exchange_timeout` must be in \(0, inf\), got inf"),
+    # a layer-wise tuner with nothing to tune
+    Bad(GradCompStrategy, {"compressor": Cast(), "layerwise": LGreCo()}, ValueError, r"`layerwise` tunes per-layer "
+        r"compression parameters, but Cast is not tunable: it has no per-layer parameter"),
     # a low-pass filter with no memory to filter
     Bad(GradCompStrategy, {"compressor": QSGD(), "beta": 0.5}, ValueError, r"`beta` below 1 low-pass filters the "
         r"error-feedback memory, and QSGD\(.*\) keeps none: use beta=1"),
