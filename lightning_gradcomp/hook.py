@@ -311,7 +311,7 @@ class GradCompHook:
             layer.dense_bytes += all_reduce_bytes(slot.numel * size, world)
 
     def _reduce_dense(self, plan: BucketPlan, buf: Tensor, comm: Comm) -> Future:
-        """DDP's default: divide by W first, then one async all-reduce of the whole bucket over ``comm`` (all W)."""
+        """DDP's default: scale by ``1 / W``, then one async all-reduce of the whole bucket over ``comm`` (all W)."""
         predivide_(buf, self.comm.world_size)
         fut = comm.all_reduce(buf, async_op=True, shares=[(s.name, s.numel) for s in plan.slots])
         assert fut is not None
@@ -494,7 +494,7 @@ class GradCompHook:
         )
 
     def _dense_payload(self, buf: Tensor, dense: tuple[LayerSlot, ...], flag: Optional[Tensor] = None) -> Tensor:
-        """The slots ``dense`` of ``buf``, then ``flag`` when given, concatenated and divided by W (the head)."""
+        """The slots ``dense`` of ``buf``, then ``flag`` when given, concatenated and scaled by ``1 / W`` (the head)."""
         pieces = [buf[s.offset : s.end] for s in dense]
         return predivide_(torch.cat(pieces if flag is None else [*pieces, flag]), self.comm.world_size)
 

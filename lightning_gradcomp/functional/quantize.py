@@ -235,7 +235,7 @@ def _norm_rows(rows: Tensor, p: float) -> Tensor:
     where = overflowed.nonzero().squeeze(1)
     big = rows.index_select(0, where)
     peak = big.abs().amax(dim=-1)  # Inf where the row holds an Inf: its norm stays Inf
-    rescaled = _norm_rows(big / peak.unsqueeze(1), p).mul_(peak)
+    rescaled = torch.linalg.vector_norm(big / peak.unsqueeze(1), 2, dim=-1).mul_(peak)  # entries <= 1: no overflow
     return norms.index_copy(0, where, torch.where(torch.isfinite(peak), rescaled, norms.index_select(0, where)))
 
 

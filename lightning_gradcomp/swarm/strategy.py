@@ -236,8 +236,12 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
     def swarm_stats(self) -> SwarmStats:
         """Rounds, exchanges, rounds sat out, fp32 fallbacks, the last consensus distance and NaN/Inf events (the
         zeroed local steps counted up to now: a host read)."""
-        self._swarm_stats.nonfinite_steps += self._nonfinite.take()
+        self._fold_nonfinite()
         return self._swarm_stats
+
+    def _fold_nonfinite(self) -> None:
+        """Add the local steps counted on the device since the last fold to ``swarm_stats`` (a host read)."""
+        self._swarm_stats.nonfinite_steps += self._nonfinite.take()
 
     @property
     def round_index(self) -> int:
@@ -594,7 +598,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
     def _rank_state(self) -> dict[str, Any]:
         if self._async is not None:
             self.flush()  # async: no exchange in flight while saving (lock-step keeps its pending exchange)
-        self._swarm_stats.nonfinite_steps += self._nonfinite.take()
+        self._fold_nonfinite()
         return {
             "async": self._async.state_dict() if self._async is not None else None,
             "model": self._local_model_state(),
