@@ -16,6 +16,15 @@ rank published (snapshotted) for the exchange.
   while it is not published itself, so nobody is ever in two exchanges.
 * ``r`` withdraws: ``compare_set(state/r, "wait:...", "idle")``. If that fails, somebody claimed ``r`` first,
   and ``r`` completes that exchange.
+* ``r`` renews an unclaimed offer with a fresh snapshot: ``compare_set(state/r, "wait:<seq>:..",
+  "wait:<seq+1>:<step>")``, again failing only if a claim came first. A renewal never passes through ``idle``.
+
+**Symmetry breaking.** At its next attempt, a rank whose offer is still open claims a waiting neighbour only if
+that neighbour's rank is higher (it withdraws first, then claims); otherwise it renews its offer and leaves the
+claim to the lower rank. Without this rule, two ranks at the same pace that both published withdraw, find each
+other idle and publish again at every attempt, and never pair (measured: a two-rank run with no exchange in
+twelve steps). With it, among neighbours that all wait, the lowest-ranked one claims at its next attempt; a
+claim that meets a renewal retries on the renewed offer.
 
 **Why it cannot deadlock.** A claim pairs two ranks whose threads are both free (a published rank's thread
 waits only for its claim; a claimer has nothing in flight), and each thread runs one exchange at a time,
@@ -59,7 +68,7 @@ from torch import Tensor
 from lightning_gradcomp.swarm.exchange import PairwiseGossip, with_progress
 from lightning_gradcomp.swarm.pairing import round_generator
 
-__all__ = ["AsyncGossip", "PairingRecord", "StoreMatchmaker"]
+__all__ = ["AsyncGossip", "Attempt", "PairingRecord", "StoreMatchmaker"]
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +76,23 @@ PairingRecord = tuple[int, int, int, int, int, int]
 """``(pub_step, partner, partner_pub_step, ticket, apply_step, drained)`` of one applied exchange."""
 
 _POLL_SECONDS = 0.002
+_CLAIM_TRIES = 3
 _LOCAL_STEPS_SALT = 1 << 24
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """The outcome of :meth:`StoreMatchmaker.attempt`.
+
+    Attributes:
+        partner: ``(partner, partner_step, ticket)`` when this rank claimed a waiting neighbour.
+        published: this rank's new (or renewed) open offer.
+        taken: this rank's open offer was claimed first: that exchange runs, nothing else changed.
+    """
+
+    partner: Optional[tuple[int, int, int]] = None
+    published: Optional[str] = None
+    taken: bool = False
 
 
 class StoreMatchmaker:
@@ -119,19 +144,44 @@ class StoreMatchmaker:
         _, _, claimer, ticket, step = value.split(":")
         return int(claimer), int(ticket), int(step)
 
+    def renew(self, published: str, step: int) -> Optional[str]:
+        """Replace this rank's open offer by a fresh one in one atomic step; ``None`` if a claim came first."""
+        self._seq += 1
+        value = f"wait:{self._seq}:{step}"
+        return value if _text(self.store.compare_set(self.key(self.rank), published, value)) == value else None
+
+    def waiting_above(self) -> bool:
+        """Whether a neighbour of higher rank than this one has an open offer (this rank should claim it)."""
+        return any(
+            _text(self.store.get(self.key(peer))).startswith("wait:") for peer in self.neighbours if peer > self.rank
+        )
+
+    def attempt(self, step: int, published: Optional[str]) -> Attempt:
+        """One pairing attempt; ``published`` is this rank's open offer, if any (see the module docstring)."""
+        if published is not None:
+            if not self.waiting_above():
+                renewed = self.renew(published, step)
+                return Attempt(published=renewed, taken=renewed is None)
+            if not self.withdraw(published):
+                return Attempt(taken=True)
+        found = self.claim(step)
+        return Attempt(partner=found) if found is not None else Attempt(published=self.publish(step))
+
     def claim(self, step: int) -> Optional[tuple[int, int, int]]:
         """Claim a published neighbour, in random order: ``(partner, partner_step, ticket)`` or ``None``."""
         order = torch.randperm(len(self.neighbours), generator=self._gen).tolist()
         for idx in order:
             peer = self.neighbours[idx]
             value = _text(self.store.get(self.key(peer)))
-            if not value.startswith("wait:"):
-                continue
-            _, seq, peer_step = value.split(":")
-            ticket = int(self.store.add("ticket", 1))
-            desired = f"claim:{seq}:{self.rank}:{ticket}:{step}"
-            if _text(self.store.compare_set(self.key(peer), value, desired)) == desired:
-                return peer, int(peer_step), ticket
+            for _ in range(_CLAIM_TRIES):  # a failed claim retries on the peer's renewed offer
+                if not value.startswith("wait:"):
+                    break
+                _, seq, peer_step = value.split(":")
+                ticket = int(self.store.add("ticket", 1))
+                desired = f"claim:{seq}:{self.rank}:{ticket}:{step}"
+                value = _text(self.store.compare_set(self.key(peer), value, desired))
+                if value == desired:
+                    return peer, int(peer_step), ticket
         return None
 
 
@@ -262,22 +312,21 @@ class AsyncGossip:
         """Try to pair now; ``False`` if an exchange is still in flight (retry at the next boundary)."""
         assert self.matchmaker is not None
         job = self._job
-        if job is not None:
-            if job.published is None or job.claimed or not self.matchmaker.withdraw(job.published):
-                if job.published is not None:
-                    job.claimed = True
-                return False  # exchanging (or just claimed): try again after it is applied
+        if job is not None and (job.published is None or job.claimed):
+            return False  # exchanging: try again after it is applied
+        outcome = self.matchmaker.attempt(step, job.published if job is not None else None)
+        if outcome.taken:
+            assert job is not None
+            job.claimed = True
+            return False  # just claimed: try again after this exchange is applied
+        if job is not None:  # the open offer was renewed or withdrawn, unclaimed
             job.cancelled.set()
             self.engine.stats.sat_out += 1
             self._job = None
         self.engine.stats.rounds += 1
-        x_pub = current().detach().float().clone()
-        found = self.matchmaker.claim(step)
-        job = _Job(x_pub=x_pub, pub_step=step)
-        if found is not None:
-            job.peer, job.peer_step, job.ticket = found
-        else:
-            job.published = self.matchmaker.publish(step)
+        job = _Job(x_pub=current().detach().float().clone(), pub_step=step, published=outcome.published)
+        if outcome.partner is not None:
+            job.peer, job.peer_step, job.ticket = outcome.partner
         self._submit(job)
         return True
 

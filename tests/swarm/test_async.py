@@ -142,7 +142,7 @@ def _dead_partner_worker(rank: int, port: int, results: Any) -> None:
     matchmaker.reset()
     dist.barrier(group=group)
     if rank == 1:  # claim one of rank 0's offers, then die without exchanging
-        # rank 0 withdraws and republishes at every step, so a claim can lose the race to a withdrawal: retry
+        # rank 0 renews its offer at every step, so a claim can lose the race to a renewal: retry
         while matchmaker.claim(step=1) is None:
             time.sleep(0.001)
         os._exit(0)
