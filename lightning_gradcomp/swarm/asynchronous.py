@@ -9,28 +9,42 @@ rank published (snapshotted) for the exchange.
 **Match-making** (``torch.distributed`` ``Store``: the process group's TCPStore, under a prefix). Every rank
 ``r`` owns one key ``state/r``; only these transitions exist, each one atomic:
 
-* ``r`` publishes: ``state/r <- "wait:<seq>:<step>"`` (only ``r`` writes it, and only when it has no
+* ``r`` publishes: ``state/r <- "wait:<seq>:<step>:<token>"`` (only ``r`` writes it, and only when it has no
   exchange in flight), and hands its snapshot ``x_pub`` to its thread, which polls ``state/r``.
-* a ready rank ``c`` claims ``r``: ``compare_set(state/r, "wait:<seq>:<step>", "claim:<seq>:<c>:<ticket>:<c_step>")``
+* a ready rank ``c`` claims ``r``: ``compare_set(state/r, "wait:<seq>:...", "claim:<seq>:<c>:<ticket>:<c_step>")``
   with a fresh ``ticket`` from ``store.add`` (the exchange id). At most one claimer succeeds; ``c`` claims only
   while it is not published itself, so nobody is ever in two exchanges.
 * ``r`` withdraws: ``compare_set(state/r, "wait:...", "idle")``. If that fails, somebody claimed ``r`` first,
   and ``r`` completes that exchange.
-* ``r`` renews an unclaimed offer with a fresh snapshot: ``compare_set(state/r, "wait:<seq>:..",
-  "wait:<seq+1>:<step>")``, again failing only if a claim came first. A renewal never passes through ``idle``.
+* ``r`` renews an unclaimed offer with a fresh snapshot: ``compare_set(state/r, "wait:<seq>:...",
+  "wait:<seq+1>:<step>:<token>")`` (the same token), again failing only if a claim came first. A renewal never
+  passes through ``idle``.
+* ``r``, with an open offer, locks it to claim: ``compare_set(state/r, "wait:<seq>:...", "busy:<seq>:<token>")``
+  (failing only if a claim came first). Nobody claims a locked rank; ``r`` then claims a waiting neighbour and sets
+  ``state/r <- "idle"``, or finds none and publishes again.
 
-**Symmetry breaking.** At its next attempt, a rank whose offer is still open claims a waiting neighbour only if
-that neighbour's rank is higher (it withdraws first, then claims); otherwise it renews its offer and leaves the
-claim to the lower rank. Without this rule, two ranks at the same pace that both published withdraw, find each
-other idle and publish again at every attempt, and never pair (measured: a two-rank run with no exchange in
-twelve steps). With it, among neighbours that all wait, the lowest-ranked one claims at its next attempt; a
-claim that meets a renewal retries on the renewed offer.
+**Symmetry breaking.** At its next attempt, a rank whose offer is still open renews it if no neighbour is
+waiting; if one is, it locks its offer and claims, as a rank without an offer does. Two ranks at the same pace
+that both wait lock at the same moment and find each other locked. Each fresh offer carries a token (the
+``seq`` of its first publication; renewals keep it), and the pair (rank, token) gives a pseudo-random priority
+that every rank computes alike (:func:`offer_priority`). A claimer waits for a locked neighbour of higher
+priority to finish its attempt (it claims somebody, or publishes again and is then claimed), and passes over one
+of lower priority, which may be waiting for it; a claimer without an offer waits for any locked neighbour. Waits
+thus follow increasing priority and form no cycle, and a pair forms. The previous rule (withdraw, rescan,
+republish) let two such ranks withdraw together, find each other idle and publish again, attempt after attempt
+(seen under CPU load: a two-rank run with no exchange in twelve steps). Renewing instead of withdrawing whenever
+a higher-priority neighbour waited (no lock) avoided that too, but left the lower-priority rank to claim at its
+next attempt: a step later. A new token per fresh offer draws a new order, so no rank is favoured (a fixed order
+by rank left the highest rank with 14 exchanges against 28 and 34 at W = 3).
 
 **Why it cannot deadlock.** A claim pairs two ranks whose threads are both free (a published rank's thread
 waits only for its claim; a claimer has nothing in flight), and each thread runs one exchange at a time,
 so both ends post exactly one matching send/recv pair to each other and to nobody else. A thread never waits
 for a main thread, and a main thread waits for its own thread only when draining (end of ``fit``, before a
-checkpoint) or in replay. A rank that never gets claimed simply keeps training. A partner that died
+checkpoint) or in replay; during match-making, a claimer may wait for a locked neighbour to finish its
+attempt (a few store operations): a locked claimer only for one of higher priority, a claimer without an offer
+(which nobody waits for) for any. The waits follow increasing priority, so they end (and after 2 s a claimer
+passes over the neighbour anyway). A rank that never gets claimed simply keeps training. A partner that died
 (claimed and vanished, or crashed mid-exchange) makes the gloo receive fail or time out
 (``exchange_timeout``); the error is raised on the main thread at its next step boundary.
 
@@ -68,7 +82,7 @@ from torch import Tensor
 from lightning_gradcomp.swarm.exchange import PairwiseGossip, with_progress
 from lightning_gradcomp.swarm.pairing import round_generator
 
-__all__ = ["AsyncGossip", "Attempt", "PairingRecord", "StoreMatchmaker"]
+__all__ = ["AsyncGossip", "Attempt", "PairingRecord", "StoreMatchmaker", "offer_priority"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +91,8 @@ PairingRecord = tuple[int, int, int, int, int, int]
 
 _POLL_SECONDS = 0.002
 _CLAIM_TRIES = 3
+_SPINS, _SPIN_SECONDS = 4000, 0.0005  # how long a claimer waits for a locked neighbour: 2 s at most
+_MASK64 = (1 << 64) - 1
 _LOCAL_STEPS_SALT = 1 << 24
 
 
@@ -111,6 +127,7 @@ class StoreMatchmaker:
         self.neighbours = list(neighbours)
         self._gen = round_generator(seed, rank, salt=2)
         self._seq = 0
+        self._token = 0
 
     def key(self, rank: int) -> str:
         return f"state/{rank}"
@@ -122,7 +139,8 @@ class StoreMatchmaker:
     def publish(self, step: int) -> str:
         """Offer this rank for pairing; returns the published value (the claim's expected value)."""
         self._seq += 1
-        value = f"wait:{self._seq}:{step}"
+        self._token = self._seq
+        value = f"wait:{self._seq}:{step}:{self._token}"
         self.store.set(self.key(self.rank), value)
         return value
 
@@ -147,42 +165,70 @@ class StoreMatchmaker:
     def renew(self, published: str, step: int) -> Optional[str]:
         """Replace this rank's open offer by a fresh one in one atomic step; ``None`` if a claim came first."""
         self._seq += 1
-        value = f"wait:{self._seq}:{step}"
+        value = f"wait:{self._seq}:{step}:{self._token}"
         return value if _text(self.store.compare_set(self.key(self.rank), published, value)) == value else None
-
-    def waiting_above(self) -> bool:
-        """Whether a neighbour of higher rank than this one has an open offer (this rank should claim it)."""
-        return any(
-            _text(self.store.get(self.key(peer))).startswith("wait:") for peer in self.neighbours if peer > self.rank
-        )
 
     def attempt(self, step: int, published: Optional[str]) -> Attempt:
         """One pairing attempt; ``published`` is this rank's open offer, if any (see the module docstring)."""
+        own = None
         if published is not None:
-            if not self.waiting_above():
+            if not any(_text(self.store.get(self.key(peer))).startswith("wait:") for peer in self.neighbours):
                 renewed = self.renew(published, step)
                 return Attempt(published=renewed, taken=renewed is None)
-            if not self.withdraw(published):
+            locked = f"busy:{published.split(':')[1]}:{self._token}"
+            if _text(self.store.compare_set(self.key(self.rank), published, locked)) != locked:
                 return Attempt(taken=True)
-        found = self.claim(step)
-        return Attempt(partner=found) if found is not None else Attempt(published=self.publish(step))
+            own = offer_priority(self.rank, self._token)
+        found = self.claim(step, own)
+        if found is None:
+            return Attempt(published=self.publish(step))
+        if own is not None:
+            self.store.set(self.key(self.rank), "idle")  # nobody else writes a locked key
+        return Attempt(partner=found)
 
-    def claim(self, step: int) -> Optional[tuple[int, int, int]]:
-        """Claim a published neighbour, in random order: ``(partner, partner_step, ticket)`` or ``None``."""
+    def claim(self, step: int, own: Optional[tuple[int, int]] = None) -> Optional[tuple[int, int, int]]:
+        """Claim a published neighbour, in random order: ``(partner, partner_step, ticket)`` or ``None``.
+
+        ``own``: this rank's offer priority while its offer is locked (``None`` when it has none). A neighbour
+        that is itself locked and claiming is waited for if its priority is higher (or this rank has no offer),
+        and passed over otherwise (it may be waiting for this rank), so the waits cannot form a cycle.
+        """
         order = torch.randperm(len(self.neighbours), generator=self._gen).tolist()
         for idx in order:
             peer = self.neighbours[idx]
             value = _text(self.store.get(self.key(peer)))
-            for _ in range(_CLAIM_TRIES):  # a failed claim retries on the peer's renewed offer
-                if not value.startswith("wait:"):
+            tries = spins = 0
+            while True:
+                if value.startswith("wait:") and tries < _CLAIM_TRIES:  # retried on the peer's renewed offer
+                    tries += 1
+                    _, seq, peer_step, _ = value.split(":")
+                    ticket = int(self.store.add("ticket", 1))
+                    desired = f"claim:{seq}:{self.rank}:{ticket}:{step}"
+                    value = _text(self.store.compare_set(self.key(peer), value, desired))
+                    if value == desired:
+                        return peer, int(peer_step), ticket
+                elif value.startswith("busy:") and spins < _SPINS:
+                    if own is not None and offer_priority(peer, int(value.split(":")[2])) < own:
+                        break
+                    spins += 1
+                    time.sleep(_SPIN_SECONDS)
+                    value = _text(self.store.get(self.key(peer)))
+                else:
                     break
-                _, seq, peer_step = value.split(":")
-                ticket = int(self.store.add("ticket", 1))
-                desired = f"claim:{seq}:{self.rank}:{ticket}:{step}"
-                value = _text(self.store.compare_set(self.key(peer), value, desired))
-                if value == desired:
-                    return peer, int(peer_step), ticket
         return None
+
+
+def offer_priority(rank: int, token: int) -> tuple[int, int]:
+    """The priority of ``rank``'s offer with ``token``: of two locked neighbours, the lower one waits for the higher.
+
+    A splitmix64 hash of ``(rank, token)`` (the same on every rank, and unrelated from one token to the next), then
+    the rank, so priorities are distinct.
+    """
+    x = ((rank << 32) ^ token) & _MASK64
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31), rank
 
 
 def _text(value: Any) -> str:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import pytest
 import torch.distributed as dist
 
-from lightning_gradcomp.swarm.asynchronous import Attempt, StoreMatchmaker
+from lightning_gradcomp.swarm.asynchronous import Attempt, StoreMatchmaker, offer_priority
 
 
 class _Interleaver:
@@ -129,17 +130,61 @@ def test_ranks_that_keep_attempting_together_pair_within_two_attempts(world_size
         assert pairs, (world_size, seed)
 
 
-def test_a_waiting_rank_renews_for_a_lower_one_and_claims_a_higher_one() -> None:
-    """Both wait; the higher rank renews its offer (never idle in between), the lower one claims it."""
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+def test_offer_priorities_are_distinct_and_favour_no_rank(world_size: int) -> None:
+    """Over many fresh offers (tokens), each rank holds the highest priority among ``world_size`` waiting ranks
+    (the one that only renews and is claimed) about as often as any other."""
+    rng = random.Random(world_size)
+    top = [0] * world_size
+    draws = 6000
+    for _ in range(draws):
+        priorities = [offer_priority(r, rng.randrange(1, 10**6)) for r in range(world_size)]
+        assert len(set(priorities)) == world_size
+        top[max(range(world_size), key=priorities.__getitem__)] += 1
+    assert all(abs(t / draws - 1 / world_size) < 0.03 for t in top), top
+    assert offer_priority(3, 7) == offer_priority(3, 7) and offer_priority(3, 7) != offer_priority(3, 8)
+
+
+def _two_waiting() -> tuple[dist.Store, list[StoreMatchmaker], list[str]]:
     store = dist.HashStore()
-    low, high = StoreMatchmaker(store, 0, [1]), StoreMatchmaker(store, 1, [0])
-    low.reset(), high.reset()
-    offer_low, offer_high = low.publish(2), high.publish(2)
-    renewed = high.attempt(4, offer_high)
-    assert renewed.partner is None and not renewed.taken and renewed.published not in (None, offer_high)
-    assert renewed.published == store.get("state/1").decode()
-    claimed = low.attempt(4, offer_low)
-    assert claimed.partner is not None and claimed.partner[:2] == (1, 4)
-    assert high.read_claim(renewed.published) == (0, claimed.partner[2], 4)
-    assert store.get("state/0").decode() == "idle"  # the low rank withdrew before claiming
-    assert high.attempt(6, renewed.published).taken  # a renewal that meets a claim leaves the exchange to run
+    makers = [StoreMatchmaker(store, 0, [1]), StoreMatchmaker(store, 1, [0])]
+    for maker in makers:
+        maker.reset()
+    return store, makers, [maker.publish(2) for maker in makers]
+
+
+def test_a_waiting_rank_claims_a_waiting_neighbour_at_once_and_renews_when_none_waits() -> None:
+    store, makers, offers = _two_waiting()
+    claimed = makers[1].attempt(4, offers[1])
+    assert claimed.partner is not None and claimed.partner[:2] == (0, 2)
+    assert store.get("state/1") == b"idle"  # its own offer was locked, then released
+    assert makers[0].attempt(4, offers[0]).taken
+    assert makers[0].read_claim(offers[0]) == (1, claimed.partner[2], 4)
+    lone = makers[1].publish(6)  # rank 0 is exchanging: nobody waits, so rank 1 renews (same token, never idle)
+    renewed = makers[1].attempt(8, lone)
+    assert renewed.published is not None and renewed.published != lone and not renewed.taken
+    assert renewed.published.split(":")[3] == lone.split(":")[3] and store.get("state/1").decode() == renewed.published
+
+
+def test_a_locked_neighbour_is_passed_over_if_lower_and_waited_for_if_higher() -> None:
+    """Two locked ranks claiming each other: the one of higher priority passes over the other at once (the other
+    may be waiting for it); the lower one waits until the higher publishes again, then claims it."""
+    store, makers, offers = _two_waiting()
+    tokens = [int(offer.split(":")[3]) for offer in offers]
+    priority = [offer_priority(r, tokens[r]) for r in (0, 1)]
+    high = max((0, 1), key=priority.__getitem__)
+    low = 1 - high
+    for r in (0, 1):
+        store.set(f"state/{r}", f"busy:1:{tokens[r]}")  # both locked their offers to claim
+    start = time.monotonic()
+    assert makers[high].claim(4, priority[high]) is None and time.monotonic() - start < 0.5
+
+    def publish_later() -> None:
+        time.sleep(0.05)
+        makers[high].publish(4)
+
+    thread = threading.Thread(target=publish_later)
+    thread.start()
+    found = makers[low].claim(4, priority[low])
+    thread.join()
+    assert found is not None and found[:2] == (high, 4) and time.monotonic() - start >= 0.05
