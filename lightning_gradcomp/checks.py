@@ -11,7 +11,7 @@ Example::
     >>> check_int("min_numel", 0, 1)
     Traceback (most recent call last):
     ...
-    ValueError: `min_numel` must be in [1, inf], got 0
+    ValueError: `min_numel` must be in [1, inf), got 0
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ def check_number(
     above = value > low if low_open else value >= low
     below = value < high if high_open else value <= high
     if not (above and below):
-        raise ValueError(
-            f"`{name}` must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}, got {value!r}"
-        )
+        closed = not high_open and not (integer and math.isinf(high))  # no integer is infinite: [1, inf)
+        brackets = ("(" if low_open else "[", "]" if closed else ")")
+        raise ValueError(f"`{name}` must be in {brackets[0]}{low}, {high}{brackets[1]}, got {value!r}")
     return value
 
 

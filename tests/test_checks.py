@@ -68,7 +68,7 @@ def test_check_int_accepts_the_closed_range() -> None:
 
 
 @pytest.mark.parametrize("value, error, match", [
-    (0, ValueError, r"`min_numel` must be in \[1, inf\], got 0"), (-5, ValueError, r"\[1, inf\], got -5"),
+    (0, ValueError, r"`min_numel` must be in \[1, inf\), got 0"), (-5, ValueError, r"\[1, inf\), got -5"),
     (True, TypeError, "`min_numel` must be an integer, got True"), (2.0, TypeError, "must be an integer, got 2.0"),
     ("3", TypeError, "must be an integer, got '3'")])
 def test_check_int_rejects(value: Any, error: type, match: str) -> None:
@@ -96,9 +96,9 @@ def test_check_bool_rejects_everything_else(value: Any) -> None:
 # ---------------------------------------------------------------------------------------------- check_bucket_size
 def test_check_bucket_size() -> None:
     assert check_bucket_size(1) == 1 and check_bucket_size(512) == 512
-    with pytest.raises(ValueError, match=r"`bucket_size` must be in \[1, inf\], got 0"):
+    with pytest.raises(ValueError, match=r"`bucket_size` must be in \[1, inf\), got 0"):
         check_bucket_size(0)
-    with pytest.raises(ValueError, match=r"`block_size` must be in \[1, inf\], got -1"):
+    with pytest.raises(ValueError, match=r"`block_size` must be in \[1, inf\), got -1"):
         check_bucket_size(-1, "block_size")
     with pytest.raises(TypeError, match="`bucket_size` must be an integer, got True"):
         check_bucket_size(True)

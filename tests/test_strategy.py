@@ -219,7 +219,7 @@ class _NaNOnce(TinyNet):
 
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
-    ({"start_step": 1}, ValueError, r"`start_step` must be in \[2, inf\]"),
+    ({"start_step": 1}, ValueError, r"`start_step` must be in \[2, inf\)"),
     ({"start_step": 2.5}, TypeError, "`start_step` must be an integer"),
     ({"min_numel": 0}, ValueError, "`min_numel` must be in"),
     ({"beta": 0.0}, ValueError, r"`beta` must be a number in \(0, 1\]"),

@@ -52,9 +52,9 @@ class Bad:
 
 TABLE = [
     # GradCompStrategy
-    Bad(GradCompStrategy, {"start_step": 1}, ValueError, r"`start_step` must be in \[2, inf\], got 1", "strategy"),
+    Bad(GradCompStrategy, {"start_step": 1}, ValueError, r"`start_step` must be in \[2, inf\), got 1", "strategy"),
     Bad(GradCompStrategy, {"start_step": 2.5}, TypeError, r"`start_step` must be an integer, got 2.5"),
-    Bad(GradCompStrategy, {"min_numel": 0}, ValueError, r"`min_numel` must be in \[1, inf\], got 0", "strategy"),
+    Bad(GradCompStrategy, {"min_numel": 0}, ValueError, r"`min_numel` must be in \[1, inf\), got 0", "strategy"),
     Bad(GradCompStrategy, {"beta": 1.5}, ValueError, r"`beta` must be a number in \(0, 1\], got 1.5", "strategy"),
     Bad(GradCompStrategy, {"beta": 0.0}, ValueError, r"`beta` must be a number in \(0, 1\], got 0.0", "strategy"),
     Bad(GradCompStrategy, {"seed": -1}, ValueError, r"`seed` must be in \[0, \d+\], got -1", "strategy"),
@@ -87,7 +87,7 @@ TABLE = [
     Bad(CLTK, {"index_coding": "int16"}, ValueError, r"`index_coding` must be 'int32' or 'delta16', got 'int16'",
         "compressor",
         r"Parser key \"index_coding\":\s+Expected a typing.Literal\['int32', 'delta16'\]. Got value: int16"),
-    Bad(PowerSGD, {"rank": 0}, ValueError, r"`rank` must be in \[1, inf\], got 0", "compressor"),
+    Bad(PowerSGD, {"rank": 0}, ValueError, r"`rank` must be in \[1, inf\), got 0", "compressor"),
     Bad(PowerSGD, {"warm_start": "no"}, TypeError, r"`warm_start` must be a bool, got 'no'"),
     Bad(PowerSGD, {"min_compression_rate": 0.5}, ValueError, r"`min_compression_rate` must be in \[1.0, inf\), "
                                                              r"got 0.5", "compressor"),
@@ -96,12 +96,12 @@ TABLE = [
     Bad(QSGD, {"p": "l1"}, ValueError, r"`p` must be 2 or inf, got 'l1'", "compressor"),
     Bad(QSGD, {"aggregation": "ring"}, ValueError, r"`aggregation` must be one of \('auto', 'alltoall', 'allgather'\), "
                                                    r"got 'ring'", "compressor"),
-    Bad(TernGrad, {"bucket_size": 0}, ValueError, r"`bucket_size` must be in \[1, inf\], got 0", "compressor"),
+    Bad(TernGrad, {"bucket_size": 0}, ValueError, r"`bucket_size` must be in \[1, inf\), got 0", "compressor"),
     Bad(SignSGD, {"aggregation": "tree"}, ValueError,
         r"`aggregation` must be one of \('auto', 'alltoall', 'allgather'\), got 'tree'", "compressor"),
     Bad(DIANA, {"quantizer": "l3:64"}, ValueError, r"`quantizer` 'l3:64': `p` must be 2 or inf, got 'l3'",
         "compressor"),
-    Bad(DIANA, {"quantizer": "linf:0"}, ValueError, r"`quantizer` 'linf:0': `block_size` must be in \[1, inf\], "
+    Bad(DIANA, {"quantizer": "linf:0"}, ValueError, r"`quantizer` 'linf:0': `block_size` must be in \[1, inf\), "
                                                     r"got 0", "compressor"),
     Bad(DIANA, {"alpha": 0.5}, ValueError, r"`alpha` must be a number in \[0, alpha_p = 0.162421\] for quantizer "
                                            r"linf:128 .*got 0.5", "compressor"),
@@ -110,7 +110,7 @@ TABLE = [
     Bad(Cast, {"dtype": torch.float32}, ValueError, r"`dtype` must be torch.float16 or torch.bfloat16, "
                                                     r"got torch.float32"),
     # callbacks
-    Bad(LGreCo, {"period": 0}, ValueError, r"`period` must be in \[1, inf\], got 0", "layerwise"),
+    Bad(LGreCo, {"period": 0}, ValueError, r"`period` must be in \[1, inf\), got 0", "layerwise"),
     Bad(LGreCo, {"period": 5, "accumulate_steps": 6}, ValueError, r"`accumulate_steps` must be in \[1, 5\], got 6",
         "layerwise"),
     Bad(LGreCo, {"alpha": 0}, ValueError, r"`alpha` must be in \(0.0, inf\), got 0", "callback"),
@@ -127,7 +127,7 @@ TABLE = [
     Bad(CompressionGuard, {"min_ratio": 1.0}, ValueError, r"`min_ratio` must be in \(1.0, inf\), got 1.0", "callback"),
     Bad(CompressionGuard, {"min_ratio": INF}, ValueError, r"`min_ratio` must be in \(1.0, inf\), got inf"),
     # SwarmSGD
-    Bad(SwarmStrategy, {"local_steps": 0}, ValueError, r"`local_steps` must be in \[1, inf\], got 0", "strategy"),
+    Bad(SwarmStrategy, {"local_steps": 0}, ValueError, r"`local_steps` must be in \[1, inf\), got 0", "strategy"),
     Bad(SwarmStrategy, {"bits": 9}, ValueError, r"`bits` must be an integer in \[1, 8\] \(or None for fp32\), got 9",
         "strategy"),
     Bad(SwarmStrategy, {"topology": "star"}, ValueError, r"`topology` must be one of \('complete', 'ring', "
