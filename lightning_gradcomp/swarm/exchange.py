@@ -231,7 +231,8 @@ class SwarmStats:
     Attributes:
         rounds: gossip rounds reached (including ones this rank sat out).
         exchanges: rounds in which this rank exchanged with a partner.
-        sat_out: rounds without a partner (odd world size, incomplete matching).
+        sat_out: lock-step: rounds without a partner (odd world size, incomplete matching); async: offers that went
+            unclaimed (renewed, locked to claim another rank, or withdrawn at a drain).
         fallbacks: exchanges in which some blocks were resent in fp32 (a decode wrapped or could have).
         fallback_blocks: blocks resent in fp32, in all.
         consensus: last measured ``max_i ||x_i - mean||_2`` (``nan`` if never measured).
