@@ -14,8 +14,8 @@ rank published (snapshotted) for the exchange.
 * a ready rank ``c`` claims ``r``: ``compare_set(state/r, "wait:<seq>:...", "claim:<seq>:<c>:<ticket>:<c_step>")``
   with a fresh ``ticket`` from ``store.add`` (the exchange id). At most one claimer succeeds; ``c`` claims only
   while it is not published itself, so nobody is ever in two exchanges.
-* ``r`` withdraws: ``compare_set(state/r, "wait:...", "idle")``. If that fails, somebody claimed ``r`` first,
-  and ``r`` completes that exchange.
+* ``r`` withdraws (at a drain: end of ``fit``, checkpoint): ``compare_set(state/r, "wait:...", "idle")``. If that
+  fails, somebody claimed ``r`` first, and ``r`` completes that exchange.
 * ``r`` renews an unclaimed offer with a fresh snapshot: ``compare_set(state/r, "wait:<seq>:...",
   "wait:<seq+1>:<step>:<token>")`` (the same token), again failing only if a claim came first. A renewal never
   passes through ``idle``.
@@ -242,7 +242,7 @@ class _Job:
     x_pub: Tensor
     pub_step: int
     published: Optional[str] = None  # set while waiting for a claim
-    claimed: bool = False  # a withdrawal failed: the claim came first
+    claimed: bool = False  # a withdrawal, renewal or lock failed: the claim came first
     peer: int = -1
     peer_step: int = -1
     ticket: int = -1
@@ -365,7 +365,7 @@ class AsyncGossip:
             assert job is not None
             job.claimed = True
             return False  # just claimed: try again after this exchange is applied
-        if job is not None:  # the open offer was renewed or withdrawn, unclaimed
+        if job is not None:  # the open offer was renewed or locked, unclaimed
             job.cancelled.set()
             self.engine.stats.sat_out += 1
             self._job = None
