@@ -38,7 +38,7 @@ from torch import Tensor
 from lightning_gradcomp.checks import is_number
 from lightning_gradcomp.functional.feedback import compensate_checked, recover_gradient
 
-__all__ = ["ErrorFeedback", "validate_beta", "validate_beta_for"]
+__all__ = ["ErrorFeedback", "require_error_feedback", "validate_beta", "validate_beta_for"]
 
 
 def validate_beta(beta: float) -> float:
@@ -50,14 +50,21 @@ def validate_beta(beta: float) -> float:
 
 def validate_beta_for(beta: float, compressor: Any) -> float:
     """:func:`validate_beta`, and a ``beta`` below 1 only for a ``compressor`` that keeps an error-feedback memory
-    (``uses_error_feedback``): for any other the filter would change nothing, silently. Raises ``ValueError``."""
+    (:func:`require_error_feedback`). Raises ``ValueError``."""
     value = validate_beta(beta)
-    if value != 1.0 and not compressor.uses_error_feedback:
-        raise ValueError(
-            f"`beta` below 1 low-pass filters the error-feedback memory, and {compressor!r} keeps none: use beta=1 "
-            "(the default) or an error-feedback compressor (TopK, RandomK, CLTK, SignSGD, PowerSGD)"
-        )
+    if value != 1.0:
+        require_error_feedback(compressor, "`beta` below 1 low-pass filters", "use beta=1 (the default) or")
     return value
+
+
+def require_error_feedback(compressor: Any, subject: str, remedy: str) -> None:
+    """Raise ``ValueError`` unless ``compressor`` keeps an error-feedback memory (``uses_error_feedback``): a low-pass
+    filter of that memory would change nothing, silently. ``subject`` and ``remedy`` frame the message."""
+    if not compressor.uses_error_feedback:
+        raise ValueError(
+            f"{subject} the error-feedback memory, and {compressor!r} keeps none: {remedy} an error-feedback "
+            "compressor (TopK, RandomK, CLTK, SignSGD, PowerSGD)"
+        )
 
 
 class ErrorFeedback:

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from lightning_gradcomp.checks import check_int, is_int
 from lightning_gradcomp.comm import Comm, CommStats
-from lightning_gradcomp.memory import ErrorFeedback, validate_beta
+from lightning_gradcomp.memory import ErrorFeedback, require_error_feedback, validate_beta
 
 __all__ = ["BETA", "LowPassMemoryFilter", "MEMORY_NORM", "SIMILARITY", "count_sketch", "mean_pairwise_cosine"]
 
@@ -144,11 +144,8 @@ class LowPassMemoryFilter(Callback):
                 f"LowPassMemoryFilter needs a GradCompStrategy (with `set_beta`), got {type(trainer.strategy).__name__}"
             )
         compressor = getattr(trainer.strategy, "compressor", None)
-        if compressor is not None and not compressor.uses_error_feedback:
-            raise ValueError(
-                f"LowPassMemoryFilter filters the error-feedback memory, and {compressor!r} keeps none: use it with "
-                "an error-feedback compressor (TopK, RandomK, CLTK, SignSGD, PowerSGD)"
-            )
+        if compressor is not None:
+            require_error_feedback(compressor, "LowPassMemoryFilter filters", "use it with")
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
