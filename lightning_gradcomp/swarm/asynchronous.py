@@ -30,12 +30,8 @@ that both wait lock at the same moment and find each other locked. Each fresh of
 that every rank computes alike (:func:`offer_priority`). A claimer waits for a locked neighbour of higher
 priority to finish its attempt (it claims somebody, or publishes again and is then claimed), and passes over one
 of lower priority, which may be waiting for it; a claimer without an offer waits for any locked neighbour. Waits
-thus follow increasing priority and form no cycle, and a pair forms. The previous rule (withdraw, rescan,
-republish) let two such ranks withdraw together, find each other idle and publish again, attempt after attempt
-(seen under CPU load: a two-rank run with no exchange in twelve steps). Renewing instead of withdrawing whenever
-a higher-priority neighbour waited (no lock) avoided that too, but left the lower-priority rank to claim at its
-next attempt: a step later. A new token per fresh offer draws a new order, so no rank is favoured (a fixed order
-by rank left the highest rank with 14 exchanges against 28 and 34 at W = 3).
+thus follow increasing priority and form no cycle, and a pair forms. A new token per fresh offer draws a new
+order, so no rank is favoured. (Why not simpler rules, and what they cost: ``docs/swarm.md``, asynchronous mode.)
 
 **Why it cannot deadlock.** A claim pairs two ranks whose threads are both free (a published rank's thread
 waits only for its claim; a claimer has nothing in flight), and each thread runs one exchange at a time,
