@@ -53,6 +53,7 @@ __all__ = [
     "completed_future",
     "compression_ratio",
     "p2p_bytes",
+    "sparse_payload_bytes",
     "then_same_numerics",
 ]
 
@@ -284,6 +285,11 @@ def _nbytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def sparse_payload_bytes(tensor: Tensor) -> int:
+    """Bytes of a sparse COO tensor's payload: its indices (int64, ``sparse_dim x nnz``) and its values."""
+    return tensor._indices().numel() * 8 + tensor._values().numel() * tensor.element_size()
+
+
 class Comm:
     """Collectives over one process group that count the bytes this rank sends.
 
@@ -331,8 +337,15 @@ class Comm:
         op: Any = dist.ReduceOp.SUM,
         shares: Optional[LayerShares] = None,
     ) -> Optional[Future]:
-        """In-place sum (or ``op``) across ranks. With ``async_op`` returns a ``Future[Tensor]``."""
-        self._count(all_reduce_bytes(_nbytes(tensor), self.world_size), shares)
+        """In-place sum (or ``op``) across ranks. With ``async_op`` returns a ``Future[Tensor]``.
+
+        A sparse COO ``tensor`` (a sparse gradient) is all-gathered by the backend (gloo gathers every rank's indices
+        and values, then sums them locally): counted as :func:`all_gather_bytes` of :func:`sparse_payload_bytes`
+        (the backend's few bytes of sizes left out)."""
+        if tensor.is_sparse:
+            self._count(all_gather_bytes(sparse_payload_bytes(tensor), self.world_size), shares)
+        else:
+            self._count(all_reduce_bytes(_nbytes(tensor), self.world_size), shares)
         if not async_op:
             with self.waiting():
                 dist.all_reduce(tensor, op=op, group=self.group)

@@ -7,6 +7,8 @@ so ranks never deadlock):
 
 1. Before ``start_step`` (or for a dense compressor) the bucket is scaled by ``1 / W`` and all-reduced in
    one async collective, exactly like DDP's default (:func:`~.functional.mean.predivide_`: DDP's bits at every W).
+   A sparse gradient's bucket (``nn.Embedding(sparse=True)``) is always reduced so, as a sparse all-reduce
+   (:meth:`GradCompHook._reduce_sparse`).
 2. Otherwise the bucket's layer plan splits it into dense and compressed slots. The dense slots,
    plus one "this rank saw NaN/Inf" flag, are all-reduced in **one** collective, waited in-line (on the
    communication thread: the non-finite decision is made there). A compressor that
@@ -113,6 +115,12 @@ class HookObserver(Protocol):
         """Receive one bucket's record (called in the hook body: local math only)."""
 
 
+def _compresses_nothing(slot: LayerSlot) -> bool:
+    """The ``accepts`` of a sparse gradient's plan: a sparse bucket is never compressed
+    (:meth:`GradCompHook._reduce_sparse`)."""
+    return False
+
+
 class GradCompHook:
     """Per-rank state and logic of the compression hook.
 
@@ -185,7 +193,8 @@ class GradCompHook:
         key = tuple(id(p) for p in params)
         cached = self._plans.get(bucket.index())
         if cached is None or cached[0] != key:
-            plan = build_plan(bucket.index(), params, self.param_names, self.policy, self.compressor.accepts)
+            accepts = _compresses_nothing if bucket.buffer().is_sparse else self.compressor.accepts
+            plan = build_plan(bucket.index(), params, self.param_names, self.policy, accepts)
             self._plans[bucket.index()] = (key, plan)
             self._small.update(slot.name for slot in plan.slots if slot.small)
             return plan
@@ -289,6 +298,10 @@ class GradCompHook:
     def _reduce(self, plan: BucketPlan, buf: Tensor, step: int, compressing: bool, scale: Optional[Tensor]) -> Future:
         """One bucket's whole protocol, on the communication thread."""
         start = time.perf_counter()
+        if buf.is_sparse:
+            fut = self._reduce_sparse(plan, buf)
+            self.stats.comm_thread_seconds += time.perf_counter() - start
+            return fut
         self._count_dense_equivalent(plan, buf)
         if self.hierarchy is not None and self.hierarchy.layout.num_nodes == 1:
             fut = self._reduce_dense(plan, buf, self.hierarchy.intra)
@@ -309,6 +322,33 @@ class GradCompHook:
             layer.numel, layer.compressed = slot.numel, slot.compressed
             layer.param = self.param_of(slot.name) if slot.compressed else None
             layer.dense_bytes += all_reduce_bytes(slot.numel * size, world)
+
+    def _reduce_sparse(self, plan: BucketPlan, buf: Tensor) -> Future:
+        """A sparse gradient (``nn.Embedding(sparse=True)``: DDP gives it a bucket of its own), reduced as DDP reduces
+        it: the coalesced COO tensor divided by W, one sparse all-reduce over all ranks, with or without a hierarchy
+        (the dense-equivalent bytes are the same bytes). Never compressed, so no state to spare from a NaN/Inf: the
+        decision is made on the sum, the same bits on every rank (no flag collective), as :meth:`_checked` does:
+        counted, and with ``nonfinite="zero"`` the gradient's values become zero."""
+        scaled = buf.coalesce() / self.comm.world_size
+        shares = [(slot.name, slot.numel) for slot in plan.slots]  # one slot: DDP buckets a sparse gradient alone
+        before = self.stats.wire_bytes
+        fut = self.comm.all_reduce(scaled, async_op=True, shares=shares)
+        sent = self.stats.wire_bytes - before
+        self.stats.dense_bytes += sent
+        for slot in plan.slots:
+            layer = self.stats.layer(slot.name)
+            layer.numel, layer.compressed, layer.param = slot.numel, False, None
+            layer.dense_bytes += sent * slot.numel / plan.numel
+
+        def decide(done: Future) -> Tensor:  # on the thread that completes, never the training thread
+            total = done.value()
+            if bool(nonfinite_flag(total._values())):
+                self.stats.nonfinite_steps += 1
+                if self.nonfinite == "zero":
+                    total._values().zero_()
+            return total
+
+        return then_same_numerics(fut, decide, self.stats)
 
     def _reduce_dense(self, plan: BucketPlan, buf: Tensor, comm: Comm) -> Future:
         """DDP's default: scale by ``1 / W``, then one async all-reduce of the whole bucket over ``comm`` (all W)."""

@@ -316,7 +316,6 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         if self._hook is None:
             assert self.lightning_module is not None
-            _check_dense_gradients(self.lightning_module)
             names = {id(p): n for n, p in self.lightning_module.named_parameters()}
             stats = CommStats()
             hierarchy = None
@@ -491,36 +490,6 @@ def _check_hierarchy_combination(
             f"averages statistics of every layer over all ranks; use hierarchy=None"
         )
     return hierarchy
-
-
-def sparse_gradient_modules(module: torch.nn.Module) -> list[str]:
-    """Names of the submodules of ``module`` that produce sparse gradients: ``nn.Embedding`` / ``nn.EmbeddingBag``
-    with ``sparse=True`` and a trainable weight.
-
-    Example::
-
-        >>> sparse_gradient_modules(torch.nn.ModuleDict({"a": torch.nn.Embedding(9, 2, sparse=True),
-        ...                                                "b": torch.nn.Embedding(9, 2)}))
-        ['a']
-    """
-    kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
-    return [
-        name
-        for name, sub in module.named_modules()
-        if isinstance(sub, kinds) and sub.sparse and sub.weight.requires_grad
-    ]
-
-
-def _check_dense_gradients(module: torch.nn.Module) -> None:
-    """Refuse a model with sparse gradients: DDP hands them to the communication hook as sparse buckets, and the
-    compressors read dense ones only."""
-    names = sparse_gradient_modules(module)
-    if names:
-        raise ValueError(
-            f"GradCompStrategy cannot compress sparse gradients: {', '.join(map(repr, names))} (an embedding with "
-            f"sparse=True) produces them, and DDP hands them to a communication hook as sparse buckets, which no "
-            f"compressor reads; build it with sparse=False, or train this model with DDPStrategy"
-        )
 
 
 def _check_hierarchy_callbacks(callbacks: list[Callback]) -> None:

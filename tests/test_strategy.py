@@ -19,7 +19,7 @@ from lightning_gradcomp.comm import Comm, all_gather_bytes, all_reduce_bytes
 from lightning_gradcomp.compressors import (CLTK, DIANA, QSGD, Cast, Compressor, NoCompression, PowerSGD, RandomK,
                                             SignSGD, TernGrad, TopK)
 from lightning_gradcomp.functional import kept_count
-from lightning_gradcomp.strategy import CHECKPOINT_KEY, sparse_gradient_modules
+from lightning_gradcomp.strategy import CHECKPOINT_KEY
 
 COMPRESSORS = {
     "none": lambda: NoCompression(),
@@ -144,12 +144,39 @@ def test_find_unused_parameters(tmp_path: Path) -> None:
     assert_replicas_identical(records)
 
 
-def test_sparse_gradients_are_refused_at_setup_naming_the_module(tmp_path: Path) -> None:
-    with pytest.raises(Exception, match=r"cannot compress sparse gradients: 'embed' \(an embedding with sparse=True\)"):
-        fit(strategy(TopK(0.05)), tmp_path, max_epochs=1, model=SparseEmbeddingNet())
-    assert sparse_gradient_modules(SparseEmbeddingNet()) == ["embed"]
-    assert sparse_gradient_modules(SparseEmbeddingNet(sparse=False)) == []
-    assert sparse_gradient_modules(SparseEmbeddingNet(frozen=True)) == []  # no gradient at all
+@pytest.mark.parametrize("nonfinite", ["zero", "dense"])
+def test_sparse_embedding_gradients_train_next_to_compressed_layers(tmp_path: Path, nonfinite: str) -> None:
+    """``nn.Embedding(sparse=True)``: its sparse gradient is reduced as DDP reduces it, the dense layers are
+    compressed; rank 1's NaN in it at step 3 is seen on every rank's sum alike: zeroed (``"zero"``), or passed on as
+    DDP would (``"dense"``: the embedding becomes NaN on every rank, the same bits, and so do later gradients)."""
+    records = fit(
+        strategy(TopK(0.05), nonfinite=nonfinite), tmp_path, max_epochs=2, model=SparseEmbeddingNet(poison_step=3)
+    )
+    for rec in records[1:]:  # the same bits on every rank after every step (NaN included: compared as integers)
+        pairs = zip(records[0]["params"], rec["params"], strict=True)
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in pairs)
+    embedding = SparseEmbeddingNet().embed.weight.numel()  # its weight is the model's last parameter
+    for rec in records:
+        stats = rec["stats"]
+        assert stats["compressed_steps"] == stats["steps"] - 2 and stats["wire_bytes"] < stats["dense_bytes"]
+        last = rec["params"][-1]
+        if nonfinite == "zero":
+            assert stats["nonfinite_steps"] == 1  # the sparse bucket of step 3, on every rank
+            assert bool(torch.isfinite(last).all())
+        else:  # the NaN embedding then poisons every later step's gradients, as with DDP
+            assert stats["nonfinite_steps"] > 1 and not bool(torch.isfinite(last[-embedding:]).all())
+
+
+def test_sparse_embedding_gradients_resume_exactly(tmp_path: Path) -> None:
+    def run(out: Path, epochs: int, **options: Any) -> list[dict[str, Any]]:
+        model = SparseEmbeddingNet()
+        return fit(strategy(TopK(0.05)), out, model=model, max_epochs=epochs, **options)
+
+    straight = run(tmp_path / "straight", 4)
+    ckpt_dir = tmp_path / "ckpt"
+    run(tmp_path / "first", 2, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True)], enable_checkpointing=True)
+    resumed = run(tmp_path / "resumed", 4, ckpt_path=str(ckpt_dir / "last.ckpt"))
+    assert_resume_matches(straight, resumed)
 
 
 def test_frozen_layers_are_left_out(tmp_path: Path) -> None:
