@@ -1,9 +1,11 @@
 """gloo's framing bytes per collective, from interface counters on an emulated link (Linux, root).
 
-Runs W ranks in network namespaces (``lightning_gradcomp.bench.netem.EmulatedLink``), issues many all-reduces
-and broadcasts of several sizes, and compares the TCP payload each rank's veth sent (tx bytes minus one
-Ethernet/IPv4/TCP header per packet) with the formulas of ``lightning_gradcomp.comm``. The difference is what
-gloo adds per collective (message headers, notifications), which our byte accounting leaves out:
+Runs W ranks in network namespaces (``lightning_gradcomp.bench.netem.EmulatedLink``), issues many all-reduces,
+broadcasts and sparse all-reduces (a sparse gradient's: ``size / 16`` rows of 16 fp32, other rows on each rank) of
+several sizes, and compares the TCP payload each rank's veth sent (tx bytes minus one Ethernet/IPv4/TCP header per
+packet) with the formulas of ``lightning_gradcomp.comm``. The difference is what gloo adds per collective (message
+headers, notifications; for the sparse all-reduce, the sizes it gathers first), which our byte accounting leaves
+out:
 
     python benchmarks/gloo_framing.py --world-size 2
     python benchmarks/gloo_framing.py --world-size 4
@@ -39,7 +41,14 @@ def rank_main(repeats: int) -> None:
     out = {}
     for size in SIZES:
         t = torch.zeros(size)
-        for kind, op in (("all_reduce", lambda: dist.all_reduce(t)), ("broadcast", lambda: dist.broadcast(t, 0))):
+        rows = torch.randperm(size, generator=torch.Generator().manual_seed(dist.get_rank()))[: size // 16]
+        sparse = torch.sparse_coo_tensor(rows[None], torch.ones(size // 16, 16), (size, 16)).coalesce()
+        ops = (
+            ("all_reduce", lambda: dist.all_reduce(t)),
+            ("broadcast", lambda: dist.broadcast(t, 0)),
+            ("sparse_all_reduce", lambda: dist.all_reduce(sparse.clone())),
+        )
+        for kind, op in ops:
             op()
             dist.barrier()
             start = payload()
@@ -68,7 +77,13 @@ def main() -> int:
         return 0
     from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address
     from lightning_gradcomp.bench.runner import free_port
-    from lightning_gradcomp.comm import all_reduce_bytes, broadcast_bytes
+    from lightning_gradcomp.comm import all_gather_bytes, all_reduce_bytes, broadcast_bytes
+
+    formulas = {
+        "all_reduce": lambda size: all_reduce_bytes(4 * size, world),
+        "broadcast": lambda size: broadcast_bytes(4 * size, world),
+        "sparse_all_reduce": lambda size: all_gather_bytes(size // 16 * (8 + 16 * 4), world),  # sparse_payload_bytes
+    }
 
     ok, why = can_emulate()
     if not ok:
@@ -85,14 +100,13 @@ def main() -> int:
         outputs = [p.communicate()[0] for p in procs]
     per_rank = json.loads(outputs[0].strip().splitlines()[-1])
     print(f"W={world}: TCP payload per rank and collective (mean over ranks) vs our formula")
-    print("| collective | payload bytes | measured | formula | gloo framing |")
+    print("| collective | fp32 elements | measured | formula | gloo framing |")
     print("|---|---|---|---|---|")
     for key in per_rank[0]:
         kind, size = key.split(":")
-        nbytes = 4 * int(size)
-        formula = (all_reduce_bytes if kind == "all_reduce" else broadcast_bytes)(nbytes, world)
+        formula = formulas[kind](int(size))
         measured = statistics.mean(r[key] for r in per_rank)
-        print(f"| {kind} | {nbytes:,} | {measured:,.0f} | {formula:,.0f} | {measured - formula:,.0f} |")
+        print(f"| {kind} | {int(size):,} | {measured:,.0f} | {formula:,.0f} | {measured - formula:,.0f} |")
     return 0
 
 

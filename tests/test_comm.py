@@ -13,7 +13,7 @@ import torch
 from helpers.distributed import run_workers
 from lightning_gradcomp.comm import (Comm, CommStats, LayerStats, all_gather_bytes, all_reduce_bytes,
                                      all_to_all_bytes, broadcast_bytes, compression_ratio, p2p_bytes,
-                                     then_same_numerics)
+                                     sparse_payload_bytes, then_same_numerics)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
@@ -123,6 +123,28 @@ def test_comm_counts_match_formulas(world: int) -> None:
             assert res["recv"].tolist() == [float(rank ^ 1)] * 3
         assert res["wire"] == pytest.approx(expected + (12 if has_peer else 0))
         assert res["n"] == 6 + int(has_peer)
+
+
+def _sparse_sum(rank: int, world: int) -> dict:
+    """Each rank's rows ``rank .. rank + 2`` of a 10 x 3 table hold ``rank + 1`` (a sparse gradient's shape)."""
+    comm = Comm()
+    rows = torch.arange(rank, rank + 3)
+    grad = torch.sparse_coo_tensor(rows[None], torch.full((3, 3), float(rank + 1)), (10, 3)).coalesce()
+    payload = sparse_payload_bytes(grad)
+    summed = comm.all_reduce(grad, async_op=True).wait()
+    return {"sum": summed.to_dense(), "payload": payload, "wire": comm.stats.wire_bytes}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_sparse_all_reduce_sums_and_counts_an_all_gather_of_indices_and_values(world: int) -> None:
+    results = run_workers(_sparse_sum, world)
+    expected = torch.zeros(10, 3)
+    for rank in range(world):
+        expected[rank : rank + 3] += rank + 1
+    for res in results:
+        assert torch.equal(res["sum"], expected)
+        assert res["payload"] == 3 * 8 + 9 * 4  # 3 int64 row indices, 9 fp32 values
+        assert res["wire"] == all_gather_bytes(res["payload"], world)
 
 
 def _failing_gather(rank: int, world: int) -> str:
