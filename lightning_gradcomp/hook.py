@@ -325,11 +325,12 @@ class GradCompHook:
 
     def _reduce_sparse(self, plan: BucketPlan, buf: Tensor) -> Future:
         """A sparse gradient (``nn.Embedding(sparse=True)``: DDP gives it a bucket of its own), reduced as DDP reduces
-        it: the coalesced COO tensor divided by W, one sparse all-reduce over all ranks, with or without a hierarchy
+        it: the COO tensor divided by W entry by entry, then coalesced (dividing the summed duplicates instead rounds
+        differently at W = 3), one sparse all-reduce over all ranks, with or without a hierarchy
         (the dense-equivalent bytes are the same bytes). Never compressed, so no state to spare from a NaN/Inf: the
         decision is made on the sum, the same bits on every rank (no flag collective), as :meth:`_checked` does:
         counted, and with ``nonfinite="zero"`` the gradient's values become zero."""
-        scaled = buf.coalesce() / self.comm.world_size
+        scaled = (buf / self.comm.world_size).coalesce()  # as DDP: each entry divided, then duplicates summed
         shares = [(slot.name, slot.numel) for slot in plan.slots]  # one slot: DDP buckets a sparse gradient alone
         before = self.stats.wire_bytes
         fut = self.comm.all_reduce(scaled, async_op=True, shares=shares)

@@ -18,30 +18,33 @@ from lightning_gradcomp.comm import Comm, all_gather_bytes
 from lightning_gradcomp.compressors import registry
 from lightning_gradcomp.hook import gradcomp_comm_hook
 
-VOCAB, DIM, BATCH, STEPS = 60, 8, 6, 5
+VOCAB, DIM, BATCH, STEPS = 12, 8, 6, 5
+"""A small vocabulary: each batch's 24 tokens repeat rows, so the uncoalesced gradient holds duplicates."""
 
 
 class _Tagger(nn.Module):
-    """A sparse embedding feeding two dense layers."""
+    """A sparse embedding (``nn.Embedding`` or, with ``bag``, ``nn.EmbeddingBag``) feeding two dense layers."""
 
-    def __init__(self) -> None:
+    def __init__(self, bag: bool) -> None:
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM, sparse=True)
+        self.emb = nn.EmbeddingBag(VOCAB, DIM, sparse=True) if bag else nn.Embedding(VOCAB, DIM, sparse=True)
+        self.bag = bag
         self.hidden = nn.Linear(DIM, 48)
         self.out = nn.Linear(48, 3)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.out(self.hidden(self.emb(tokens).mean(1)).tanh())
+        pooled = self.emb(tokens) if self.bag else self.emb(tokens).mean(1)
+        return self.out(self.hidden(pooled).tanh())
 
 
-def _train(rank: int, world: int, names: list[str]) -> dict[str, Any]:
+def _train(rank: int, world: int, names: list[str], dtype: torch.dtype, bag: bool) -> dict[str, Any]:
     """Per compressor name (``"ddp"``: no hook), the final parameters and the stats of the embedding layer; and the
     bytes the formula gives for the embedding (per step, this rank's distinct tokens: its nnz rows)."""
     out: dict[str, Any] = {}
     payload = 0
     for name in names:
         torch.manual_seed(0)
-        model = _Tagger()
+        model = _Tagger(bag).to(dtype)
         ddp = DistributedDataParallel(model, bucket_cap_mb=0.001)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         hook = None
@@ -55,8 +58,8 @@ def _train(rank: int, world: int, names: list[str]) -> dict[str, Any]:
         for _ in range(STEPS):
             optimizer.zero_grad()
             tokens = torch.randint(VOCAB, (BATCH, 4), generator=data)
-            payload += tokens.unique().numel() * (8 + DIM * 4)  # one int64 index and DIM fp32 values per row
-            ddp(tokens).square().mean().backward()
+            payload += tokens.unique().numel() * (8 + DIM * dtype.itemsize)  # an int64 index and DIM values per row
+            ddp(tokens).float().square().mean().backward()
             assert model.emb.weight.grad is not None and model.emb.weight.grad.is_sparse
             optimizer.step()
         out[name] = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}}
@@ -70,10 +73,17 @@ def _train(rank: int, world: int, names: list[str]) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_sparse_gradients_are_reduced_as_ddp_does_next_to_every_compressor(world: int) -> None:
+@pytest.mark.parametrize(
+    ("world", "dtype", "bag"),
+    [(2, torch.float32, False), (3, torch.float32, False), (3, torch.float32, True), (3, torch.bfloat16, False)],
+)
+def test_sparse_gradients_are_reduced_as_ddp_does_next_to_every_compressor(
+    world: int, dtype: torch.dtype, bag: bool
+) -> None:
+    """At W = 3 each duplicate entry must be divided by W before the duplicates are summed, as DDP does: the other
+    order rounds differently."""
     names = ["ddp", *registry.list()]
-    results = run_workers(_train, world, names)
+    results = run_workers(_train, world, names, dtype, bag)
     for name in names:
         finals = [r[name]["params"] for r in results]
         for key, value in finals[0].items():
