@@ -116,7 +116,8 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             same bytes) lattice rounding.
         gossip_buffers: gossip floating-point buffers (BatchNorm running statistics) with the parameters,
             so every model's statistics follow its averaged weights.
-        exchange_timeout: seconds after which an async exchange with a silent partner fails (dead partner).
+        exchange_timeout: seconds after which an async exchange with a silent partner fails (dead partner), at
+            least 1e-6 (a microsecond, the unit of the process group's timeout).
         timeout: process-group timeout, a ``timedelta`` or seconds (> 0); ``None`` uses PyTorch's backend
             default. Default :data:`~lightning_gradcomp.distributed.DEFAULT_TIMEOUT` (10 minutes), as for
             :class:`~lightning_gradcomp.GradCompStrategy`.
@@ -187,8 +188,8 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             raise ValueError("`replay` reproduces an asynchronous run: it needs mode='async'")
         self.replay = _check_replay(replay)
         self.gossip_buffers = check_bool("gossip_buffers", gossip_buffers)
-        self.exchange_timeout = float(
-            check_number("exchange_timeout", exchange_timeout, 0, float("inf"), high_open=True)
+        self.exchange_timeout = float(  # a timedelta holds whole microseconds: less would round to no timeout
+            check_number("exchange_timeout", exchange_timeout, 1e-6, float("inf"), low_open=False, high_open=True)
         )
         super().__init__(
             accelerator=accelerator,
