@@ -111,7 +111,7 @@ TABLE = [
                                                     r"got torch.float32"),
     # callbacks
     Bad(LGreCo, {"period": 0}, ValueError, r"`period` must be in \[1, inf\), got 0", "layerwise"),
-    Bad(LGreCo, {"period": 5, "accumulate_steps": 6}, ValueError, r"`accumulate_steps` must be in \[1, 5\], got 6",
+    Bad(LGreCo, {"period": 5, "accumulate_steps": 6}, ValueError, r"`accumulate_steps` must be in \[1, period = 5\], got 6",
         "layerwise"),
     Bad(LGreCo, {"alpha": 0}, ValueError, r"`alpha` must be in \(0.0, inf\), got 0", "callback"),
     Bad(LGreCo, {"error": "max"}, ValueError, r"`error` must be 'norm', 'squared' or 'feedback', got 'max'", "callback"),
@@ -135,7 +135,7 @@ TABLE = [
     Bad(SwarmStrategy, {"lattice_margin": 0.5}, ValueError, r"`lattice_margin` must be a finite number >= 1, got 0.5",
         "strategy"),
     Bad(SwarmStrategy, {"lattice_margin": INF}, ValueError, r"`lattice_margin` must be a finite number >= 1, got inf"),
-    Bad(SwarmStrategy, {"exchange_timeout": INF}, ValueError, r"`exchange_timeout` must be in \(0, inf\), got inf"),
+    Bad(SwarmStrategy, {"exchange_timeout": INF}, ValueError, r"`exchange_timeout` must be in \[1e-06, inf\), got inf"),
     # a layer-wise tuner with nothing to tune
     Bad(GradCompStrategy, {"compressor": Cast(), "layerwise": LGreCo()}, ValueError, r"`layerwise` tunes per-layer "
         r"compression parameters, but Cast is not tunable: it has no per-layer parameter"),
