@@ -54,9 +54,11 @@ def check_number(
     low_open: bool = True,
     high_open: bool = False,
     integer: bool = False,
+    high_name: Optional[str] = None,
 ) -> Any:
     """Validate a numeric argument against ``(low, high]`` (``low_open``, ``high_open`` choose the brackets) and
-    return it unchanged.
+    return it unchanged. ``high_name``: the other argument ``high`` comes from, named in the message
+    (``[1, period = 5]``).
 
     Raises:
         TypeError: ``value`` is not a number (or not an integer when ``integer``); the message names ``name``.
@@ -69,18 +71,20 @@ def check_number(
     if not (above and below):
         closed = not high_open and not (integer and math.isinf(high))  # no integer is infinite: [1, inf)
         brackets = ("(" if low_open else "[", "]" if closed else ")")
-        raise ValueError(f"`{name}` must be in {brackets[0]}{low}, {high}{brackets[1]}, got {value!r}")
+        upper = high if high_name is None else f"{high_name} = {high}"
+        raise ValueError(f"`{name}` must be in {brackets[0]}{low}, {upper}{brackets[1]}, got {value!r}")
     return value
 
 
-def check_int(name: str, value: Any, low: int, high: float = math.inf) -> int:
-    """Validate an integer argument in ``[low, high]`` (``high`` may be ``inf``) and return it.
+def check_int(name: str, value: Any, low: int, high: float = math.inf, *, high_name: Optional[str] = None) -> int:
+    """Validate an integer argument in ``[low, high]`` (``high`` may be ``inf``; ``high_name`` as in
+    :func:`check_number`) and return it.
 
     Raises:
         TypeError: ``value`` is not an ``int`` (a ``bool`` or an integral ``float`` neither).
         ValueError: ``value`` is outside the range; the message names ``name`` and the range.
     """
-    return int(check_number(name, value, low, high, low_open=False, integer=True))
+    return int(check_number(name, value, low, high, low_open=False, integer=True, high_name=high_name))
 
 
 def check_bool(name: str, value: Any) -> bool:

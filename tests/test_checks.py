@@ -79,6 +79,8 @@ def test_check_int_rejects(value: Any, error: type, match: str) -> None:
 def test_check_int_names_a_finite_upper_bound() -> None:
     with pytest.raises(ValueError, match=r"`accumulate_steps` must be in \[1, 5\], got 6"):
         check_int("accumulate_steps", 6, 1, 5)
+    with pytest.raises(ValueError, match=r"`accumulate_steps` must be in \[1, period = 5\], got 6"):
+        check_int("accumulate_steps", 6, 1, 5, high_name="period")  # a bound set by another argument
 
 
 # ---------------------------------------------------------------------------------------------- check_bool

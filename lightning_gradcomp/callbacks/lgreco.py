@@ -173,13 +173,7 @@ class LGreCo(Callback):
         inf = float("inf")
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 1)
-        check_int("accumulate_steps", accumulate_steps, 1)
-        if accumulate_steps > self.period:  # the statistic of one adjustment cannot span more than its period
-            raise ValueError(
-                f"`accumulate_steps` must be in [1, period = {self.period}], got {accumulate_steps!r} "
-                f"(lower it, or raise `period`)"
-            )
-        self.accumulate_steps = int(accumulate_steps)
+        self.accumulate_steps = check_int("accumulate_steps", accumulate_steps, 1, self.period, high_name="period")
         self.alpha = float(check_number("alpha", alpha, 0.0, inf, high_open=True))
         if candidates is not None:
             if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence) or not candidates:
