@@ -18,18 +18,19 @@ from lightning_gradcomp.comm import Comm, all_gather_bytes
 from lightning_gradcomp.compressors import registry
 from lightning_gradcomp.hook import gradcomp_comm_hook
 
-VOCAB, DIM, BATCH, STEPS = 12, 8, 6, 5
-"""A small vocabulary: each batch's 24 tokens repeat rows, so the uncoalesced gradient holds duplicates."""
+BATCH, STEPS = 6, 5
+"""Each batch has 24 tokens: with the small vocabularies below they repeat rows, so the uncoalesced gradient holds
+duplicates."""
 
 
 class _Tagger(nn.Module):
     """A sparse embedding (``nn.Embedding`` or, with ``bag``, ``nn.EmbeddingBag``) feeding two dense layers."""
 
-    def __init__(self, bag: bool) -> None:
+    def __init__(self, bag: bool, vocab: int, dim: int) -> None:
         super().__init__()
-        self.emb = nn.EmbeddingBag(VOCAB, DIM, sparse=True) if bag else nn.Embedding(VOCAB, DIM, sparse=True)
+        self.emb = nn.EmbeddingBag(vocab, dim, sparse=True) if bag else nn.Embedding(vocab, dim, sparse=True)
         self.bag = bag
-        self.hidden = nn.Linear(DIM, 48)
+        self.hidden = nn.Linear(dim, 48)
         self.out = nn.Linear(48, 3)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -37,14 +38,16 @@ class _Tagger(nn.Module):
         return self.out(self.hidden(pooled).tanh())
 
 
-def _train(rank: int, world: int, names: list[str], dtype: torch.dtype, bag: bool) -> dict[str, Any]:
+def _train(
+    rank: int, world: int, names: list[str], dtype: torch.dtype, bag: bool, vocab: int, dim: int
+) -> dict[str, Any]:
     """Per compressor name (``"ddp"``: no hook), the final parameters and the stats of the embedding layer; and the
     bytes the formula gives for the embedding (per step, this rank's distinct tokens: its nnz rows)."""
     out: dict[str, Any] = {}
     payload = 0
     for name in names:
         torch.manual_seed(0)
-        model = _Tagger(bag).to(dtype)
+        model = _Tagger(bag, vocab, dim).to(dtype)
         ddp = DistributedDataParallel(model, bucket_cap_mb=0.001)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         hook = None
@@ -57,8 +60,8 @@ def _train(rank: int, world: int, names: list[str], dtype: torch.dtype, bag: boo
         payload = 0
         for _ in range(STEPS):
             optimizer.zero_grad()
-            tokens = torch.randint(VOCAB, (BATCH, 4), generator=data)
-            payload += tokens.unique().numel() * (8 + DIM * dtype.itemsize)  # an int64 index and DIM values per row
+            tokens = torch.randint(vocab, (BATCH, 4), generator=data)
+            payload += tokens.unique().numel() * (8 + dim * dtype.itemsize)  # an int64 index and dim values per row
             ddp(tokens).float().square().mean().backward()
             assert model.emb.weight.grad is not None and model.emb.weight.grad.is_sparse
             optimizer.step()
@@ -74,16 +77,23 @@ def _train(rank: int, world: int, names: list[str], dtype: torch.dtype, bag: boo
 
 
 @pytest.mark.parametrize(
-    ("world", "dtype", "bag"),
-    [(2, torch.float32, False), (3, torch.float32, False), (3, torch.float32, True), (3, torch.bfloat16, False)],
+    ("world", "dtype", "bag", "vocab", "dim"),
+    [
+        (2, torch.float32, False, 12, 8),
+        (3, torch.float32, False, 12, 8),
+        (3, torch.float32, True, 12, 8),
+        (3, torch.bfloat16, False, 12, 8),
+        (4, torch.float32, True, 7, 13),  # odd and prime sizes
+        (5, torch.bfloat16, False, 31, 1),
+    ],
 )
 def test_sparse_gradients_are_reduced_as_ddp_does_next_to_every_compressor(
-    world: int, dtype: torch.dtype, bag: bool
+    world: int, dtype: torch.dtype, bag: bool, vocab: int, dim: int
 ) -> None:
     """At W = 3 each duplicate entry must be divided by W before the duplicates are summed, as DDP does: the other
     order rounds differently."""
     names = ["ddp", *registry.list()]
-    results = run_workers(_train, world, names, dtype, bag)
+    results = run_workers(_train, world, names, dtype, bag, vocab, dim)
     for name in names:
         finals = [r[name]["params"] for r in results]
         for key, value in finals[0].items():
