@@ -344,12 +344,19 @@ class GradCompHook:
         def decide(done: Future) -> Tensor:  # on the thread that completes, never the training thread
             total = done.value()
             if bool(nonfinite_flag(total._values())):
-                self.stats.nonfinite_steps += 1
-                if self.nonfinite == "zero":
-                    total._values().zero_()
+                self._nonfinite_event(total._values())
             return total
 
         return then_same_numerics(fut, decide, self.stats)
+
+    def _nonfinite_event(self, values: Tensor) -> bool:
+        """Count a bucket found holding NaN/Inf on some rank and, under ``nonfinite="zero"``, zero ``values`` (the
+        bucket, or a sparse gradient's stored values); whether it zeroed them."""
+        self.stats.nonfinite_steps += 1
+        if self.nonfinite == "zero":
+            values.zero_()
+            return True
+        return False
 
     def _reduce_dense(self, plan: BucketPlan, buf: Tensor, comm: Comm) -> Future:
         """DDP's default: scale by ``1 / W``, then one async all-reduce of the whole bucket over ``comm`` (all W)."""
@@ -517,9 +524,7 @@ class GradCompHook:
             else:
                 bad = ctx.result_nonfinite or (head is not None and nonfinite(head.value()))
             if bad:
-                self.stats.nonfinite_steps += 1
-                if self.nonfinite == "zero":
-                    buf.zero_()
+                self._nonfinite_event(buf)
             return buf
 
         parts = [done] if head is None else [head, done]
@@ -590,9 +595,7 @@ class GradCompHook:
         ``cleared``: the compensations ``p`` of ``comp`` (divided by ``divisor``) whose gradients the compensation
         pass zeroed; the dense reduction sends the gradients recovered from them (:meth:`ErrorFeedback.recover`:
         NaN/Inf where the gradient had them, the rest within rounding)."""
-        self.stats.nonfinite_steps += 1
-        if self.nonfinite == "zero":
-            buf.zero_()
+        if self._nonfinite_event(buf):
             return completed_future(buf)
         if not comp:  # a hierarchy rank owning no compressed slot of this bucket
             return completed_future(buf)
