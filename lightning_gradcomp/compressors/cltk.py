@@ -20,7 +20,8 @@ Wire options:
 * ``value_dtype``: fp32 (default), fp16 or bf16 values; 16-bit values are divided by W before the
   cast and saturated (:func:`~.sparse.saturated_wire_values`: no overflow in the 16-bit sum), and the cast's rounding
   and the part clamped off stay in the residual.
-* ``index_coding``: ``"int32"`` (default), or ``"delta16"``: the sorted indices of a layer as uint16
+* ``index_coding``: ``"int32"`` (default; a layer of more than ``2**31`` elements sends each index as two int32
+  words, its low and high halves: 8 bytes), or ``"delta16"``: the sorted indices of a layer as uint16
   gaps, where code 0 means "advance 65535 without keeping" (so any gap fits). A layer of ``n``
   elements uses ``k + (n - 1) // 65535`` codes, a fixed size all ranks know: about half the index bytes.
 * ``selection``: ``"exact"`` (``torch.topk``) or ``"approx"`` (sampled threshold,
@@ -52,8 +53,11 @@ from lightning_gradcomp.compressors.sparse import (
 from lightning_gradcomp.functional.selection import approx_topk_indices, exact_topk_indices, prepare_native
 from lightning_gradcomp.functional.sparsify import (
     decode_delta16,
+    decode_int32_indices,
     delta16_capacity,
     encode_delta16,
+    encode_int32_indices,
+    int32_index_words,
     kept_count,
     packed_positions,
     scatter_dense,
@@ -79,7 +83,8 @@ class CLTK(SparseCompressor):
         ratio: fraction of each layer's elements kept, in (0, 1] (per layer via ``set_layer_params``).
         selection: ``"exact"`` (``torch.topk``) or ``"approx"`` (sampled threshold, 0.9k..k kept).
         value_dtype: wire dtype of the values (fp32, fp16 or bf16).
-        index_coding: ``"int32"`` or ``"delta16"`` (uint16 gaps, about half the index bytes).
+        index_coding: ``"int32"`` (two words per index in a layer of more than ``2**31`` elements) or ``"delta16"``
+            (uint16 gaps, about half the index bytes).
         spread_leaders: offset the leader by the bucket index (spreads top-k work over ranks; not
             resume-exact with several buckets). Default: the paper's ``step mod W``.
     """
@@ -100,8 +105,8 @@ class CLTK(SparseCompressor):
         self.index_coding = check_index_coding(index_coding)
 
     def index_slots(self, numel: int, k: int) -> int:
-        """Index entries on the wire for a layer of ``numel`` elements keeping ``k``."""
-        return delta16_capacity(numel, k) if self.index_coding == "delta16" else k
+        """Index entries (uint16 or int32 words) on the wire for a layer of ``numel`` elements keeping ``k``."""
+        return delta16_capacity(numel, k) if self.index_coding == "delta16" else k * int32_index_words(numel)
 
     def prepare(self) -> None:
         """Build or load the compiled selection kernel (both selections use it on CPU) now, not in the first
@@ -135,13 +140,13 @@ class CLTK(SparseCompressor):
         device = tensors[0].device
         if ctx.rank == leader:
             chosen = [self._chosen(i, t, k, ctx) for i, (t, k) in enumerate(zip(tensors, ks))]
-            payload = pack_bytes([self._encode(idx, s) for idx, s in zip(chosen, slots)])
+            payload = pack_bytes([self._encode(idx, n, k, s) for idx, n, k, s in zip(chosen, numels, ks, slots)])
         else:
             nbytes = sum(slots) * torch.empty((), dtype=index_dtype).element_size()
             payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
         ctx.comm.broadcast(payload, leader, shares=ctx.shares(slots))
         codes = unpack_bytes(payload, [(index_dtype, s) for s in slots])
-        indices = [self._decode(c) for c in codes]
+        indices = [self._decode(c, n) for c, n in zip(codes, numels)]
 
         world = ctx.world_size
         counts = [idx.numel() for idx in indices]  # k, or fewer with the approximate selection
@@ -198,17 +203,17 @@ class CLTK(SparseCompressor):
         gen = ctx.generator(p.device, shared=True, salt=name)
         return approx_topk_indices(p, k, gen, band=_APPROX_BAND)
 
-    def _encode(self, indices: Tensor, slots: int) -> Tensor:
+    def _encode(self, indices: Tensor, numel: int, k: int, slots: int) -> Tensor:
+        """The leader's indices of a layer (``k`` or fewer) in its ``slots`` codes; int32 ones padded with -1."""
         if self.index_coding == "delta16":
             return encode_delta16(indices, slots)
-        out = torch.full((slots,), -1, dtype=torch.int32, device=indices.device)
-        out[: indices.numel()] = indices.to(torch.int32)
-        return out
+        return encode_int32_indices(indices, numel, capacity=k)
 
-    def _decode(self, codes: Tensor) -> Tensor:
+    def _decode(self, codes: Tensor, numel: int) -> Tensor:
         if self.index_coding == "delta16":
             return decode_delta16(codes)
-        return codes[codes >= 0].to(torch.int64)
+        indices = decode_int32_indices(codes, numel)
+        return indices[indices >= 0]
 
     def extra_repr(self) -> str:
         extra = "" if self.selection == "exact" else f", selection={self.selection!r}"

@@ -12,7 +12,7 @@ from torch import Tensor
 from lightning_gradcomp.checks import check_dtype, check_number
 from lightning_gradcomp.compressors.base import Compressor, storage_window
 from lightning_gradcomp.functional.layerwise import sparse_sizes, topk_errors
-from lightning_gradcomp.functional.sparsify import kept_count, repeated_offsets
+from lightning_gradcomp.functional.sparsify import int32_index_words, kept_count, repeated_offsets
 
 __all__ = [
     "INDEX_CODINGS",
@@ -148,10 +148,12 @@ class SparseCompressor(Compressor):
     def layer_costs(
         self, stat: Tensor, shape: Sequence[int], candidates: Sequence[Any]
     ) -> tuple[list[float], list[float]]:
-        """Bytes ``k (value bytes + 4)`` and top-``k`` errors (the norm outside the ``k`` largest ``|A_i|``), ``k``
-        the kept count of each ratio (see :meth:`Compressor.layer_costs`)."""
+        """Bytes ``k (value bytes + 4)`` (``+ 8`` above ``2**31`` elements: int64 positions) and top-``k`` errors (the
+        norm outside the ``k`` largest ``|A_i|``), ``k`` the kept count of each ratio (see
+        :meth:`Compressor.layer_costs`)."""
         ks = [kept_count(stat.numel(), r) for r in candidates]
-        return sparse_sizes(ks, self.value_dtype.itemsize), topk_errors(stat, ks)
+        index_bytes = 4 * int32_index_words(stat.numel())
+        return sparse_sizes(ks, self.value_dtype.itemsize, index_bytes), topk_errors(stat, ks)
 
     def extra_repr(self) -> str:
         extra = "" if self.value_dtype == torch.float32 else f", value_dtype={self.value_dtype}"

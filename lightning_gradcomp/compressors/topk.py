@@ -30,8 +30,11 @@ from lightning_gradcomp.functional.layerwise import topk_errors
 from lightning_gradcomp.functional.selection import exact_topk_indices, prepare_native
 from lightning_gradcomp.functional.sparsify import (
     decode_delta16_layers,
+    decode_int32_indices,
     delta16_capacity,
     encode_delta16_layers,
+    encode_int32_indices,
+    int32_index_words,
     kept_count,
 )
 from lightning_gradcomp.presets import register_preset
@@ -43,7 +46,8 @@ __all__ = ["TopK"]
 class TopK(SparseCompressor):
     """Local top-k with error feedback.
 
-    Wire bytes per rank: ``(W - 1) * sum_l (k_l * value bytes + index bytes)``, the index bytes ``4 k_l`` (int32) or
+    Wire bytes per rank: ``(W - 1) * sum_l (k_l * value bytes + index bytes)``, the index bytes ``4 k_l`` (int32;
+    ``8 k_l`` for a layer of more than ``2**31`` elements, whose positions need 64 bits) or
     ``2 * (k_l + (n_l - 1) // 65535)`` (delta16).
 
     Args:
@@ -51,7 +55,9 @@ class TopK(SparseCompressor):
         value_dtype: wire dtype of the kept values (fp32, fp16 or bf16; 16-bit values saturate just below the
             dtype's largest finite value instead of overflowing, the rest kept in the residual:
             :func:`~.sparse.saturated_wire_values`).
-        index_coding: ``"int32"`` or ``"delta16"``: each layer's sorted indices as uint16 gaps
+        index_coding: ``"int32"`` (two int32 words per index in a layer of more than ``2**31`` elements:
+            :func:`~lightning_gradcomp.functional.sparsify.int32_index_words`) or ``"delta16"``: each layer's sorted
+            indices as uint16 gaps
             (:func:`~lightning_gradcomp.functional.sparsify.encode_delta16`), about half the index bytes, a fixed size
             every rank knows (the all-gather's payloads stay equal).
     """
@@ -66,8 +72,8 @@ class TopK(SparseCompressor):
         self.index_coding = check_index_coding(index_coding)
 
     def index_slots(self, numel: int, k: int) -> int:
-        """Index entries on the wire for a layer of ``numel`` elements keeping ``k``."""
-        return delta16_capacity(numel, k) if self.index_coding == "delta16" else k
+        """Index entries (uint16 or int32 words) on the wire for a layer of ``numel`` elements keeping ``k``."""
+        return delta16_capacity(numel, k) if self.index_coding == "delta16" else k * int32_index_words(numel)
 
     def layer_costs(
         self, stat: Tensor, shape: Sequence[int], candidates: Sequence[Any]
@@ -108,7 +114,14 @@ class TopK(SparseCompressor):
         sent = saturated_wire_values(values, self.value_dtype)  # a 16-bit value never overflows to Inf
         delta16 = self.index_coding == "delta16"
         slots = [self.index_slots(t.numel(), k) for t, k in zip(tensors, ks)]
-        codes = encode_delta16_layers(indices, slots) if delta16 else local.to(torch.int32)
+        wide = not delta16 and any(s != k for s, k in zip(slots, ks))  # a layer of more than 2**31 elements
+        if delta16:
+            codes = encode_delta16_layers(indices, slots)
+        elif wide:
+            codes = torch.cat([encode_int32_indices(i, t.numel()) for i, t in zip(indices, tensors)])
+        else:
+            codes = local.to(torch.int32)
+        numels = [t.numel() for t in tensors]
         index_dtype = codes.dtype
         index_bytes = codes.element_size()
         nbytes = [k * sent.element_size() + s * index_bytes for k, s in zip(ks, slots)]
@@ -130,7 +143,12 @@ class TopK(SparseCompressor):
             for raw in f.value():  # rank order: identical summation on every rank
                 vals, received = unpack_bytes(raw, specs)
                 vals = vals.to(torch.float32)
-                idx = decode_delta16_layers(received, slots) if delta16 else received.long()
+                if delta16:
+                    idx = decode_delta16_layers(received, slots)
+                elif wide:
+                    idx = torch.cat([decode_int32_indices(c, n) for c, n in zip(received.split(slots), numels)])
+                else:
+                    idx = received.long()
                 if out_window is not None:
                     touched.append(idx.add_(out_window[1]))
                     out_window[0].index_add_(0, touched[-1], vals)

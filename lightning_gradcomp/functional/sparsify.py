@@ -16,9 +16,12 @@ from lightning_gradcomp.functional import _native
 __all__ = [
     "decode_delta16",
     "decode_delta16_layers",
+    "decode_int32_indices",
     "delta16_capacity",
     "encode_delta16",
     "encode_delta16_layers",
+    "encode_int32_indices",
+    "int32_index_words",
     "kept_count",
     "packed_positions",
     "repeated_offsets",
@@ -186,6 +189,55 @@ def scatter_dense(numel: int, indices: Tensor, values: Tensor, out: Optional[Ten
         out = torch.zeros(numel, dtype=torch.float32, device=values.device)
     out.index_add_(0, indices.long(), values.to(torch.float32))
     return out
+
+
+INT32_INDEX_LIMIT = 2**31
+"""Most elements a layer may have for each of its indices to travel as one int32 (positions up to ``2**31 - 1``)."""
+
+
+def int32_index_words(numel: int) -> int:
+    """int32 words per index of a ``numel``-element layer under the int32 index coding: 1, or 2 (the int64 index as its
+    low and high halves) above :data:`INT32_INDEX_LIMIT` elements, where one int32 cannot hold every position.
+
+    Example::
+
+        >>> int32_index_words(2**31), int32_index_words(2**31 + 1)
+        (1, 2)
+    """
+    return 1 if numel <= INT32_INDEX_LIMIT else 2
+
+
+def encode_int32_indices(indices: Tensor, numel: int, capacity: Optional[int] = None) -> Tensor:
+    """A ``numel``-element layer's int64 indices as int32 words (:func:`int32_index_words` per index), padded with
+    ``-1`` indices up to ``capacity`` indices (``None``: no padding).
+
+    Example::
+
+        >>> encode_int32_indices(torch.tensor([3, 2**32 + 5]), 2**33, capacity=3).tolist()
+        [3, 0, 5, 1, -1, -1]
+    """
+    count = indices.numel() if capacity is None else capacity
+    if int32_index_words(numel) == 1:
+        out = indices.to(torch.int32)
+        return out if count == indices.numel() else torch.cat([out, out.new_full((count - out.numel(),), -1)])
+    wide = torch.full((count,), -1, dtype=torch.int64, device=indices.device)
+    wide[: indices.numel()] = indices
+    low = ((wide & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000  # the low half as a signed 32-bit value
+    return torch.stack([low, wide >> 32], dim=1).reshape(-1).to(torch.int32)
+
+
+def decode_int32_indices(codes: Tensor, numel: int) -> Tensor:
+    """Inverse of :func:`encode_int32_indices`: the int64 indices, padding included (``-1``).
+
+    Example::
+
+        >>> decode_int32_indices(torch.tensor([3, 0, 5, 1, -1, -1], dtype=torch.int32), 2**33).tolist()
+        [3, 4294967301, -1]
+    """
+    if int32_index_words(numel) == 1:
+        return codes.to(torch.int64)
+    pairs = codes.to(torch.int64).reshape(-1, 2)
+    return (pairs[:, 0] & 0xFFFFFFFF) | (pairs[:, 1] << 32)
 
 
 DELTA16_ESCAPE = 65535
