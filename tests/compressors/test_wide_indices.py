@@ -18,6 +18,7 @@ from helpers.models import LayerSizesNet
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors import CLTK, TopK
+from lightning_gradcomp.compressors import cltk
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.functional import sparsify
 from lightning_gradcomp.functional.sparsify import (decode_int32_indices, encode_int32_indices, int32_index_words,
@@ -68,20 +69,50 @@ def test_index_bytes_of_a_wide_layer() -> None:
 
 # ---------------------------------------------------------------------------- the protocol, with a lowered limit
 LIMIT = 1000
-SHAPES = {  # 1000 elements: the boundary (narrow); 1001, 4097 and 2500: wide; the rest (and the conv) narrow
+SHAPES = {  # 1000 elements: the boundary (narrow); 1001, 4097, 2500 and 30000: wide; the rest (and the conv) narrow
     "v7": (7,), "m1000": (10, 100), "m1001": (7, 143), "v129": (129,), "m4097": (17, 241), "m2500": (50, 50),
+    "m30000": (100, 300),  # large enough for the approximate selection to sample
 }
 STEPS, START, BATCH = 5, 2, 4
+
+
+class _ShortCLTK(CLTK):
+    """CLT-k whose leader keeps one entry fewer than k in every layer of more than one, as the approximate selection
+    may (anywhere in its band, rarely on these layers): the wire then carries one padding index per layer."""
+
+    def _select(self, p: torch.Tensor, k: int, ctx: Any, name: str) -> torch.Tensor:
+        chosen = super()._select(p, k, ctx, name)
+        return chosen[1:] if chosen.numel() > 1 else chosen
+
+
 VARIANTS: dict[str, Callable[[], Compressor]] = {
     "topk": lambda: TopK(ratio=0.1),
     "topk-fp16": lambda: TopK(ratio=0.05, value_dtype=torch.float16),
     "cltk": lambda: CLTK(ratio=0.1),
-    "cltk-approx": lambda: CLTK(ratio=0.05, selection="approx"),  # fewer than k: padded indices on the wire
+    "cltk-approx": lambda: CLTK(ratio=0.01, selection="approx"),
+    "cltk-short": lambda: _ShortCLTK(ratio=0.1),  # fewer than k: padded indices on the wire
     "cltk-bf16-spread": lambda: CLTK(ratio=0.2, value_dtype=torch.bfloat16, spread_leaders=True),
 }
 
 
 def _train(rank: int, world: int, name: str) -> dict[str, Any]:
+    padded = []  # the padding entries each wide layer's decoded codes held
+    decode = sparsify.decode_int32_indices
+
+    def counting(codes: torch.Tensor, numel: int) -> torch.Tensor:
+        out = decode(codes, numel)
+        if int32_index_words(numel) == 2:
+            padded.append(int((out < 0).sum()))
+        return out
+
+    cltk.decode_int32_indices = counting
+    try:
+        return {**_fit(rank, name), "padded": sum(padded), "wide_decodes": len(padded)}
+    finally:
+        cltk.decode_int32_indices = decode
+
+
+def _fit(rank: int, name: str) -> dict[str, Any]:
     model = LayerSizesNet(SHAPES)
     strategy = GradCompStrategy(compressor=VARIANTS[name](), start_step=START, min_numel=1, compress_1d=True)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01, gradient_as_bucket_view=True)  # ~2500 floats/bucket
@@ -143,4 +174,8 @@ def test_wide_layers_train_exactly_as_narrow_ones(world: int) -> None:
             want = _extra_index_bytes(name, world, narrow[rank]["numels"])
             if extra != pytest.approx(want, rel=1e-12) or want <= 0:
                 problems.append(f"{name} W={world} rank {rank}: {extra} more bytes, expected {want}")
+            if name.startswith("cltk") and not wide[rank]["wide_decodes"]:
+                problems.append(f"{name} W={world} rank {rank}: no wide layer was decoded")
+        if name == "cltk-short" and not wide[0]["padded"]:
+            problems.append(f"{name} W={world}: no wide layer's slots were padded")
     assert not problems, "\n".join(problems)
