@@ -56,15 +56,19 @@ def test_narrow_layers_keep_one_word_per_index(numel: int) -> None:
     assert torch.equal(decode_int32_indices(codes, numel), indices)
 
 
-def test_index_bytes_of_a_wide_layer() -> None:
+def test_index_bytes_of_a_wide_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """The wire's index entries, and what L-GreCo is told a layer's ratio costs: 8 bytes per index above 2**31."""
     wide, narrow, k = 2**31 + 1, 2**31, 1000
     for comp in (TopK(), CLTK()):
         assert comp.index_slots(wide, k) == 2 * k and comp.index_slots(narrow, k) == k
     assert TopK(index_coding="delta16").index_slots(wide, k) == k + (wide - 1) // 65535  # gaps: any size
-    stat = torch.ones(10)
-    sizes_narrow, _ = TopK().layer_costs(stat, (10,), [0.5])
-    assert sizes_narrow == [5 * (4 + 4)]
+    stat = torch.arange(10.0)
+    assert TopK().layer_costs(stat, (10,), [0.5])[0] == CLTK().layer_costs(stat, (10,), [0.5])[0] == [5 * (4 + 4)]
+    monkeypatch.setattr(sparsify, "INT32_INDEX_LIMIT", 9)  # a 10-element layer is wide now
+    for comp in (TopK(), CLTK(), TopK(value_dtype=torch.float16)):
+        sizes, _ = comp.layer_costs(stat, (10,), [0.5, 0.2])
+        assert sizes == [k * (comp.value_dtype.itemsize + 8) for k in (5, 2)]
+    assert TopK(index_coding="delta16").layer_costs(stat, (10,), [0.5])[0] == [5 * (4 + 2)]
 
 
 # ---------------------------------------------------------------------------- the protocol, with a lowered limit
