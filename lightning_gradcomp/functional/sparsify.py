@@ -217,6 +217,8 @@ def encode_int32_indices(indices: Tensor, numel: int, capacity: Optional[int] = 
         [3, 0, 5, 1, -1, -1]
     """
     count = indices.numel() if capacity is None else capacity
+    if count < indices.numel():
+        raise ValueError(f"`capacity` must be at least the {indices.numel()} indices, got {capacity}")
     if int32_index_words(numel) == 1:
         out = indices.to(torch.int32)
         return out if count == indices.numel() else torch.cat([out, out.new_full((count - out.numel(),), -1)])

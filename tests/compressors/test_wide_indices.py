@@ -47,6 +47,12 @@ def test_padding_decodes_to_minus_one(numel: int, capacity: int) -> None:
     assert decode_int32_indices(codes, numel).tolist() == [0, numel - 1] + [-1] * (capacity - 2)
 
 
+@pytest.mark.parametrize("numel", [1000, 2**40])
+def test_a_capacity_below_the_count_is_refused(numel: int) -> None:
+    with pytest.raises(ValueError, match="`capacity` must be at least the 3 indices, got 2"):
+        encode_int32_indices(torch.tensor([0, 1, 2]), numel, capacity=2)
+
+
 @pytest.mark.parametrize("numel", [1, 1000, 2**31 - 1, 2**31])
 def test_narrow_layers_keep_one_word_per_index(numel: int) -> None:
     """Up to 2**31 elements (positions below 2**31) the codes are the plain int32 values, as before."""
