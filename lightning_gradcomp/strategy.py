@@ -165,6 +165,8 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         kwargs["gradient_as_bucket_view"] = check_bool(
             "gradient_as_bucket_view", True if gradient_as_bucket_view is None else gradient_as_bucket_view
         )
+        if not kwargs["gradient_as_bucket_view"] and kwargs.get("find_unused_parameters"):
+            _warn_unused_without_views(self.compressor)
         super().__init__(timeout=check_timeout(timeout), **kwargs)
         self._hook: Optional[GradCompHook] = None
         self._pending: Optional[tuple[dict[str, Any], bool]] = None
@@ -469,6 +471,21 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             register_presets(strategy_registry, cls, declared_for=GradCompStrategy)
             return
         register_presets(strategy_registry, cls)
+
+
+def _warn_unused_without_views(compressor: Compressor) -> None:
+    """Warn that a stateful compressor under ``gradient_as_bucket_view=False`` and ``find_unused_parameters=True``
+    needs ``zero_grad(set_to_none=True)``: DDP leaves the ``.grad`` of a parameter unused on every rank untouched,
+    so with an old (zeroed) ``.grad`` the optimizer steps it and the state staged for it is committed, although
+    what the hook sent for it never reached the ``.grad``."""
+    if compressor.uses_error_feedback or compressor._staged_stores():
+        rank_zero_warn(
+            f"GradCompStrategy: {type(compressor).__name__} keeps state, and with gradient_as_bucket_view=False and "
+            "find_unused_parameters=True DDP leaves the .grad of a parameter unused on every rank as it was. Keep "
+            "optimizer.zero_grad() at set_to_none=True (its default): with set_to_none=False what the compressor "
+            "sent for such a parameter in that step is lost. gradient_as_bucket_view=True (this strategy's default) "
+            "has no such limit"
+        )
 
 
 def _check_hierarchy_combination(

@@ -189,3 +189,98 @@ def test_parameter_unused_on_every_rank_keeps_its_memory(tmp_path: Path, name: s
             assert torch.equal(memories[i], memories[i - 1]), f"batch {i} changed the unused layer's memory"
     assert any(not torch.equal(memories[i], memories[i - 2]) for i in range(2, len(memories), 2)
                if memories[i - 2].numel()), "the used batches never changed the memory"
+
+
+# ---------------------------------------------------------------------------- the hook under DDP, without Lightning
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(16, 24, bias=False)
+        self.b = nn.Linear(24, 24, bias=False)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
+USES_B = (True, True, True, False, False, True, False, True)  # from the third step on: compressed
+
+
+def _applied_and_memory(rank: int, world: int, name: str, views: bool, set_to_none: bool) -> dict[str, Any]:
+    """What the optimizer was handed for ``b`` over the steps (``lr = 0``: the gradients alone), and ``b``'s final
+    memory, with ``b`` unused on every rank in some steps."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_gradcomp.comm import Comm, CommStats
+    from lightning_gradcomp.hook import gradcomp_comm_hook
+
+    model = _Branchy()
+    strategy = _strategy(COMPRESSORS[name](), start_step=2, min_numel=1, gradient_as_bucket_view=views)
+    ddp = DistributedDataParallel(model, find_unused_parameters=True, gradient_as_bucket_view=views)
+    hook = strategy.make_hook(Comm(None, CommStats()), {id(p): n for n, p in model.named_parameters()},
+                              torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    hook.attach_optimizer(optimizer)
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    gen = torch.Generator().manual_seed(rank)
+    applied = torch.zeros(24, 24)
+    for use_b in USES_B:
+        optimizer.zero_grad(set_to_none=set_to_none)
+        ddp(torch.randn(8, 16, generator=gen), use_b).square().mean().backward()
+        if model.b.weight.grad is not None:
+            applied += model.b.weight.grad
+        optimizer.step()
+    memory = hook.memory.state_dict().get("b.weight", torch.zeros(24 * 24)).reshape(24, 24)
+    hook.close()
+    return {"applied": applied, "memory": memory}
+
+
+def _averaged_gradients(world: int) -> torch.Tensor:
+    """The sum over the steps of the ranks' mean gradient of ``b``, without DDP."""
+    model, total = _Branchy(), torch.zeros(24, 24)
+    gens = [torch.Generator().manual_seed(rank) for rank in range(world)]
+    for use_b in USES_B:
+        for gen in gens:
+            model.zero_grad()
+            model(torch.randn(8, 16, generator=gen), use_b).square().mean().backward()
+            if use_b:
+                total += model.b.weight.grad / world
+    return total
+
+
+@pytest.mark.parametrize(("views", "set_to_none"), [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("name", ["cltk", "topk", "powersgd"])
+def test_what_error_feedback_sends_for_an_unused_layer_is_applied_or_kept(name: str, views: bool,
+                                                                          set_to_none: bool) -> None:
+    """Error feedback's ledger over steps where ``b`` is unused on every rank: what the optimizer was handed plus the
+    ranks' mean memory equals the sum of the mean gradients. With the gradients as bucket views, ``b``'s ``.grad``
+    shows what the hook sent; with ``.grad`` at ``None``, DDP leaves it there and nothing is committed. (The fourth
+    combination is the limitation in docs/user-guide.md: DDP leaves an old ``.grad`` untouched, and what the hook
+    sent for ``b`` is lost.)"""
+    from helpers.distributed import run_workers
+
+    results = run_workers(_applied_and_memory, 2, name, views, set_to_none)
+    ledger = results[0]["applied"] + sum(r["memory"] for r in results) / 2
+    torch.testing.assert_close(ledger, _averaged_gradients(2), rtol=0, atol=1e-6)
+    assert all(torch.equal(results[0]["applied"], r["applied"]) for r in results)
+    assert float(sum(r["memory"] for r in results).abs().sum()) > 0  # error feedback held something back
+
+
+@pytest.mark.parametrize("name", ["cltk", "topk", "randomk", "powersgd", "signsgd", "diana", "qsgd", "terngrad",
+                                  "fp16", "none"])
+def test_the_fourth_combination_is_warned_about_for_stateful_compressors(name: str) -> None:
+    """``gradient_as_bucket_view=False`` with ``find_unused_parameters=True``: a stateful compressor is warned to keep
+    ``zero_grad(set_to_none=True)``; a stateless one, and either argument alone, are not."""
+    import warnings
+
+    stateful = name not in ("qsgd", "terngrad", "fp16", "none")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GradCompStrategy(compressor=name, gradient_as_bucket_view=False, find_unused_parameters=True)
+        GradCompStrategy(compressor=name, find_unused_parameters=True)
+        GradCompStrategy(compressor=name, gradient_as_bucket_view=False)
+    said = [str(w.message) for w in caught if "set_to_none=True" in str(w.message)]
+    assert len(said) == int(stateful), said
+    if stateful:
+        assert "gradient_as_bucket_view=False and find_unused_parameters=True" in said[0]
