@@ -75,7 +75,14 @@ from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy, build_plan
 from lightning_gradcomp.schedule import CompressionSchedule, scheduled_param
 
-__all__ = ["BucketRecord", "GradCompHook", "HookObserver", "gradcomp_comm_hook", "reduce_with_feedback"]
+__all__ = [
+    "PYTHON_REDUCER_REFUSAL",
+    "BucketRecord",
+    "GradCompHook",
+    "HookObserver",
+    "gradcomp_comm_hook",
+    "reduce_with_feedback",
+]
 
 
 @dataclass
@@ -784,6 +791,17 @@ def resident_nbytes(*roots: Any) -> int:
     return total
 
 
+PYTHON_REDUCER_REFUSAL = (
+    "the compression hook needs DDP's bucketed reducer, but this DistributedDataParallel was built with "
+    "torch._dynamo.config.optimize_ddp = 'python_reducer' (compiled DDP), which calls comm hooks once per "
+    "parameter and ignores their result: nothing would be compressed or averaged by the hook. Build the model's "
+    "DDP with the default optimize_ddp ('ddp_optimizer'), which works with torch.compile"
+)
+"""Why a DDP in compiled DDP's Python-reducer mode cannot run the hook (raised at setup and by the hook itself)."""
+
+
 def gradcomp_comm_hook(state: GradCompHook, bucket: dist.GradBucket) -> Future[Tensor]:
     """The function registered with ``DistributedDataParallel.register_comm_hook``."""
+    if not isinstance(bucket, dist.GradBucket):  # compiled DDP's Python reducer passes (grad, param)
+        raise TypeError(PYTHON_REDUCER_REFUSAL)
     return state(bucket)

@@ -24,7 +24,7 @@ from lightning_gradcomp.compressors.registry import as_compressor
 from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, is_collective_failure
 from lightning_gradcomp.functional.selection import prepare_native
 from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, HierarchySpec, check_hierarchy, group_size_for
-from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+from lightning_gradcomp.hook import PYTHON_REDUCER_REFUSAL, GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta_for
 from lightning_gradcomp.plan import SlotPolicy, size_rule
 from lightning_gradcomp.presets import PRESETS, preset_class, register_presets
@@ -316,6 +316,8 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         """Register the compression hook on every device (Lightning itself only does so on CUDA)."""
         assert isinstance(self.model, DistributedDataParallel)
+        if getattr(self.model, "_use_python_reducer", False):
+            raise ValueError(f"GradCompStrategy: {PYTHON_REDUCER_REFUSAL}")
         if self._hook is None:
             assert self.lightning_module is not None
             names = {id(p): n for n, p in self.lightning_module.named_parameters()}

@@ -371,3 +371,22 @@ def test_set_layer_params_rejects_unknown_names_and_bad_values() -> None:
     assert applied == {"body.0.weight": 0.2}
     assert len(errors) == 2 and "['body.0.wieght'] name no parameter of the model" in errors[0]
     assert "ratio" in errors[1]
+
+
+def test_compiled_ddps_python_reducer_is_refused_at_setup(tmp_path: Path) -> None:
+    """``torch._dynamo.config.optimize_ddp = "python_reducer"`` makes DDP call comm hooks once per parameter with
+    ``(grad, param)`` and drop their result: the strategy refuses it by name instead of failing inside backward."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"), pytest.raises(ValueError) as err:
+        fit(GradCompStrategy(compressor=TopK(0.1)), tmp_path, devices=1, max_steps=2)
+    assert "optimize_ddp = 'python_reducer'" in str(err.value) and "ddp_optimizer" in str(err.value)
+
+
+def test_the_hook_refuses_the_python_reducers_per_parameter_call() -> None:
+    """The same, for the hook registered without the strategy: a ``(grad, param)`` pair is not a bucket."""
+    from lightning_gradcomp.hook import gradcomp_comm_hook
+
+    grad = torch.zeros(3)
+    with pytest.raises(TypeError, match="optimize_ddp = 'python_reducer'"):
+        gradcomp_comm_hook(None, (grad, torch.nn.Parameter(grad)))  # type: ignore[arg-type]
