@@ -4,10 +4,12 @@ The hook engine hands every bucket to :class:`CommThread` and returns a ``Future
 computing the next buckets' gradients while this thread compensates, compresses and communicates. Jobs run
 strictly in submission order (DDP calls the hook in the same bucket order on every rank), so every rank issues
 the hook's collectives in the same order: the rule that keeps gloo and NCCL from deadlocking. No other thread
-issues collectives on the hook's process group while a job is pending: the hook drains the thread in the last
-bucket's call (:meth:`CommThread.drain`: every job has *issued* its collectives), before DDP issues its own
-collective on the group (the all-reduce of the used-parameter map with ``find_unused_parameters=True``), and
-Lightning, callbacks and checkpoints use the group only after ``backward()``, which waits for every bucket.
+may issue collectives on the hook's process group while a job is pending, so ``GradCompStrategy`` gives the hook
+a group of its own (a model's collectives during backward, such as SyncBatchNorm's, stay on DDP's group). On a
+shared group the hook drains the thread in the last bucket's call (:meth:`CommThread.drain`: every job has
+*issued* its collectives), before DDP issues its own collective on the group (the all-reduce of the
+used-parameter map with ``find_unused_parameters=True``), and Lightning, callbacks and checkpoints use the groups
+only after ``backward()``, which waits for every bucket.
 
 A job may return a value or a ``Future``; the job's ``Future`` resolves with that value, or when that Future
 does (a compressor's last collective may still be in flight when the job returns, so the thread starts the

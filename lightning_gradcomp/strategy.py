@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -326,7 +327,8 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             if self.hierarchy is not None:
                 numels = {n: p.numel() for n, p in self.lightning_module.named_parameters() if p.requires_grad}
                 hierarchy = Hierarchy.create(self._hierarchy_layout(), self.global_rank, numels, stats, self._timeout)
-            self._hook = self.make_hook(Comm(self.model.process_group, stats), names, self.root_device, hierarchy)
+            group = _private_group(self.model.process_group, self._timeout)
+            self._hook = self.make_hook(Comm(group, stats), names, self.root_device, hierarchy)
             if self._pending is not None:
                 state, per_rank = self._pending
                 self._hook.load_state_dict(state, per_rank=per_rank)
@@ -473,6 +475,21 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             register_presets(strategy_registry, cls, declared_for=GradCompStrategy)
             return
         register_presets(strategy_registry, cls)
+
+
+def _private_group(group: Any, timeout: Optional[timedelta]) -> Any:
+    """A new process group of ``group``'s ranks, for the hook alone (every rank of ``group`` calls this at setup).
+
+    The hook issues its collectives on the communication thread while backward goes on. Collectives that other code
+    issues on DDP's group during backward (SyncBatchNorm's backward, a model's own differentiable all-reduce) would
+    otherwise share one sequence with them, in an order that differs between ranks: a deadlock, or gloo pairing
+    buffers of different collectives. On a group of its own the hook's order is its bucket order, the same on every
+    rank.
+    """
+    ranks = dist.get_process_group_ranks(group)
+    if len(ranks) == dist.get_world_size():  # every rank calls new_group, in the same order
+        return dist.new_group(ranks, timeout=timeout)
+    return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)  # only the group's ranks call it
 
 
 def _warn_unused_without_views(compressor: Compressor) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
@@ -378,9 +379,12 @@ def test_compiled_ddps_python_reducer_is_refused_at_setup(tmp_path: Path) -> Non
     ``(grad, param)`` and drop their result: the strategy refuses it by name instead of failing inside backward."""
     import torch._dynamo
 
-    with torch._dynamo.config.patch(optimize_ddp="python_reducer"), pytest.raises(ValueError) as err:
-        fit(GradCompStrategy(compressor=TopK(0.1)), tmp_path, devices=1, max_steps=2)
+    strategy = GradCompStrategy(compressor=TopK(0.1), start_method="fork")  # the ranks' process groups stay there
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"), pytest.raises(Exception) as err:
+        fit(strategy, tmp_path, devices=2, max_steps=2)
+    assert "ValueError: GradCompStrategy: the compression hook needs DDP's bucketed reducer" in str(err.value)
     assert "optimize_ddp = 'python_reducer'" in str(err.value) and "ddp_optimizer" in str(err.value)
+    assert not torch.distributed.is_initialized()
 
 
 def test_the_hook_refuses_the_python_reducers_per_parameter_call() -> None:
@@ -390,3 +394,48 @@ def test_the_hook_refuses_the_python_reducers_per_parameter_call() -> None:
     grad = torch.zeros(3)
     with pytest.raises(TypeError, match="optimize_ddp = 'python_reducer'"):
         gradcomp_comm_hook(None, (grad, torch.nn.Parameter(grad)))  # type: ignore[arg-type]
+
+
+class _CenteredAcrossRanks(torch.autograd.Function):
+    """``x`` minus its mean over the batch and the ranks, like SyncBatchNorm without the scale: its forward and its
+    backward each all-reduce on the default group (SyncBatchNorm's backward does, during backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(0, keepdim=True)
+        torch.distributed.all_reduce(mean)
+        return x - mean / torch.distributed.get_world_size()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        total = grad.sum(0, keepdim=True)
+        torch.distributed.all_reduce(total)  # in the autograd thread, while the hook's thread communicates
+        return grad - total / (grad.shape[0] * torch.distributed.get_world_size())
+
+
+class _BackwardCollectiveNet(TinyNet):
+    """Six 64 x 64 layers, each followed by :class:`_CenteredAcrossRanks`."""
+
+    def __init__(self) -> None:
+        super().__init__(hidden=64, in_features=64)
+        torch.manual_seed(0)
+        self.body = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.body:
+            x = torch.tanh(_CenteredAcrossRanks.apply(layer(x)))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", ["none", "topk", "qsgd", "powersgd"])
+def test_collectives_the_model_issues_during_backward_do_not_meet_the_hooks(tmp_path: Path, name: str,
+                                                                              world: int) -> None:
+    """With one layer per bucket the hook communicates while backward still runs the model's own all-reduces (as
+    SyncBatchNorm's backward does on GPUs). On DDP's group the two threads' collectives met in different orders on
+    different ranks: gloo aborted or timed out, even without compression. The hook has a group of its own."""
+    strategy = GradCompStrategy(compressor=name, start_step=2, bucket_cap_mb=0.02, timeout=20, start_method="fork")
+    records = fit(strategy, tmp_path, devices=world, model=_BackwardCollectiveNet(), max_epochs=4, max_steps=6)
+    assert_replicas_identical(records)
+    assert records[0]["stats"]["steps"] == 6
+    assert records[0]["stats"]["compressed_steps"] == (0 if name == "none" else 4)
