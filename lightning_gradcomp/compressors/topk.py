@@ -103,7 +103,8 @@ class TopK(SparseCompressor):
         While the payload travels, this rank writes its residuals and zeroes its output slots. When the inputs (and
         the outputs) are slices of one buffer, gathering, residuals and sums take one call each for the whole bucket
         (:func:`~.base.storage_window`), not one per slot."""
-        ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
+        numels = [t.numel() for t in tensors]
+        ks = [kept_count(n, r) for n, r in zip(numels, ctx.params)]
         indices = [self._chosen(i, t, ctx) for i, t in enumerate(tensors)]  # sorted
         local = torch.cat(indices)
         gathered = slot_positions(tensors, local, ks)
@@ -113,15 +114,14 @@ class TopK(SparseCompressor):
             values = torch.cat([t.index_select(0, i) for t, i in zip(tensors, indices)])
         sent = saturated_wire_values(values, self.value_dtype)  # a 16-bit value never overflows to Inf
         delta16 = self.index_coding == "delta16"
-        slots = [self.index_slots(t.numel(), k) for t, k in zip(tensors, ks)]
+        slots = [self.index_slots(n, k) for n, k in zip(numels, ks)]
         wide = not delta16 and any(s != k for s, k in zip(slots, ks))  # a layer of more than 2**31 elements
         if delta16:
             codes = encode_delta16_layers(indices, slots)
         elif wide:
-            codes = torch.cat([encode_int32_indices(i, t.numel()) for i, t in zip(indices, tensors)])
+            codes = torch.cat([encode_int32_indices(i, n) for i, n in zip(indices, numels)])
         else:
             codes = local.to(torch.int32)
-        numels = [t.numel() for t in tensors]
         index_dtype = codes.dtype
         index_bytes = codes.element_size()
         nbytes = [k * sent.element_size() + s * index_bytes for k, s in zip(ks, slots)]
