@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_gradcomp.functional.realview import real_shape
+
 __all__ = ["BucketPlan", "LayerSlot", "SlotPolicy", "build_plan"]
 
 
@@ -114,7 +116,8 @@ def build_plan(
 
     Args:
         index: the bucket index.
-        params: ``bucket.parameters()``; their gradients are packed back to back in the buffer.
+        params: ``bucket.parameters()``; their gradients are packed back to back in the buffer (a complex one as its
+            real view: a slot of shape ``(*shape, 2)``; the size rule still judges the parameter's own shape).
         names: ``id(param) -> name``.
         policy: the size/dimension policy.
         accepts: the compressor's own veto (e.g. PowerSGD skips layers it cannot shrink).
@@ -122,10 +125,10 @@ def build_plan(
     slots: list[LayerSlot] = []
     offset = 0
     for param in params:
-        shape = tuple(param.shape)
+        shape = real_shape(param)  # a complex gradient lies in the bucket as its real view (DDP's layout)
         name = names.get(id(param), f"bucket{index}.param{len(slots)}")
         slot = LayerSlot(name, offset, shape, compressed=False)
-        if policy.wants(shape) and accepts(slot):
+        if policy.wants(param.shape) and accepts(slot):  # the parameter's own shape: a complex vector is 1-D
             slot = LayerSlot(name, offset, shape, compressed=True)
         elif policy.small_param is not None and slot.numel > 0 and accepts(slot):
             slot = LayerSlot(name, offset, shape, compressed=True, small=True)

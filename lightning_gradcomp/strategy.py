@@ -23,6 +23,7 @@ from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.registry import as_compressor
 from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, is_collective_failure
+from lightning_gradcomp.functional.realview import real_view_numel
 from lightning_gradcomp.functional.selection import prepare_native
 from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, HierarchySpec, check_hierarchy, group_size_for
 from lightning_gradcomp.hook import PYTHON_REDUCER_REFUSAL, GradCompHook, gradcomp_comm_hook
@@ -325,7 +326,8 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             stats = CommStats()
             hierarchy = None
             if self.hierarchy is not None:
-                numels = {n: p.numel() for n, p in self.lightning_module.named_parameters() if p.requires_grad}
+                named = self.lightning_module.named_parameters()
+                numels = {n: real_view_numel(p) for n, p in named if p.requires_grad}  # DDP reduces complex as real
                 hierarchy = Hierarchy.create(self._hierarchy_layout(), self.global_rank, numels, stats, self._timeout)
             group = _private_group(self.model.process_group, self._timeout)
             self._hook = self.make_hook(Comm(group, stats), names, self.root_device, hierarchy)

@@ -33,3 +33,15 @@ def test_small_param_compresses_what_the_size_rule_leaves_out_except_empty_tenso
     plan = build_plan(0, params, names, SlotPolicy(min_numel=1000, small_param=0.5))
     assert [(s.name, s.small) for s in plan.compressed] == [("p0", False), ("p2", True)]
     assert [s.name for s in plan.dense] == ["p1", "p3"]
+
+
+def test_a_complex_parameter_takes_the_slot_of_its_real_view() -> None:
+    """DDP's bucket holds a complex gradient as ``2 n`` real numbers: the slot covers both parts."""
+    params = [torch.zeros(3, 4, dtype=torch.complex64), torch.zeros(5, dtype=torch.complex64), torch.zeros(2, 2)]
+    names = {id(p): f"p{i}" for i, p in enumerate(params)}
+    plan = build_plan(0, params, names, SlotPolicy(min_numel=1, compress_1d=True))
+    assert [s.shape for s in plan.slots] == [(3, 4, 2), (5, 2), (2, 2)]
+    assert [s.offset for s in plan.slots] == [0, 24, 34] and plan.numel == 38
+    # the size rule judges the parameter's own shape: a complex vector stays 1-D, dense unless compress_1d
+    plan = build_plan(0, params, names, SlotPolicy(min_numel=1))
+    assert [s.compressed for s in plan.slots] == [True, False, True]

@@ -14,12 +14,14 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.functional import _native
+from lightning_gradcomp.functional.realview import real_view
 
 __all__ = ["DeferredCount", "nonfinite_flag", "zero_if_nonfinite"]
 
 
 def nonfinite_flag(x: Tensor, level: Optional[int] = None) -> Tensor:
-    """A one-element tensor of ``x``'s dtype and device: 1 when some entry of ``x`` is NaN or infinite, else 0.
+    """A one-element tensor of ``x``'s dtype (a complex ``x``: the matching real dtype) and device: 1 when some entry of
+    ``x`` is NaN or infinite (a complex entry: either part), else 0.
 
     Example::
 
@@ -32,7 +34,7 @@ def nonfinite_flag(x: Tensor, level: Optional[int] = None) -> Tensor:
     if kernel is not None:
         bad = kernel.any_nonfinite(x.data_ptr(), x.numel(), _native._level(kernel, level))
         return torch.full((1,), float(bad), dtype=x.dtype)
-    return (~torch.isfinite(x).all()).to(x.dtype).reshape(1)
+    return (~torch.isfinite(x).all()).to(real_view(x).dtype).reshape(1)
 
 
 def zero_if_nonfinite(tensors: Sequence[Tensor]) -> Tensor:

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext
 from lightning_gradcomp.functional.finite import DeferredCount, nonfinite_flag, zero_if_nonfinite
+from lightning_gradcomp.functional.realview import from_real, real_view
 from lightning_gradcomp.hook import HookObserver, reduce_with_feedback
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.plan import BucketPlan, SlotPolicy, build_plan
@@ -163,7 +164,7 @@ class OuterSync:
             for f, group in enumerate(split_fragments([p.numel() for p in tensors], fragments))
         ]
         with torch.no_grad():
-            self.theta = {n: p.detach().to(torch.float32, copy=True) for n, p in params}
+            self.theta = {n: real_view(p.detach()).to(torch.float32, copy=True) for n, p in params}
             self.theta_buffers = {n: b.detach().clone() for n, b in buffers}
         self.momentum: dict[str, Tensor] = {}
         self.step = 0  # syncs done (identical on all ranks)
@@ -201,7 +202,8 @@ class OuterSync:
                 layer = stats.layer(slot.name)
                 layer.numel, layer.compressed = slot.numel, slot.compressed
                 layer.param = self.param_of(slot.name) if slot.compressed else None
-                layer.dense_bytes += all_reduce_bytes(slot.numel * self.params[slot.name].element_size(), world)
+                real_size = real_view(self.params[slot.name]).element_size()  # slot.numel counts real numbers
+                layer.dense_bytes += all_reduce_bytes(slot.numel * real_size, world)
 
     def sync_next(self) -> None:
         """Synchronize (or, with ``overlap``, issue the exchange of) the fragment under the cursor; advance it."""
@@ -278,7 +280,8 @@ class OuterSync:
         with torch.no_grad():
             for i in indices:
                 for slot in self.fragments[i].slots:
-                    job.deltas[slot.name] = self.theta[slot.name] - self.params[slot.name].detach().to(torch.float32)
+                    live = real_view(self.params[slot.name].detach())
+                    job.deltas[slot.name] = self.theta[slot.name] - live.to(torch.float32)
             if last:
                 job.buffer_values = {
                     n: b.detach().reshape(-1).to(torch.float32, copy=True) for n, b in self.buffers.items()
@@ -306,7 +309,7 @@ class OuterSync:
             for i in job.indices:
                 for slot in self.fragments[i].slots:
                     self._outer_step(slot.name, job.averaged[slot.name])
-                    self.params[slot.name].copy_(self.theta[slot.name])
+                    real_view(self.params[slot.name].detach()).copy_(self.theta[slot.name])
             for name, value in job.buffers.items():
                 self.buffers[name].copy_(value.view_as(self.buffers[name]))
                 self.theta_buffers[name] = self.buffers[name].detach().clone()
@@ -392,12 +395,12 @@ class OuterSync:
         fp16 parameter cannot hold the fp32 ``theta`` exactly, so comparing in fp32 would report progress right
         after every sync (and ``fit``'s end would take one more outer step, with the momentum, on nothing).
         """
-        return any(not torch.equal(self.theta[n].to(p.dtype), p.detach()) for n, p in self.params.items())
+        return any(not torch.equal(from_real(self.theta[n], p), p.detach()) for n, p in self.params.items())
 
     # ------------------------------------------------------------------ evaluation on the global model
     def global_tensors(self) -> dict[str, Tensor]:
         """The global model by name: parameters (in their own dtype) and floating buffers."""
-        out = {n: self.theta[n].to(p.dtype) for n, p in self.params.items()}
+        out = {n: from_real(self.theta[n], p) for n, p in self.params.items()}
         out.update(self.theta_buffers)
         return out
 

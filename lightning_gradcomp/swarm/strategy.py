@@ -40,6 +40,7 @@ from lightning_gradcomp.checks import check_bool, check_int, check_number, check
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.distributed import DEFAULT_TIMEOUT
 from lightning_gradcomp.functional.finite import DeferredCount
+from lightning_gradcomp.functional.realview import from_real, real_shape, real_view, real_view_numel
 from lightning_gradcomp.presets import register_preset, register_presets
 from lightning_gradcomp.replicas import DivergentReplicas
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
@@ -289,12 +290,12 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         elif isinstance(self.topology, str):
             topology_edges(self.topology, self.world_size, self.torus_shape)  # validates torus_shape
         named: list[tuple[str, Tensor]] = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self._param_numel = sum(p.numel() for _, p in named)
+        self._param_numel = sum(real_view_numel(p) for _, p in named)  # real numbers: a complex entry is two
         if self.gossip_buffers:
             named += [(n, b) for n, b in self.model.named_buffers() if b.is_floating_point()]
         self._gossip_names = [n for n, _ in named]
         self._params = [t for _, t in named]
-        numel = sum(p.numel() for p in self._params)
+        numel = sum(real_view_numel(p) for p in self._params)
         comm = self._comm
         if self.mode == "async" and self.world_size > 1:
             comm = Comm(exchange_group(self.exchange_timeout), self._comm_stats)
@@ -419,7 +420,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         tensors = list(self.lightning_module.parameters()) + list(self.lightning_module.buffers())
         for dtype in sorted({t.dtype for t in tensors}, key=str):
             group = [t for t in tensors if t.dtype == dtype]
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            flat = torch.cat([real_view(t.detach()).reshape(-1) for t in group])
             self._aux.broadcast(flat, 0)
             _write_flat(group, flat)
 
@@ -546,15 +547,10 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         """Element-wise mean over ranks of named floating tensors (one all-reduce)."""
         assert self._aux is not None
         names = list(tensors)
-        flat = torch.cat([tensors[n].reshape(-1).double() for n in names])
+        flat = torch.cat([real_view(tensors[n]).reshape(-1).double() for n in names])
         self._aux.all_reduce(flat)
         flat /= self.world_size
-        out, offset = {}, 0
-        for n in names:
-            t = tensors[n]
-            out[n] = flat[offset : offset + t.numel()].view_as(t).to(t.dtype)
-            offset += t.numel()
-        return out
+        return _split_real(flat, tensors)
 
     def _enter_eval(self) -> None:
         self._ensure_comms()
@@ -565,13 +561,9 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         if self.eval_model == "mean":
             _write_named(self.lightning_module, self._mean_of(tensors))
         else:
-            flat = torch.cat([t.reshape(-1).double() for t in tensors.values()])
+            flat = torch.cat([real_view(t).reshape(-1).double() for t in tensors.values()])
             self._aux.broadcast(flat, 0)
-            out, offset = {}, 0
-            for n, t in tensors.items():
-                out[n] = flat[offset : offset + t.numel()].view_as(t).to(t.dtype)
-                offset += t.numel()
-            _write_named(self.lightning_module, out)
+            _write_named(self.lightning_module, _split_real(flat, tensors))
 
     def _exit_eval(self) -> None:
         if self._eval_backup is not None:
@@ -692,7 +684,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
 
     # ------------------------------------------------------------------ helpers
     def _flat_params(self) -> Tensor:
-        return torch.cat([p.detach().reshape(-1).float() for p in self._params])
+        return torch.cat([real_view(p.detach()).reshape(-1).float() for p in self._params])
 
     def _training_tensors(self) -> list[Tensor]:
         """The gossiped tensors of this rank's *training* model (the saved copies during evaluation)."""
@@ -701,18 +693,31 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         return [self._eval_backup.get(n, p) for n, p in zip(self._gossip_names, self._params)]
 
     def _training_flat(self) -> Tensor:
-        return torch.cat([t.detach().reshape(-1).float() for t in self._training_tensors()])
+        return torch.cat([real_view(t.detach()).reshape(-1).float() for t in self._training_tensors()])
 
     def _write_training_flat(self, flat: Tensor) -> None:
         _write_flat(self._training_tensors(), flat)
 
 
 def _write_flat(tensors: list[Tensor], flat: Tensor) -> None:
+    """Copy consecutive pieces of the real vector ``flat`` into ``tensors`` (a complex one takes its real view's)."""
     offset = 0
     with torch.no_grad():
         for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+            target = real_view(t.detach())
+            target.copy_(flat[offset : offset + target.numel()].view_as(target))
+            offset += target.numel()
+
+
+def _split_real(flat: Tensor, like: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Consecutive pieces of the real vector ``flat`` as tensors of the dtypes and shapes of ``like``'s."""
+    out, offset = {}, 0
+    for name, t in like.items():
+        shape = real_shape(t)
+        numel = real_view_numel(t)
+        out[name] = from_real(flat[offset : offset + numel].view(shape), t)
+        offset += numel
+    return out
 
 
 def _write_named(module: torch.nn.Module, values: dict[str, Tensor]) -> None:
