@@ -36,7 +36,9 @@ State changes are **staged** and take effect only for gradients that an optimize
 error-feedback memories and compressor state of a backward pass are committed by the optimizer's step, for
 the parameters it stepped (those with a gradient), and discarded when the next backward pass starts
 without a step in between (``zero_grad()`` before stepping, a skipped AMP step, a parameter unused on every
-rank, a GAN's other optimizer). The step counter counts optimizer steps. Without an attached optimizer
+rank, a GAN's other optimizer), except for layers whose ``.grad`` still holds that pass's gradient: those
+accumulate, and the new pass compensates against the state the previous one staged
+(:meth:`GradCompHook._carry_or_drop`). The step counter counts optimizer steps. Without an attached optimizer
 (raw use of the hook) every backward pass commits and counts as a step.
 
 With a :class:`~lightning_gradcomp.hierarchy.Hierarchy` (``GradCompStrategy(hierarchy=...)``) each bucket is first
@@ -56,6 +58,7 @@ and every memory and compressor state stays in unscaled units, whatever the scal
 
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union
@@ -185,6 +188,10 @@ class GradCompHook:
         self._unstepped = False  # a backward pass went through the hook since the last step
         self._compressed = False  # ... and it compressed something
         self._optimizer_hooks: list[Any] = []
+        self._watched: dict[int, Any] = {}  # id(param) -> handle of its gradient-arrival hook (attach_optimizer)
+        self._kept: set[str] = set()  # layers whose gradient arrived onto a kept .grad since the unstepped pass
+        self._cleared: set[str] = set()  # ... onto a cleared one (None): that pass's gradient was thrown away
+        self._carrying = False  # this backward pass follows one that no optimizer stepped
         self._thread: Optional[CommThread] = None
         self._follow_schedule()
 
@@ -236,6 +243,24 @@ class GradCompHook:
         self.memory.staging = True
         self.compressor.set_staging(True)
         self._optimizer_hooks.append(optimizer.register_step_post_hook(self._on_optimizer_step))
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) in self.param_names and param.requires_grad and id(param) not in self._watched:
+                    self._watched[id(param)] = param.register_hook(self._arrival_hook(param))
+
+    def _arrival_hook(self, param: Tensor) -> Callable[[Tensor], None]:
+        """A hook run as ``param``'s gradient arrives, before autograd adds it to ``.grad``: after a backward pass
+        that no optimizer stepped, it notes whether that pass's gradient is still in ``.grad`` (accumulation: the
+        pass's staged state carries over) or was cleared (``zero_grad()``: the state is dropped). Otherwise it
+        returns at once."""
+        ref, name = weakref.ref(param), self.param_names[id(param)]
+
+        def arriving(grad: Tensor) -> None:
+            if self._unstepped:
+                live = ref()
+                (self._cleared if live is None or live.grad is None else self._kept).add(name)
+
+        return arriving
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         names = [
@@ -253,17 +278,56 @@ class GradCompHook:
         if not self._unstepped:  # a second optimizer stepping after the same backward pass
             return
         self._unstepped = False
+        self._kept.clear()
+        self._cleared.clear()
         self.step += 1
         self.stats.steps += 1
         self.stats.compressed_steps += int(self._compressed)
 
+    @property
+    def unstepped(self) -> bool:
+        """Whether a backward pass went through the hook since the last optimizer step (its state is staged)."""
+        return self._unstepped
+
+    def drop_unstepped(self) -> None:
+        """The gradients of the backward passes since the last step were thrown away without a step (the strategy
+        calls this when the optimizer skipped its step: fp16 AMP found NaN/Inf): drop their staged state now, so
+        that the next pass starts from the committed state whatever ``zero_grad`` leaves in ``.grad``."""
+        self._unstepped = False
+        self._kept.clear()
+        self._cleared.clear()
+        self.memory.discard()
+        self.compressor.discard_state()
+
     def _begin_backward(self) -> None:
-        """A new backward pass starts from the committed state: whatever the last one staged is dropped."""
+        """A new backward pass starts from the committed state: whatever the last one staged is dropped, unless no
+        optimizer stepped since that pass (then each bucket decides for its layers: :meth:`_carry_or_drop`)."""
         self._in_backward = True
         self._compressed = False
         self._follow_schedule()
-        self.memory.discard()
-        self.compressor.discard_state()
+        self._carrying = self._unstepped and not self._auto_commit
+        if not self._carrying:
+            self.memory.discard()
+            self.compressor.discard_state()
+
+    def _carry_or_drop(self, params: list[Tensor]) -> None:
+        """For a backward pass after one that no optimizer stepped: the layers of ``params`` whose ``.grad`` still
+        holds that pass's gradient (accumulation: DDP adds the new gradient to it) commit that pass's staged state,
+        the base of this pass's compensation, so that error feedback's ledger holds over the accumulated passes;
+        the layers whose ``.grad`` was cleared since drop it. A ``.grad`` zeroed in place
+        (``zero_grad(set_to_none=False)``) cannot be told from a kept one, and counts as kept."""
+        keep: list[str] = []
+        drop: list[str] = []
+        for param in params:
+            name = self.param_names.get(id(param))
+            if name is None:
+                continue
+            cleared = name in self._cleared or (name not in self._kept and param.grad is None)  # no arrival: unused
+            (drop if cleared else keep).append(name)
+        self.memory.commit(keep)
+        self.compressor.commit_state(keep)
+        self.memory.discard(drop)
+        self.compressor.discard_state(drop)
 
     # ------------------------------------------------------------------ hook
     def __call__(self, bucket: dist.GradBucket) -> Future:
@@ -271,6 +335,8 @@ class GradCompHook:
         start = time.perf_counter()
         if not self._in_backward:
             self._begin_backward()
+        if self._carrying:
+            self._carry_or_drop(bucket.parameters())
         buf = bucket.buffer()
         plan = self.plan_for(bucket)
         step = self.step
@@ -290,6 +356,9 @@ class GradCompHook:
         if bucket.is_last():
             self._thread.drain()  # every collective of this backward pass is issued before DDP issues its own
             self._in_backward = False
+            self._carrying = False
+            self._kept.clear()
+            self._cleared.clear()
             self._unstepped = True
             if self._auto_commit:
                 self._end_step(None)

@@ -137,9 +137,13 @@ class ErrorFeedback:
             if value is not None:
                 self.memories[name] = value
 
-    def discard(self) -> None:
-        """Drop every staged (uncommitted) memory."""
-        self.staged.clear()
+    def discard(self, names: Optional[Iterable[str]] = None) -> None:
+        """Drop the staged (uncommitted) memories of ``names`` (all when ``None``)."""
+        if names is None:
+            self.staged.clear()
+            return
+        for name in names:
+            self.staged.pop(name, None)
 
     def norm(self, names: Optional[list[str]] = None) -> float:
         """L2 norm over all (or the named) memories."""

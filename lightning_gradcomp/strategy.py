@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -313,6 +314,22 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         if self._hook is not None:
             self._hook.close()
         super().teardown()
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        closure: Callable[[], Any],
+        model: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Step as DDPStrategy does; when the optimizer skipped the step (fp16 AMP's GradScaler found NaN/Inf), the
+        state staged by the backward passes it would have consumed is dropped (:meth:`GradCompHook.drop_unstepped`).
+        """
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._hook is not None and self._hook.unstepped:
+            self._hook.drop_unstepped()
+        return result
 
     @override
     def _register_ddp_hooks(self) -> None:

@@ -96,3 +96,56 @@ def test_state_is_independent_of_the_loss_scale_history(tmp_path: Path, name: st
             assert all(torch.equal(a, b) for a, b in zip(flat_a, flat_b)), f"{key} differs"
     if COMPRESSORS[name]().uses_error_feedback:
         assert changing[0]["memory"], "no memory was kept"
+
+
+class _SkippedStepKeepsZeros(TinyNet):
+    """fp32 forward, ``zero_grad(set_to_none=False)``; at global step 3 rank 0's gradient of ``head.weight`` (or, with
+    ``everywhere``, of every parameter) gets an Inf before DDP reduces it, so the scaler skips that step."""
+
+    def __init__(self, everywhere: bool) -> None:
+        super().__init__()
+        self.everywhere = everywhere
+
+    def on_train_start(self) -> None:
+        if self.global_rank == 0:
+            for name, p in self.named_parameters():
+                if self.everywhere or name == "head.weight":
+                    p.register_hook(self._poison)
+
+    def _poison(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.trainer.global_step != 3:
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return super().training_step(batch, batch_idx)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        optimizer.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize("name", ["cltk", "powersgd", "diana"])
+def test_a_skipped_step_leaves_no_state_even_when_zero_grad_keeps_the_tensors(tmp_path: Path, name: str) -> None:
+    """The scaler skips step 3 for an Inf in one layer; the other layers' buckets were finite and staged new state.
+    That state must go, as nothing stepped: the run ends exactly as one where every layer's gradient held the Inf
+    (nothing staged at all). ``zero_grad(set_to_none=False)`` leaves zeroed tensors that look like kept ones, so the
+    strategy drops the state when the optimizer reports no step."""
+    runs = {}
+    for everywhere in (False, True):
+        out = tmp_path / str(everywhere)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=10**6)
+        fit(GradCompStrategy(compressor=COMPRESSORS[name](), start_method="fork", bucket_cap_mb=0.001), out,
+            model=_SkippedStepKeepsZeros(everywhere), max_epochs=2, callbacks=[_State(out)],
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+        runs[everywhere] = [torch.load(out / f"state{r}.pt", weights_only=True) for r in range(2)]
+    assert runs[False][0]["scales"] == runs[True][0]["scales"] and len(set(runs[True][0]["scales"])) == 2  # skipped
+    for rank in range(2):
+        one, every = runs[False][rank], runs[True][rank]
+        assert all(torch.equal(a, b) for a, b in zip(one["params"], every["params"], strict=True))
+        flat_a = _flat(one["memory"]) + _flat(one["compressor"])
+        flat_b = _flat(every["memory"]) + _flat(every["compressor"])
+        assert len(flat_a) == len(flat_b) > 0
+        assert all(torch.equal(a, b) for a, b in zip(flat_a, flat_b)), "the state differs"

@@ -281,3 +281,90 @@ def test_the_fourth_combination_is_warned_about_for_stateful_compressors(name: s
     assert len(said) == int(stateful), said
     if stateful:
         assert "gradient_as_bucket_view=False and find_unused_parameters=True" in said[0]
+
+
+# ---------------------------------------------------------------------------- several backward passes per step
+STEPS = 5
+PATTERNS = {  # per optimizer step: "b" a synced backward pass, "n" one under no_sync, "z" zero_grad(set_to_none=True)
+    "accumulate": "bbb",  # Lightning's manual-optimization accumulation: every pass synced, one step
+    "discard-then-accumulate": "bznb",  # the first pass thrown away; the next two accumulated (one without a sync)
+    "accumulate-after-local": "nbb",
+}
+
+
+def _two_layers() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 24, bias=False), nn.Tanh(), nn.Linear(24, 24, bias=False))
+
+
+def _ledger_run(rank: int, world: int, name: str, pattern: str, views: bool) -> dict[str, Any]:
+    """What the optimizer was handed over 5 steps, compressed from the third (``lr = 0``: the gradients alone), and
+    the final memories."""
+    model = _two_layers()
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=views)
+    strategy = _strategy(COMPRESSORS[name](), start_step=2, min_numel=1)
+    hook = strategy.make_hook(Comm(None, CommStats()), {id(p): n for n, p in model.named_parameters()},
+                              torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    hook.attach_optimizer(optimizer)
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    gen = torch.Generator().manual_seed(rank)
+    applied = [torch.zeros_like(p) for p in model.parameters()]
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        for action in PATTERNS[pattern]:
+            if action == "z":
+                optimizer.zero_grad()
+                continue
+            x = torch.randn(8, 16, generator=gen)
+            if action == "n":
+                with ddp.no_sync():
+                    ddp(x).square().mean().backward()
+            else:
+                ddp(x).square().mean().backward()
+        for total, p in zip(applied, model.parameters()):
+            total += p.grad
+        optimizer.step()
+    memory = hook.memory.state_dict()
+    hook.close()
+    return {"applied": applied, "memory": [memory[n].reshape(p.shape) for n, p in model.named_parameters()],
+            "steps": hook.stats.steps}
+
+
+def _kept_gradients(world: int, pattern: str) -> list[torch.Tensor]:
+    """The sum over the steps of the ranks' mean gradients of the passes no ``zero_grad`` threw away."""
+    model, gens = _two_layers(), [torch.Generator().manual_seed(rank) for rank in range(world)]
+    totals = [torch.zeros_like(p) for p in model.parameters()]
+    for _ in range(STEPS):
+        for gen in gens:  # each rank's draws, in its own order
+            kept: list[list[torch.Tensor]] = []
+            for action in PATTERNS[pattern]:
+                if action == "z":
+                    kept = []
+                    continue
+                model.zero_grad()
+                model(torch.randn(8, 16, generator=gen)).square().mean().backward()
+                kept.append([p.grad.clone() for p in model.parameters()])
+            for grads in kept:
+                for total, g in zip(totals, grads):
+                    total += g / world
+    return totals
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+@pytest.mark.parametrize(("name", "world", "views"), [("cltk", 2, True), ("topk", 3, False), ("powersgd", 4, True),
+                                                      ("topk", 5, True), ("cltk", 3, False)])
+def test_error_feedback_ledger_holds_over_several_backward_passes_per_step(name: str, world: int, views: bool,
+                                                                           pattern: str) -> None:
+    """Several backward passes before one optimizer step (DDP adds each pass's gradient to the ``.grad`` the last
+    left): each synced pass compresses its bucket against the state the previous pass staged, unless a
+    ``zero_grad()`` cleared that pass's gradient. What the optimizer was handed plus the ranks' mean memory then
+    equals the sum of the mean gradients of the passes kept (the memories of a pass must not be dropped while its
+    gradient stays, nor kept once it is cleared)."""
+    results = run_workers(_ledger_run, world, name, pattern, views)
+    for i, target in enumerate(_kept_gradients(world, pattern)):
+        ledger = results[0]["applied"][i] + sum(r["memory"][i] for r in results) / world
+        torch.testing.assert_close(ledger, target, rtol=0, atol=2e-6)
+    assert all(torch.equal(a, b) for r in results for a, b in zip(results[0]["applied"], r["applied"]))
+    assert results[0]["steps"] == STEPS  # steps are optimizer steps, not backward passes
+    assert float(sum(r["memory"][1] for r in results).abs().sum()) > 0  # error feedback held something back

@@ -332,10 +332,12 @@ class Compressor(ABC):
         for store in self._staged_stores():
             store.staging = enabled
 
-    def discard_state(self) -> None:
-        """Drop all staged state: the gradient it came from was not used by any optimizer step."""
+    def discard_state(self, names: Optional[Iterable[str]] = None) -> None:
+        """Drop the state staged for layers ``names`` (all when ``None``): the gradient it came from was thrown away
+        before any optimizer step used it."""
+        wanted = None if names is None else list(names)
         for store in self._staged_stores():
-            store.discard()
+            store.discard(wanted)
 
     def _staged_stores(self) -> list[StagedState]:
         return [value for value in vars(self).values() if isinstance(value, StagedState)]

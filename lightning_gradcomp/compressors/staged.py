@@ -80,9 +80,13 @@ class StagedState:
             if name in self.staged:
                 self.committed[name] = self.staged.pop(name)
 
-    def discard(self) -> None:
-        """Drop every staged value."""
-        self.staged.clear()
+    def discard(self, names: Optional[Iterable[str]] = None) -> None:
+        """Drop the staged values of ``names`` (all when ``None``)."""
+        if names is None:
+            self.staged.clear()
+            return
+        for name in names:
+            self.staged.pop(name, None)
 
     def load(self, committed: dict[str, Any]) -> None:
         """Replace the committed values (a checkpoint) and drop anything staged."""
