@@ -245,8 +245,12 @@ class GradCompHook:
         self._optimizer_hooks.append(optimizer.register_step_post_hook(self._on_optimizer_step))
         for group in optimizer.param_groups:
             for param in group["params"]:
-                if id(param) in self.param_names and param.requires_grad and id(param) not in self._watched:
-                    self._watched[id(param)] = param.register_hook(self._arrival_hook(param))
+                self._watch(param)
+
+    def _watch(self, param: Tensor) -> None:
+        """Put the gradient-arrival hook on ``param`` (once; a parameter DDP reduces and that requires grad)."""
+        if id(param) in self.param_names and param.requires_grad and id(param) not in self._watched:
+            self._watched[id(param)] = param.register_hook(self._arrival_hook(param))
 
     def _arrival_hook(self, param: Tensor) -> Callable[[Tensor], None]:
         """A hook run as ``param``'s gradient arrives, before autograd adds it to ``.grad``: after a backward pass
@@ -263,12 +267,13 @@ class GradCompHook:
         return arriving
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        names = [
-            self.param_names[id(p)]
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if p.grad is not None and id(p) in self.param_names
-        ]
+        names = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._watched:
+                    self._watch(p)  # a parameter group added after attach_optimizer
+                if p.grad is not None and id(p) in self.param_names:
+                    names.append(self.param_names[id(p)])
         self._end_step(names)
 
     def _end_step(self, names: Optional[list[str]]) -> None:
