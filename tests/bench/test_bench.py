@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -12,7 +13,6 @@ from lightning_gradcomp.bench.models import load_workload
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, parse_rate, setup_commands, teardown_commands
 from lightning_gradcomp.bench.runner import recommend, run_bench, summarise, work_ms_of
 from lightning_gradcomp.bench.worker import block_sizes, header_bytes_per_packet
-from lightning_gradcomp.cli import main as cli_main
 
 FIELDS = {"step_time_median_s", "step_time_p25_s", "step_time_p75_s", "throughput_samples_per_s", "scaling_efficiency",
           "wire_bytes_per_step", "iface_tx_bytes_per_step", "iface_tx_payload_bytes_per_step",
@@ -93,18 +93,33 @@ def test_namespaces_are_created_and_removed() -> None:
     assert not failing.exists()
 
 
-@pytest.mark.slow
-def test_short_loopback_run_has_every_field(tmp_path) -> None:
-    out = tmp_path / "bench.json"
+SHARED_CONFIGS = ["ddp", "torch_fp16", "gradcomp_topk"]
+
+
+@pytest.fixture(scope="module")
+def ladder_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One real run shared by the tests below (each launch of ranks costs ~10 s of imports here): the module entry
+    point as a subprocess, a two-link ladder (loopback, then 1 Gbit/s where this machine can emulate it, else
+    loopback again), 3 measured steps per configuration, the chart and the JSON."""
+    out = tmp_path_factory.mktemp("ladder")
+    emulated = can_emulate()[0]
+    links = ["loopback", "1gbit"]
     proc = subprocess.run([sys.executable, "-m", "lightning_gradcomp.cli", "bench", "--model", "mlp-small", "--steps",
-                           "3", "--warmup", "3", "--configs", "ddp,torch_fp16,gradcomp_topk", "--json", str(out)],
+                           "3", "--warmup", "3", "--configs", ",".join(SHARED_CONFIGS), "--link", ",".join(links),
+                           "--chart", str(out / "ladder.png"), "--json", str(out / "bench.json")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "recommendation:" in proc.stdout
-    result = json.loads(out.read_text())
+    return {"stdout": proc.stdout, "results": json.loads((out / "bench.json").read_text()), "links": links,
+            "emulated": emulated, "chart": out / "ladder.png"}
+
+
+@pytest.mark.slow
+def test_short_loopback_run_has_every_field(ladder_run: dict[str, Any]) -> None:
+    assert "recommendation:" in ladder_run["stdout"]
+    result = ladder_run["results"]["loopback"]
     assert result["link"].startswith("loopback")
     rows = result["summary"]["configs"]
-    assert set(rows) == {"ddp", "torch_fp16", "gradcomp_topk"}
+    assert set(rows) == set(SHARED_CONFIGS)
     for row in rows.values():
         assert FIELDS <= set(row)
     assert rows["gradcomp_topk"]["wire_bytes_per_step"] < rows["torch_fp16"]["wire_bytes_per_step"] < \
@@ -121,17 +136,21 @@ def test_short_loopback_run_has_every_field(tmp_path) -> None:
     assert mean_ms == pytest.approx(topk["thread_ms_per_step"] - topk["wait_ms_per_step"], rel=0.02)
     median_ms = 1e3 * sorted(sum(ws) / 2 for ws in zip(*per_step))[1]
     assert topk["work_ms_per_step"] == pytest.approx(median_ms)
-    assert "compression work per step against one pass over the gradient" in proc.stdout
+    assert "compression work per step against one pass over the gradient" in ladder_run["stdout"]
 
 
-def test_link_ladder_prints_one_column_per_link_and_draws_the_chart(tmp_path, capsys) -> None:
-    """The CLI's ``main`` in this process (the module entry point runs as a subprocess in the test above)."""
-    chart = tmp_path / "ladder.png"
-    code = cli_main(["bench", "--model", "mlp-small", "--steps", "2", "--warmup", "3", "--configs",
-                     "ddp,gradcomp_topk", "--link", "loopback,loopback", "--chart", str(chart)])
-    assert code == 0
-    assert "scaling efficiency (compute-only step / step) per link" in capsys.readouterr().out
-    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+@pytest.mark.slow
+def test_link_ladder_prints_one_column_per_link_and_draws_the_chart(ladder_run: dict[str, Any]) -> None:
+    assert list(ladder_run["results"]) == ladder_run["links"]
+    table = ladder_run["stdout"].split("scaling efficiency (compute-only step / step) per link:")[1]
+    header = next(line for line in table.splitlines() if "config" in line)
+    assert all(link in header for link in ladder_run["links"])
+    for name in SHARED_CONFIGS:
+        row = next(line for line in table.splitlines() if f" {name} " in line)
+        assert row.count("%") == len(ladder_run["links"])
+    emulated = ladder_run["results"]["1gbit"]["link"]
+    assert emulated.startswith("emulated 1gbit") if ladder_run["emulated"] else emulated.startswith("loopback")
+    assert ladder_run["chart"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_invalid_bench_arguments() -> None:
@@ -183,21 +202,21 @@ def test_block_sizes_cover_the_steps_in_near_equal_blocks(steps: int, rounds: in
     assert len(sizes) == rounds and sum(sizes) == steps and max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
 
 
-def test_rounds_interleave_blocks_and_count_each_configurations_own_bytes() -> None:
+@pytest.mark.slow
+def test_rounds_interleave_blocks_and_count_each_configurations_own_bytes(ladder_run: dict[str, Any]) -> None:
     """In rounds, every configuration keeps all its measured steps, and its byte counters (ours and, on an emulated
     link where this machine can make one, the interface's) add up over its blocks only: the same bytes per step as
-    measured in one go."""
-    link = "1gbit" if can_emulate()[0] else None
-    configs = ["torch_fp16", "gradcomp_topk"]
-    kwargs = {"model": "mlp-small", "steps": 4, "warmup": 3, "configs": configs, "link": link}
-    once, rounds = run_bench(**kwargs), run_bench(rounds=3, **kwargs)
+    measured in one go (the shared run's second link)."""
+    link = "1gbit" if ladder_run["emulated"] else None
+    once = ladder_run["results"]["1gbit"]
+    rounds = run_bench(model="mlp-small", steps=3, warmup=3, configs=SHARED_CONFIGS, link=link, rounds=3)
     assert rounds["summary"]["rounds"] == 3 and once["summary"]["rounds"] == 1
     for rank in rounds["raw"]:
-        assert len(rank["compute_only"]["step_times"]) == 4  # once: 4 before and 4 after the configurations
-        assert all(len(rank["configs"][c]["step_times"]) == 4 for c in configs)
-        assert all(rank["configs"][c]["peak_rss_mb"] is None for c in configs)  # every configuration resident
-    assert all(len(rank["compute_only"]["step_times"]) == 8 for rank in once["raw"])
-    for name in configs:
+        assert len(rank["compute_only"]["step_times"]) == 3  # once: 3 before and 3 after the configurations
+        assert all(len(rank["configs"][c]["step_times"]) == 3 for c in SHARED_CONFIGS)
+        assert all(rank["configs"][c]["peak_rss_mb"] is None for c in SHARED_CONFIGS)  # every configuration resident
+    assert all(len(rank["compute_only"]["step_times"]) == 6 for rank in once["raw"])
+    for name in SHARED_CONFIGS:
         a, b = once["summary"]["configs"][name], rounds["summary"]["configs"][name]
         assert a["peak_rss_mb"] > 0 and b["peak_rss_mb"] is None
         assert b["wire_bytes_per_step"] == a["wire_bytes_per_step"] > 0
