@@ -317,20 +317,17 @@ class GradCompHook:
 
     def _carry_or_drop(self, params: list[Tensor]) -> None:
         """For a backward pass after one that no optimizer stepped: the layers of ``params`` whose ``.grad`` still
-        holds that pass's gradient (accumulation: DDP adds the new gradient to it) commit that pass's staged state,
-        the base of this pass's compensation, so that error feedback's ledger holds over the accumulated passes;
-        the layers whose ``.grad`` was cleared since drop it. A ``.grad`` zeroed in place
-        (``zero_grad(set_to_none=False)``) cannot be told from a kept one, and counts as kept."""
-        keep: list[str] = []
-        drop: list[str] = []
+        holds that pass's gradient (accumulation: DDP adds the new gradient to it) keep that pass's staged state as
+        the base of this pass's compensation (:meth:`~lightning_gradcomp.memory.ErrorFeedback.base`; a compressor's
+        ``StagedState`` reads its staged copy), so that error feedback's ledger holds over the accumulated passes
+        and the optimizer step commits the chain (a skipped step drops all of it); the layers whose ``.grad`` was
+        cleared since drop it. A ``.grad`` zeroed in place (``zero_grad(set_to_none=False)``) cannot be told from a
+        kept one, and counts as kept."""
+        drop = []
         for param in params:
             name = self.param_names.get(id(param))
-            if name is None:
-                continue
-            cleared = name in self._cleared or (name not in self._kept and param.grad is None)  # no arrival: unused
-            (drop if cleared else keep).append(name)
-        self.memory.commit(keep)
-        self.compressor.commit_state(keep)
+            if name is not None and (name in self._cleared or (name not in self._kept and param.grad is None)):
+                drop.append(name)  # cleared since; a layer without an arrival (unused here) is judged by its .grad
         self.memory.discard(drop)
         self.compressor.discard_state(drop)
 

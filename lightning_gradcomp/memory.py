@@ -13,7 +13,8 @@ With :attr:`ErrorFeedback.staging` on (the engine's mode once an optimizer is at
 **staged**: :meth:`ErrorFeedback.update` records the new memory, :meth:`ErrorFeedback.commit` makes it
 the memory once an optimizer step has consumed the gradient it came from, and :meth:`ErrorFeedback.discard`
 drops it (the gradient was thrown away: ``zero_grad()`` before a step, a skipped AMP step, a parameter no
-optimizer stepped). :meth:`ErrorFeedback.compensate` always reads the committed memory.
+optimizer stepped). :meth:`ErrorFeedback.compensate` reads the committed memory, or a staged one the engine kept
+because the next backward pass accumulates into the same ``.grad`` (:meth:`ErrorFeedback.base`).
 
 Between steps a layer holds one fp32 copy of its gradient (the memory); during a step two (the committed memory
 and the new one, which replaces it only when the step commits). The new ``p`` is a fresh tensor: keeping the
@@ -106,15 +107,21 @@ class ErrorFeedback:
     ) -> tuple[Tensor, Optional[bool]]:
         """:meth:`compensate`, and whether ``grad`` holds NaN/Inf (``None``: not checked; see
         :func:`~.functional.feedback.compensate_checked`)."""
-        memory = self.memories.get(name)
+        memory = self.base(name)
         if memory is not None and memory.shape != grad.shape:
             memory = None
         return compensate_checked(memory, grad, scale, clear=clear)
 
+    def base(self, name: str) -> Optional[Tensor]:
+        """The memory layer ``name`` compensates with: a staged one (a backward pass accumulating into a ``.grad``
+        that an earlier, unstepped pass left: the engine keeps that pass's staged memory), else the committed one."""
+        staged = self.staged.get(name)
+        return staged if staged is not None else self.memories.get(name)
+
     def recover(self, name: str, p: Tensor, scale: Optional[Tensor] = None) -> Tensor:
         """The gradient of layer ``name`` that :meth:`compensate` turned into ``p`` (same ``scale``), recovered from
         the committed memory: :func:`~.functional.feedback.recover_gradient`."""
-        memory = self.memories.get(name)
+        memory = self.base(name)
         return recover_gradient(memory if memory is not None and memory.shape == p.shape else None, p, scale)
 
     def update(self, name: str, residual: Tensor) -> None:
@@ -123,7 +130,7 @@ class ErrorFeedback:
         ``residual`` may be ``p``'s own storage (compressors zero the kept entries in place); with
         ``beta = 1`` it is staged without a copy. The committed memory is never modified in place.
         """
-        memory = self.memories.get(name)
+        memory = self.base(name)
         target = self.staged if self.staging else self.memories
         if self._beta == 1.0 or memory is None or memory.shape != residual.shape:
             target[name] = residual if self._beta == 1.0 else residual.mul(self._beta)

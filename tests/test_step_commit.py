@@ -285,10 +285,13 @@ def test_the_fourth_combination_is_warned_about_for_stateful_compressors(name: s
 
 # ---------------------------------------------------------------------------- several backward passes per step
 STEPS = 5
-PATTERNS = {  # per optimizer step: "b" a synced backward pass, "n" one under no_sync, "z" zero_grad(set_to_none=True)
+PATTERNS = {  # per optimizer step: "b" a synced backward pass, "n" one under no_sync, "z" zero_grad(set_to_none=True),
+    # "s" a step the optimizer skipped (as fp16 AMP's GradScaler does; the strategy then calls drop_unstepped), after
+    # which zero_grad(set_to_none=False) leaves zeroed tensors that look kept
     "accumulate": "bbb",  # Lightning's manual-optimization accumulation: every pass synced, one step
     "discard-then-accumulate": "bznb",  # the first pass thrown away; the next two accumulated (one without a sync)
     "accumulate-after-local": "nbb",
+    "accumulate-skip-accumulate": "bbsbb",  # two accumulated passes lost to a skipped step, then two kept
 }
 
 
@@ -313,8 +316,10 @@ def _ledger_run(rank: int, world: int, name: str, pattern: str, views: bool) -> 
     for _ in range(STEPS):
         optimizer.zero_grad()
         for action in PATTERNS[pattern]:
-            if action == "z":
-                optimizer.zero_grad()
+            if action in "zs":
+                if action == "s":
+                    hook.drop_unstepped()
+                optimizer.zero_grad(set_to_none=action == "z")
                 continue
             x = torch.randn(8, 16, generator=gen)
             if action == "n":
@@ -339,7 +344,7 @@ def _kept_gradients(world: int, pattern: str) -> list[torch.Tensor]:
         for gen in gens:  # each rank's draws, in its own order
             kept: list[list[torch.Tensor]] = []
             for action in PATTERNS[pattern]:
-                if action == "z":
+                if action in "zs":
                     kept = []
                     continue
                 model.zero_grad()
