@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from lightning_gradcomp.bench.models import load_workload
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, parse_rate, setup_commands, teardown_commands
-from lightning_gradcomp.bench.runner import recommend, run_bench, summarise, work_ms_of
+from lightning_gradcomp.bench.runner import plot_ladder, print_ladder, recommend, run_bench, summarise, work_ms_of
 from lightning_gradcomp.bench.worker import block_sizes, header_bytes_per_packet
 
 FIELDS = {"step_time_median_s", "step_time_p25_s", "step_time_p75_s", "throughput_samples_per_s", "scaling_efficiency",
@@ -99,11 +101,11 @@ SHARED_CONFIGS = ["ddp", "torch_fp16", "gradcomp_topk"]
 @pytest.fixture(scope="module")
 def ladder_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One real run shared by the tests below (each launch of ranks costs ~10 s of imports here): the module entry
-    point as a subprocess, a two-link ladder (loopback, then 1 Gbit/s where this machine can emulate it, else
-    loopback again), 3 measured steps per configuration, the chart and the JSON."""
+    point as a subprocess, a one-link ladder (``--chart``) on 1 Gbit/s where this machine can emulate it, else on
+    loopback, 3 measured steps per configuration, the chart and the JSON."""
     out = tmp_path_factory.mktemp("ladder")
     emulated = can_emulate()[0]
-    links = ["loopback", "1gbit"]
+    links = ["1gbit"]
     proc = subprocess.run([sys.executable, "-m", "lightning_gradcomp.cli", "bench", "--model", "mlp-small", "--steps",
                            "3", "--warmup", "3", "--configs", ",".join(SHARED_CONFIGS), "--link", ",".join(links),
                            "--chart", str(out / "ladder.png"), "--json", str(out / "bench.json")],
@@ -114,10 +116,10 @@ def ladder_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_short_loopback_run_has_every_field(ladder_run: dict[str, Any]) -> None:
+def test_short_run_has_every_field(ladder_run: dict[str, Any]) -> None:
     assert "recommendation:" in ladder_run["stdout"]
-    result = ladder_run["results"]["loopback"]
-    assert result["link"].startswith("loopback")
+    result = ladder_run["results"]["1gbit"]
+    assert result["link"].startswith("emulated 1gbit" if ladder_run["emulated"] else "loopback")
     rows = result["summary"]["configs"]
     assert set(rows) == set(SHARED_CONFIGS)
     for row in rows.values():
@@ -140,17 +142,27 @@ def test_short_loopback_run_has_every_field(ladder_run: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
-def test_link_ladder_prints_one_column_per_link_and_draws_the_chart(ladder_run: dict[str, Any]) -> None:
+def test_link_ladder_prints_one_column_per_link_and_draws_the_chart(ladder_run: dict[str, Any], tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The real run's one-link ladder, then the same table and chart for three links made of its result."""
     assert list(ladder_run["results"]) == ladder_run["links"]
-    table = ladder_run["stdout"].split("scaling efficiency (compute-only step / step) per link:")[1]
+    assert "scaling efficiency (compute-only step / step) per link:" in ladder_run["stdout"]
+    assert ladder_run["chart"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    real = ladder_run["results"]["1gbit"]
+    links = ["loopback", "1gbit", "100mbit"]
+    ladder = {link: copy.deepcopy(real) for link in links}
+    for i, link in enumerate(links):
+        for row in ladder[link]["summary"]["configs"].values():
+            row["scaling_efficiency"] = 0.9 - 0.3 * i
+    print_ladder(ladder)
+    table = capsys.readouterr().out.split("scaling efficiency (compute-only step / step) per link:")[1]
     header = next(line for line in table.splitlines() if "config" in line)
-    assert all(link in header for link in ladder_run["links"])
+    assert all(link in header for link in links)
     for name in SHARED_CONFIGS:
         row = next(line for line in table.splitlines() if f" {name} " in line)
-        assert row.count("%") == len(ladder_run["links"])
-    emulated = ladder_run["results"]["1gbit"]["link"]
-    assert emulated.startswith("emulated 1gbit") if ladder_run["emulated"] else emulated.startswith("loopback")
-    assert ladder_run["chart"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert [cell.strip() for cell in row.split("│")[2:-1]] == ["90%", "60%", "30%"]
+    plot_ladder(ladder, str(tmp_path / "three.png"))
+    assert (tmp_path / "three.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_invalid_bench_arguments() -> None:
