@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.checks import is_number
+from lightning_gradcomp.compressors.staged import drop_staged
 from lightning_gradcomp.functional.feedback import compensate_checked, recover_gradient
 
 __all__ = ["ErrorFeedback", "require_error_feedback", "validate_beta", "validate_beta_for"]
@@ -146,11 +147,7 @@ class ErrorFeedback:
 
     def discard(self, names: Optional[Iterable[str]] = None) -> None:
         """Drop the staged (uncommitted) memories of ``names`` (all when ``None``)."""
-        if names is None:
-            self.staged.clear()
-            return
-        for name in names:
-            self.staged.pop(name, None)
+        drop_staged(self.staged, names)
 
     def norm(self, names: Optional[list[str]] = None) -> float:
         """L2 norm over all (or the named) memories."""

@@ -209,20 +209,27 @@ class _Branchy(nn.Module):
         return self.b(h) if use_b else h
 
 
-USES_B = (True, True, True, False, False, True, False, True)  # from the third step on: compressed
+USES_B = (True, True, True, False, False, True, False, True)
+
+
+def _hooked(model: nn.Module, name: str, views: bool, **ddp_kwargs: Any) -> tuple[DistributedDataParallel, Any, Any]:
+    """``model`` under DDP with the compressor's hook (compressed from the third step) and an SGD at ``lr = 0``
+    attached to it: the optimizer steps with the gradients alone."""
+    strategy = _strategy(COMPRESSORS[name](), start_step=2, min_numel=1, gradient_as_bucket_view=views)
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=views, **ddp_kwargs)
+    hook = strategy.make_hook(Comm(None, CommStats()), {id(p): n for n, p in model.named_parameters()},
+                              torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    hook.attach_optimizer(optimizer)
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    return ddp, hook, optimizer  # from the third step on: compressed
 
 
 def _applied_and_memory(rank: int, world: int, name: str, views: bool, set_to_none: bool) -> dict[str, Any]:
     """What the optimizer was handed for ``b`` over the steps (``lr = 0``: the gradients alone), and ``b``'s final
     memory, with ``b`` unused on every rank in some steps."""
     model = _Branchy()
-    strategy = _strategy(COMPRESSORS[name](), start_step=2, min_numel=1, gradient_as_bucket_view=views)
-    ddp = DistributedDataParallel(model, find_unused_parameters=True, gradient_as_bucket_view=views)
-    hook = strategy.make_hook(Comm(None, CommStats()), {id(p): n for n, p in model.named_parameters()},
-                              torch.device("cpu"))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    hook.attach_optimizer(optimizer)
-    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    ddp, hook, optimizer = _hooked(model, name, views, find_unused_parameters=True)
     gen = torch.Generator().manual_seed(rank)
     applied = torch.zeros(24, 24)
     for use_b in USES_B:
@@ -304,13 +311,7 @@ def _ledger_run(rank: int, world: int, name: str, pattern: str, views: bool) -> 
     """What the optimizer was handed over 5 steps, compressed from the third (``lr = 0``: the gradients alone), and
     the final memories."""
     model = _two_layers()
-    ddp = DistributedDataParallel(model, gradient_as_bucket_view=views)
-    strategy = _strategy(COMPRESSORS[name](), start_step=2, min_numel=1)
-    hook = strategy.make_hook(Comm(None, CommStats()), {id(p): n for n, p in model.named_parameters()},
-                              torch.device("cpu"))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    hook.attach_optimizer(optimizer)
-    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    ddp, hook, optimizer = _hooked(model, name, views)
     gen = torch.Generator().manual_seed(rank)
     applied = [torch.zeros_like(p) for p in model.parameters()]
     for _ in range(STEPS):

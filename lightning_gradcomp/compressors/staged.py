@@ -21,7 +21,16 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-__all__ = ["StagedState"]
+__all__ = ["StagedState", "drop_staged"]
+
+
+def drop_staged(staged: dict[str, Any], names: Optional[Iterable[str]] = None) -> None:
+    """Remove the entries of ``names`` from ``staged`` (every entry when ``None``; absent names are skipped)."""
+    if names is None:
+        staged.clear()
+        return
+    for name in names:
+        staged.pop(name, None)
 
 
 def _copy(value: Any) -> Any:
@@ -82,11 +91,7 @@ class StagedState:
 
     def discard(self, names: Optional[Iterable[str]] = None) -> None:
         """Drop the staged values of ``names`` (all when ``None``)."""
-        if names is None:
-            self.staged.clear()
-            return
-        for name in names:
-            self.staged.pop(name, None)
+        drop_staged(self.staged, names)
 
     def load(self, committed: dict[str, Any]) -> None:
         """Replace the committed values (a checkpoint) and drop anything staged."""
