@@ -188,7 +188,7 @@ class GradCompHook:
         self._unstepped = False  # a backward pass went through the hook since the last step
         self._compressed = False  # ... and it compressed something
         self._optimizer_hooks: list[Any] = []
-        self._watched: dict[int, Any] = {}  # id(param) -> handle of its gradient-arrival hook (attach_optimizer)
+        self._watched: set[int] = set()  # id(param) of the parameters with a gradient-arrival hook (attach_optimizer)
         self._kept: set[str] = set()  # layers whose gradient arrived onto a kept .grad since the unstepped pass
         self._cleared: set[str] = set()  # ... onto a cleared one (None): that pass's gradient was thrown away
         self._carrying = False  # this backward pass follows one that no optimizer stepped
@@ -250,7 +250,8 @@ class GradCompHook:
     def _watch(self, param: Tensor) -> None:
         """Put the gradient-arrival hook on ``param`` (once; a parameter DDP reduces and that requires grad)."""
         if id(param) in self.param_names and param.requires_grad and id(param) not in self._watched:
-            self._watched[id(param)] = param.register_hook(self._arrival_hook(param))
+            param.register_hook(self._arrival_hook(param))  # kept for the parameter's life: never removed
+            self._watched.add(id(param))
 
     def _arrival_hook(self, param: Tensor) -> Callable[[Tensor], None]:
         """A hook run as ``param``'s gradient arrives, before autograd adds it to ``.grad``: after a backward pass

@@ -121,7 +121,7 @@ class ErrorFeedback:
 
     def recover(self, name: str, p: Tensor, scale: Optional[Tensor] = None) -> Tensor:
         """The gradient of layer ``name`` that :meth:`compensate` turned into ``p`` (same ``scale``), recovered from
-        the committed memory: :func:`~.functional.feedback.recover_gradient`."""
+        the memory it compensated with (:meth:`base`): :func:`~.functional.feedback.recover_gradient`."""
         memory = self.base(name)
         return recover_gradient(memory if memory is not None and memory.shape == p.shape else None, p, scale)
 

@@ -202,8 +202,8 @@ class OuterSync:
                 layer = stats.layer(slot.name)
                 layer.numel, layer.compressed = slot.numel, slot.compressed
                 layer.param = self.param_of(slot.name) if slot.compressed else None
-                real_size = real_view(self.params[slot.name]).element_size()  # slot.numel counts real numbers
-                layer.dense_bytes += all_reduce_bytes(slot.numel * real_size, world)
+                param = self.params[slot.name]  # its own bytes: a complex slot counts 2 real numbers per element
+                layer.dense_bytes += all_reduce_bytes(param.numel() * param.element_size(), world)
 
     def sync_next(self) -> None:
         """Synchronize (or, with ``overlap``, issue the exchange of) the fragment under the cursor; advance it."""
