@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
@@ -21,6 +22,7 @@ from helpers.distributed import run_workers
 from helpers.models import fit
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.comm import Comm, CommStats
+from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout
 from lightning_gradcomp.compressors import CLTK, DIANA, Compressor, PowerSGD, SignSGD, TopK
 from lightning_gradcomp.hook import gradcomp_comm_hook
 
@@ -212,13 +214,19 @@ class _Branchy(nn.Module):
 USES_B = (True, True, True, False, False, True, False, True)
 
 
-def _hooked(model: nn.Module, name: str, views: bool, **ddp_kwargs: Any) -> tuple[DistributedDataParallel, Any, Any]:
+def _hooked(model: nn.Module, name: str, views: bool, node_size: int = 0,
+            **ddp_kwargs: Any) -> tuple[DistributedDataParallel, Any, Any]:
     """``model`` under DDP with the compressor's hook (compressed from the third step) and an SGD at ``lr = 0``
-    attached to it: the optimizer steps with the gradients alone."""
+    attached to it: the optimizer steps with the gradients alone. ``node_size``: the hierarchical hook with nodes of
+    that many ranks (0: flat)."""
     strategy = _strategy(COMPRESSORS[name](), start_step=2, min_numel=1, gradient_as_bucket_view=views)
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=views, **ddp_kwargs)
-    hook = strategy.make_hook(Comm(None, CommStats()), {id(p): n for n, p in model.named_parameters()},
-                              torch.device("cpu"))
+    stats, names = CommStats(), {id(p): n for n, p in model.named_parameters()}
+    hierarchy = None
+    if node_size:
+        numels = {n: p.numel() for n, p in model.named_parameters()}
+        hierarchy = Hierarchy.create(HierarchyLayout(dist.get_world_size(), node_size), dist.get_rank(), numels, stats)
+    hook = strategy.make_hook(Comm(None, stats), names, torch.device("cpu"), hierarchy)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     hook.attach_optimizer(optimizer)
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
@@ -309,11 +317,12 @@ def _layers_of_several_sizes() -> nn.Module:
                          nn.Linear(23, 7, bias=False), nn.Tanh(), nn.Linear(7, 1))
 
 
-def _ledger_run(rank: int, world: int, name: str, pattern: str, views: bool, bucket_mb: float) -> dict[str, Any]:
+def _ledger_run(rank: int, world: int, name: str, pattern: str, views: bool, bucket_mb: float,
+                node_size: int) -> dict[str, Any]:
     """What the optimizer was handed over 5 steps, compressed from the third (``lr = 0``: the gradients alone), and
     the final memories."""
     model = _layers_of_several_sizes()
-    ddp, hook, optimizer = _hooked(model, name, views, bucket_cap_mb=bucket_mb)
+    ddp, hook, optimizer = _hooked(model, name, views, node_size, bucket_cap_mb=bucket_mb)
     gen = torch.Generator().manual_seed(rank)
     applied = [torch.zeros_like(p) for p in model.parameters()]
     for _ in range(STEPS):
@@ -363,20 +372,23 @@ def _kept_gradients(world: int, pattern: str) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
-@pytest.mark.parametrize(("name", "world", "views", "bucket_mb"),
-                         [("cltk", 2, True, 25.0), ("topk", 3, False, 0.001), ("powersgd", 4, True, 0.001),
-                          ("topk", 5, True, 25.0), ("cltk", 3, False, 0.002)])
+@pytest.mark.parametrize(("name", "world", "views", "bucket_mb", "node_size"),
+                         [("cltk", 2, True, 25.0, 0), ("topk", 3, False, 0.001, 0), ("powersgd", 4, True, 0.001, 0),
+                          ("topk", 5, True, 25.0, 0), ("cltk", 3, False, 0.002, 0), ("cltk", 4, False, 0.001, 2)])
 def test_error_feedback_ledger_holds_over_several_backward_passes_per_step(name: str, world: int, views: bool,
-                                                                           bucket_mb: float, pattern: str) -> None:
+                                                                           bucket_mb: float, node_size: int,
+                                                                           pattern: str) -> None:
     """Several backward passes before one optimizer step (DDP adds each pass's gradient to the ``.grad`` the last
     left): each synced pass compresses its bucket against the state the previous pass staged, unless a
     ``zero_grad()`` cleared that pass's gradient. What the optimizer was handed plus the ranks' mean memory then
     equals the sum of the mean gradients of the passes kept (the memories of a pass must not be dropped while its
     gradient stays, nor kept once it is cleared). Layers of several sizes, down to one entry; one bucket, or
-    a cap of 1-2 KB (two buckets per pass once DDP rebuilds them)."""
-    results = run_workers(_ledger_run, world, name, pattern, views, bucket_mb)
+    a cap of 1-2 KB (two buckets per pass once DDP rebuilds them). With ``node_size`` the hierarchical hook: a
+    layer's memory is its owner's in each node, for the node-mean gradient, so the memories are averaged over nodes."""
+    results = run_workers(_ledger_run, world, name, pattern, views, bucket_mb, node_size)
+    holders = world // node_size if node_size else world  # ranks holding each layer's memory
     for i, target in enumerate(_kept_gradients(world, pattern)):
-        ledger = results[0]["applied"][i] + sum(r["memory"][i] for r in results) / world
+        ledger = results[0]["applied"][i] + sum(r["memory"][i] for r in results) / holders
         torch.testing.assert_close(ledger, target, rtol=1e-6, atol=2e-6)  # sums reach 9
     assert all(torch.equal(a, b) for r in results for a, b in zip(results[0]["applied"], r["applied"]))
     assert results[0]["steps"] == STEPS  # steps are optimizer steps, not backward passes
