@@ -78,12 +78,20 @@ def layer_table(
 # ---------------------------------------------------------------------------------------------- collector
 class _Collector:
     """Engine observer summing each compressed layer's statistic (raw gradient or compressor input) over the
-    steps of the statistics window."""
+    steps of the statistics window.
+
+    Several synchronized backward passes before one optimizer step (manual accumulation) each hand over their
+    bucket, which holds the passes so far added up: a step's statistic is its **last** pass's, the gradient the
+    optimizer consumes. So each layer's latest record waits in :attr:`current` until a record of a later step or
+    :meth:`fold` (after the optimizer stepped) adds it to the window; a step the optimizer skipped is replaced by
+    the next one's passes (the hook's step does not advance).
+    """
 
     def __init__(self, owner: LGreCo) -> None:
         self.owner = owner
         self.sums: dict[str, Tensor] = {}
         self.per_step: dict[str, list[Tensor]] = {}  # window="steps" (instead of sums): one copy per step
+        self.current: dict[str, tuple[int, Tensor]] = {}  # layer -> (step, its latest pass's statistic)
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.steps: set[int] = set()
 
@@ -102,17 +110,29 @@ class _Collector:
         tensors = record.gradients if self.needs_gradients and record.gradients is not None else record.inputs
         for slot, x in zip(record.slots, tensors):
             self.shapes[slot.name] = tuple(slot.shape)
-            if self.owner.window == "steps":
-                self.per_step.setdefault(slot.name, []).append(x.detach().to(torch.float32, copy=True))
+            self.fold(record.step, (slot.name,))
+            self.current[slot.name] = record.step, x.detach().to(torch.float32, copy=True)  # a later pass replaces
+
+    def fold(self, before: Optional[int] = None, names: Optional[Sequence[str]] = None) -> None:
+        """Add the waiting statistics of steps before ``before`` (all when ``None``) to the window, for the layers
+        ``names`` (all when ``None``)."""
+        for name in list(self.current) if names is None else names:
+            waiting = self.current.get(name)
+            if waiting is None or (before is not None and waiting[0] >= before):
                 continue
-            total = self.sums.get(slot.name)
+            del self.current[name]
+            x = waiting[1]
+            if self.owner.window == "steps":
+                self.per_step.setdefault(name, []).append(x)
+                continue
+            total = self.sums.get(name)
             if total is None or total.shape != x.shape:
-                self.sums[slot.name] = x.detach().to(torch.float32, copy=True)
+                self.sums[name] = x
             else:
                 total.add_(x)
 
     def reset(self) -> None:
-        self.sums, self.per_step, self.shapes, self.steps = {}, {}, {}, set()
+        self.sums, self.per_step, self.current, self.shapes, self.steps = {}, {}, {}, {}, set()
 
 
 # ---------------------------------------------------------------------------------------------- callback
@@ -238,6 +258,7 @@ class LGreCo(Callback):
         if self._hook is None:
             return
         step = self._hook.step
+        self._collector.fold(before=step)  # the steps the optimizer consumed
         if step == self._last_step or not self.is_adjustment_step(step):
             return
         self._last_step = step
@@ -261,6 +282,7 @@ class LGreCo(Callback):
         hook = self._hook
         collector = self._collector
         step = hook.step
+        collector.fold()
         if not collector.shapes:
             rank_zero_warn(
                 f"LGreCo: no compressed-gradient statistics before step {step} (warmup_steps="

@@ -96,11 +96,43 @@ def test_statistic_selects_raw_gradients_or_compressor_inputs(statistic: str) ->
     inputs = [g + 10.0 for g in grads]  # p = m + g with a memory of 10
     for step, (g, x) in enumerate(zip(grads, inputs), start=8):
         cb._collector(BucketRecord(step, 0, slot, [x], None, [g]))
+    cb._collector.fold()
     expected = grads[0] + grads[1] if statistic == "gradient" else inputs[0] + inputs[1]
     assert torch.equal(cb._collector.sums["w"], expected) and cb._collector.steps == {8, 9}
     cb._collector.reset()
     cb._collector(BucketRecord(9, 0, slot, [inputs[0]], None))  # an engine without raw gradients: the inputs
+    cb._collector.fold()
     assert torch.equal(cb._collector.sums["w"], inputs[0])
+
+
+@pytest.mark.parametrize("window", ["sum", "steps"])
+def test_a_step_counts_the_last_of_its_backward_passes(window: str) -> None:
+    """Several synchronized backward passes per optimizer step (manual accumulation) hand over the bucket as it
+    accumulates: the window counts each step once, with its last pass's statistic, per layer (a layer may sit in
+    another bucket than the others); a pass's record waits until a later step's record or ``fold(before=step)``."""
+    cb = LGreCo(period=5, warmup_steps=10, accumulate_steps=3, window=window)
+    collector = cb._collector
+    slots = (LayerSlot("a", 0, (4,), True), LayerSlot("b", 4, (6,), True))
+    gen = torch.Generator().manual_seed(0)
+    last = {}
+    for step, passes in ((7, 3), (8, 1), (9, 2)):
+        for _ in range(passes):
+            grads = [torch.randn(4, generator=gen), torch.randn(6, generator=gen)]
+            for slot, g in zip(slots, grads):  # one bucket per layer
+                collector(BucketRecord(step, slot.offset, (slot,), [g + 1.0], None, [g]))
+            last[step] = grads
+        if step == 7:  # a batch ended before the optimizer stepped (the hook's step is still 7): nothing folds
+            collector.fold(before=7)
+            assert not collector.sums and not collector.per_step
+    collector.fold(before=9)  # after step 9's optimizer step the hook's step would be 10; 9 still waits here
+    assert collector.current["a"][0] == 9 and torch.equal(collector.current["b"][1], last[9][1])
+    collector.fold()
+    for i, name in enumerate(("a", "b")):
+        if window == "sum":
+            assert torch.equal(collector.sums[name], last[7][i] + last[8][i] + last[9][i])
+        else:
+            assert [x.tolist() for x in collector.per_step[name]] == [last[s][i].tolist() for s in (7, 8, 9)]
+    assert collector.steps == {7, 8, 9} and not collector.current
 
 
 def test_adjustment_saves_bytes_at_equal_error() -> None:

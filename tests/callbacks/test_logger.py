@@ -206,6 +206,19 @@ def test_error_probe_measures_relative_error() -> None:
     assert probe.total_error() == pytest.approx(math.sqrt(17 / 171))
 
 
+def test_error_probe_counts_the_last_backward_pass_of_a_step() -> None:
+    """Several synced backward passes before one optimizer step (manual accumulation) each hand over their bucket:
+    the step's error is its last pass's, per layer, in whichever bucket the layer is."""
+    probe = names.ErrorProbe(every=1)
+    probe(_record(4, [torch.tensor([3.0, 4.0]), torch.tensor([1.0])], [torch.tensor([3.0, 0.0]), torch.tensor([0.0])]))
+    probe(_record(4, [torch.tensor([6.0, 8.0])], [torch.tensor([0.0, 8.0])]))  # pass 2, layer l0's bucket only
+    probe(_record(4, [torch.tensor([2.0])], [torch.tensor([1.0])], first=1))  # pass 2, layer l1's bucket
+    (measured,) = probe.drain()
+    assert measured.layers == {"l0": (64.0, 100.0), "l1": (1.0, 4.0)}
+    assert measured.error == pytest.approx(math.sqrt(65 / 104))
+    assert probe.layer_errors() == pytest.approx({"l0": 0.8, "l1": 0.5})
+
+
 def test_error_probe_skips_unknown_residuals() -> None:
     probe = names.ErrorProbe(every=1)
     probe(_record(0, [torch.ones(3)], None))
