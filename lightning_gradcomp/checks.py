@@ -24,6 +24,7 @@ from typing import Any, Optional, TypeGuard, Union
 import torch
 
 __all__ = [
+    "DTYPE_ALIASES",
     "check_bool",
     "check_bucket_size",
     "check_dtype",
@@ -104,13 +105,26 @@ def check_bucket_size(value: Any, name: str = "bucket_size") -> int:
     return check_int(name, value, 1)
 
 
+DTYPE_ALIASES: dict[str, torch.dtype] = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp64": torch.float64,
+}
+"""Short dtype names accepted wherever a dtype may be given as a string (the names in Lightning's precisions)."""
+
+
 def check_dtype(name: str, value: Union[torch.dtype, str], allowed: Sequence[torch.dtype]) -> torch.dtype:
-    """Validate a dtype among ``allowed``; strings name a torch dtype (``"bfloat16"``, ``"torch.float16"``).
+    """Validate a dtype among ``allowed``; strings name a torch dtype (``"bfloat16"``, ``"torch.float16"``) or are
+    one of :data:`DTYPE_ALIASES` (``"fp16"``, ``"bf16"``, ``"fp32"``, ``"fp64"``).
 
     Raises:
         ValueError: ``value`` is not one of ``allowed``; the message names ``name`` and lists them.
     """
-    dtype = getattr(torch, value.removeprefix("torch."), None) if isinstance(value, str) else value
+    if isinstance(value, str):
+        dtype = DTYPE_ALIASES.get(value.lower(), getattr(torch, value.removeprefix("torch."), None))
+    else:
+        dtype = value
     if not isinstance(dtype, torch.dtype) or dtype not in allowed:
         names = [str(d) for d in allowed]
         choices = " or ".join(names) if len(names) == 2 else "one of " + ", ".join(names)

@@ -113,7 +113,8 @@ HALF = (torch.float16, torch.bfloat16)
 
 @pytest.mark.parametrize("value, expected", [
     (torch.float16, torch.float16), ("float16", torch.float16), ("torch.bfloat16", torch.bfloat16),
-    ("float", torch.float32), (torch.float32, torch.float32)])
+    ("float", torch.float32), (torch.float32, torch.float32), ("fp16", torch.float16), ("BF16", torch.bfloat16),
+    ("fp32", torch.float32)])
 def test_check_dtype_accepts_dtypes_and_their_names(value: Any, expected: torch.dtype) -> None:
     assert check_dtype("value_dtype", value, SPARSE) is expected
 
@@ -122,6 +123,7 @@ def test_check_dtype_accepts_dtypes_and_their_names(value: Any, expected: torch.
     (torch.int8, SPARSE, r"`value_dtype` must be one of torch.float32, torch.float16, torch.bfloat16, got torch.int8"),
     ("int8", SPARSE, r"must be one of .*, got torch.int8"),  # a name is shown as the dtype it names
     ("float64x", SPARSE, r"must be one of .*, got 'float64x'"),
+    ("fp64", SPARSE, r"must be one of .*, got torch.float64"),  # an alias is shown as the dtype it names
     ("nn", SPARSE, r"got 'nn'"),  # torch.nn is an attribute of torch, not a dtype
     (None, SPARSE, "got None"), (32, SPARSE, "got 32"),
     (torch.float32, HALF, r"`value_dtype` must be torch.float16 or torch.bfloat16, got torch.float32")])
