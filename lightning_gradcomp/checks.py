@@ -25,6 +25,7 @@ import torch
 
 __all__ = [
     "DTYPE_ALIASES",
+    "MAX_TIMEOUT_SECONDS",
     "check_bool",
     "check_bucket_size",
     "check_dtype",
@@ -132,12 +133,17 @@ def check_dtype(name: str, value: Union[torch.dtype, str], allowed: Sequence[tor
     return dtype
 
 
+MAX_TIMEOUT_SECONDS = 1e12
+"""Largest process-group timeout accepted (about 31,700 years): torch.distributed holds a timeout as int64
+microseconds, which ``timedelta.max`` overflows (its store then times out at once, with a negative timeout)."""
+
+
 def check_timeout(timeout: Any) -> Optional[timedelta]:
     """Validate a process-group timeout: a positive ``timedelta``, positive seconds (YAML), or ``None``.
 
     Raises:
         TypeError: not a ``timedelta``, a number or ``None``.
-        ValueError: not positive and finite.
+        ValueError: not in ``[1e-06, MAX_TIMEOUT_SECONDS]`` seconds.
     """
     if timeout is None:
         return None
@@ -148,6 +154,8 @@ def check_timeout(timeout: Any) -> Optional[timedelta]:
     else:
         raise TypeError(f"`timeout` must be a datetime.timedelta, a number of seconds or None, got {timeout!r}")
     # a timedelta holds whole microseconds: fewer would round to a zero timeout, not a short one
-    if not seconds >= 1e-6 or seconds == math.inf:
-        raise ValueError(f"`timeout` must be positive and finite (seconds in [1e-06, inf)), got {timeout!r}")
+    if not 1e-6 <= seconds <= MAX_TIMEOUT_SECONDS:
+        raise ValueError(
+            f"`timeout` must be positive and finite (seconds in [1e-06, {MAX_TIMEOUT_SECONDS:g}]), got {timeout!r}"
+        )
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)

@@ -135,16 +135,17 @@ def test_check_dtype_rejects_naming_argument_and_choices(value: Any, allowed: tu
 # ---------------------------------------------------------------------------------------------- check_timeout
 @pytest.mark.parametrize("value, expected", [
     (None, None), (timedelta(minutes=2), timedelta(minutes=2)), (120, timedelta(seconds=120)),
-    (0.5, timedelta(seconds=0.5))])
+    (0.5, timedelta(seconds=0.5)), (10**12, timedelta(seconds=10**12))])
 def test_check_timeout_accepts(value: Any, expected: Any) -> None:
     assert check_timeout(value) == expected
 
 
 @pytest.mark.parametrize("value, error", [
     (0, ValueError), (-1, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
-    (timedelta(0), ValueError), (timedelta(seconds=-3), ValueError), (True, TypeError), ("10", TypeError)])
+    (timedelta(0), ValueError), (timedelta(seconds=-3), ValueError), (True, TypeError), ("10", TypeError),
+    (10**15, ValueError), (timedelta.max, ValueError)])  # beyond int64 microseconds: it overflowed in the store
 def test_check_timeout_rejects(value: Any, error: type) -> None:
-    match = r"`timeout` must be positive and finite \(seconds in \[1e-06, inf\)\)" if error is ValueError \
+    match = r"`timeout` must be positive and finite \(seconds in \[1e-06, 1e\+12\]\)" if error is ValueError \
         else "`timeout` must be a datetime.timedelta, a number of seconds or None"
     with pytest.raises(error, match=match):
         check_timeout(value)

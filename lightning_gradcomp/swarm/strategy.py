@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from lightning_gradcomp import checkpoint_shards
 from lightning_gradcomp.checkpoint_shards import load_verified
-from lightning_gradcomp.checks import check_bool, check_int, check_number, check_timeout, is_int
+from lightning_gradcomp.checks import MAX_TIMEOUT_SECONDS, check_bool, check_int, check_number, check_timeout, is_int
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.distributed import DEFAULT_TIMEOUT
 from lightning_gradcomp.functional.finite import DeferredCount
@@ -118,7 +118,8 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         gossip_buffers: gossip floating-point buffers (BatchNorm running statistics) with the parameters,
             so every model's statistics follow its averaged weights.
         exchange_timeout: seconds after which an async exchange with a silent partner fails (dead partner), at
-            least 1e-6 (a microsecond, the unit of the process group's timeout).
+            least 1e-6 (a microsecond, the unit of the process group's timeout), at most 1e12
+            (:data:`~lightning_gradcomp.checks.MAX_TIMEOUT_SECONDS`).
         timeout: process-group timeout, a ``timedelta`` or seconds (> 0); ``None`` uses PyTorch's backend
             default. Default :data:`~lightning_gradcomp.distributed.DEFAULT_TIMEOUT` (10 minutes), as for
             :class:`~lightning_gradcomp.GradCompStrategy`.
@@ -190,7 +191,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         self.replay = _check_replay(replay)
         self.gossip_buffers = check_bool("gossip_buffers", gossip_buffers)
         self.exchange_timeout = float(  # a timedelta holds whole microseconds: less would round to no timeout
-            check_number("exchange_timeout", exchange_timeout, 1e-6, float("inf"), low_open=False, high_open=True)
+            check_number("exchange_timeout", exchange_timeout, 1e-6, MAX_TIMEOUT_SECONDS, low_open=False)
         )
         super().__init__(
             accelerator=accelerator,

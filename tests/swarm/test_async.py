@@ -248,7 +248,7 @@ def test_async_checkpoint_drains_exchanges_and_resumes(tmp_path: Path) -> None:
     ({"monitor_every": 2}, ValueError, "monitor_every"),
     ({"gossip_buffers": 1}, TypeError, "gossip_buffers"),
     ({"exchange_timeout": 0}, ValueError, "exchange_timeout"),
-    ({"exchange_timeout": 1e-9}, ValueError, r"`exchange_timeout` must be in \[1e-06, inf\)"),  # a zero timedelta
+    ({"exchange_timeout": 1e-9}, ValueError, r"`exchange_timeout` must be in \[1e-06, 1000000000000.0\]"),  # a zero timedelta
     ({"exchange_timeout": float("inf")}, ValueError, "exchange_timeout"),
 ])
 def test_bad_async_arguments_are_rejected(kwargs: dict, error: type, match: str) -> None:
