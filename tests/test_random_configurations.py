@@ -3,7 +3,8 @@
 Each seed draws layer shapes (a matrix of at least 272 entries, then 1-D to 4-D, 1 to 4099 entries), a compressor with random arguments, the parameter
 dtype, DDP's bucket cap and bucket views, the slot policy, the non-finite policy, a layer unused on every rank in
 some steps, and a pattern of backward passes per optimizer step (synced, ``no_sync``, a ``zero_grad`` between
-them). Checked: replicas bit-identical and finite after every step; at ``lr = 0`` with an exact error-feedback
+them), at W = 2..5, and the hierarchical hook at W = 4 in nodes of 2. Checked: replicas bit-identical and finite
+after every step; at ``lr = 0`` with an exact error-feedback
 compressor, error feedback's ledger (what the optimizer was handed plus the ranks' mean memory equals the sum of the
 kept passes' mean gradients). The seeds are fixed, so a failure repeats.
 """
@@ -25,6 +26,7 @@ from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors import (CLTK, DIANA, QSGD, Cast, Compressor, NoCompression, PowerSGD, RandomK,
                                             SignSGD, TernGrad, TopK)
+from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout
 from lightning_gradcomp.hook import gradcomp_comm_hook
 
 STEPS = 5
@@ -82,13 +84,15 @@ class Config:
     unused: bool
     pattern: str
     world: int
+    node_size: int = 0  # the hierarchical hook with nodes of this many ranks (0: flat)
 
     def make(self) -> Compressor:
         return self.compressor(**dict(self.arguments))
 
 
-def draw(seed: int, exact_feedback: bool = False) -> Config:
-    """The configuration of ``seed`` (fp32 with an exact error-feedback compressor when ``exact_feedback``)."""
+def draw(seed: int, exact_feedback: bool = False, hierarchical: bool = False) -> Config:
+    """The configuration of ``seed`` (fp32 with an exact error-feedback compressor when ``exact_feedback``; the
+    hierarchical hook at W = 4 in nodes of 2 when ``hierarchical``)."""
     r = random.Random(seed)
     # the first layer is a matrix of at least 272 entries: every configuration compresses something
     shapes = ((r.choice([17, 64, 129]), r.choice([16, 33, 257])), *(_shape(r) for _ in range(r.randint(0, 5))))
@@ -100,7 +104,7 @@ def draw(seed: int, exact_feedback: bool = False) -> Config:
                   torch.float32 if exact_feedback else r.choice(DTYPES), r.random() < 0.6,
                   r.choice([None, 0.0005, 0.002, 0.05]), tuple(policy.items()),
                   r.random() < 0.3 and len(shapes) > 1, r.choice(["b", "bb", "bnb", "nb", "bzb", "bbzb"]),
-                  r.randint(2, 5))
+                  4 if hierarchical else r.randint(2, 5), 2 if hierarchical else 0)
 
 
 class _Net(nn.Module):
@@ -134,7 +138,12 @@ def _train(rank: int, world: int, config: Config, lr: float) -> dict[str, Any]:
                                 **dict(config.policy))
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=config.views, find_unused_parameters=config.unused,
                                   **({} if config.bucket_mb is None else {"bucket_cap_mb": config.bucket_mb}))
-    hook = strategy.make_hook(Comm(None, CommStats()), {id(p): n for n, p in model.named_parameters()})
+    stats, hierarchy = CommStats(), None
+    if config.node_size:
+        numels = {n: p.numel() for n, p in model.named_parameters()}
+        hierarchy = Hierarchy.create(HierarchyLayout(world, config.node_size), rank, numels, stats)
+    hook = strategy.make_hook(Comm(None, stats), {id(p): n for n, p in model.named_parameters()},
+                              torch.device("cpu"), hierarchy)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     hook.attach_optimizer(optimizer)
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
@@ -188,9 +197,9 @@ def _kept_mean_gradients(config: Config) -> list[torch.Tensor]:
     return totals
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_random_configurations_keep_replicas_identical(seed: int) -> None:
-    config = draw(seed)
+@pytest.mark.parametrize(("seed", "hierarchical"), [*((s, False) for s in range(20)), *((s, True) for s in range(4))])
+def test_random_configurations_keep_replicas_identical(seed: int, hierarchical: bool) -> None:
+    config = draw(seed, hierarchical=hierarchical)
     results = run_workers(_train, config.world, config, 0.05)
     for step, reference in enumerate(results[0]["snapshots"]):
         assert torch.isfinite(reference).all(), (config, step)
