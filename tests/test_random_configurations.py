@@ -1,12 +1,13 @@
 """Random configurations of the hook: classes of inputs no targeted sweep combines.
 
-Each seed draws layer shapes (a matrix of at least 272 entries, then 1-D to 4-D, 1 to 4099 entries), a compressor with random arguments, the parameter
-dtype, DDP's bucket cap and bucket views, the slot policy, the non-finite policy, a layer unused on every rank in
-some steps, and a pattern of backward passes per optimizer step (synced, ``no_sync``, a ``zero_grad`` between
-them), at W = 2..5, and the hierarchical hook at W = 4 in nodes of 2. Checked: replicas bit-identical and finite
-after every step; at ``lr = 0`` with an exact error-feedback
-compressor, error feedback's ledger (what the optimizer was handed plus the ranks' mean memory equals the sum of the
-kept passes' mean gradients). The seeds are fixed, so a failure repeats.
+Each seed draws layer shapes (a matrix of at least 272 entries, then 1-D to 4-D layers of 1 to 4099 entries), a
+compressor with random arguments (consecutive seeds take every compressor in turn), the parameter dtype, DDP's
+bucket cap and bucket views, the slot policy, the non-finite policy, a layer unused on every rank in some steps, and
+a pattern of backward passes per optimizer step (synced, ``no_sync``, a ``zero_grad`` between them), at W = 2..5;
+some seeds run the hierarchical hook at W = 4 in nodes of 2. Checked: replicas bit-identical and finite after every
+step; at ``lr = 0`` with an exact error-feedback compressor, error feedback's ledger (what the optimizer was handed
+plus the ranks' mean memory equals the sum of the kept passes' mean gradients). The seeds are fixed, so a failure
+repeats.
 """
 
 from __future__ import annotations
