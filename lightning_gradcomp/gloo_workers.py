@@ -4,6 +4,10 @@ For checking a compressor or a collective on one machine (the package's tests an
 calls ``fn(rank, world_size, *args)`` inside an initialised ``gloo`` group, and the parent gets the return values
 back in rank order. Processes are forked (POSIX only), so ``fn`` and ``args`` need not be picklable; the return
 values travel through ``torch.save``.
+
+Ports: :func:`free_port` asks the kernel for one, or takes them from ``$LIGHTNING_GRADCOMP_PORTS`` (``"LO-HI"``).
+Give each of several suites or benchmarks run side by side on one machine its own range (the test suite does so per
+pytest-xdist worker): ports the kernel hands out to one process may be handed to another before the first binds it.
 """
 
 from __future__ import annotations
@@ -12,24 +16,78 @@ import io
 import os
 import pickle
 import queue
+import random
 import socket
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_workers"]
+__all__ = ["PORTS_ENV", "free_port", "port_range", "run_workers"]
+
+PORTS_ENV = "LIGHTNING_GRADCOMP_PORTS"
+"""Environment variable naming the range :func:`free_port` takes ports from, ``"LO-HI"`` (inclusive)."""
+
+_next_port: dict[tuple[int, int], int] = {}  # per range: where this process's next search starts
+
+
+def port_range() -> Optional[tuple[int, int]]:
+    """``(lo, hi)`` from ``$LIGHTNING_GRADCOMP_PORTS`` (``"LO-HI"``, ``1024 <= LO <= HI <= 65535``), or ``None``.
+
+    Raises:
+        ValueError: the variable is set but malformed or out of range.
+    """
+    spec = os.environ.get(PORTS_ENV, "").strip()
+    if not spec:
+        return None
+    try:
+        lo, hi = (int(part) for part in spec.split("-"))
+    except ValueError:
+        lo = hi = -1
+    if not 1024 <= lo <= hi <= 65535:
+        raise ValueError(f"{PORTS_ENV} must be 'LO-HI' with 1024 <= LO <= HI <= 65535, got {spec!r}")
+    return lo, hi
+
+
+def _binds(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT``).
+
+    The kernel picks it, unless ``$LIGHTNING_GRADCOMP_PORTS`` names a range: then it is the next port of that range
+    that binds, going round from a random start per process, so a process does not reuse a port soon.
+
+    Raises:
+        OSError: no port of the range binds.
+        ValueError: ``$LIGHTNING_GRADCOMP_PORTS`` is malformed.
+    """
+    span = port_range()
+    if span is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    lo, hi = span
+    count = hi - lo + 1
+    start = _next_port.get(span)
+    if start is None:
+        start = random.SystemRandom().randrange(count)  # not the seeded generator: processes must differ
+    for step in range(count):
+        offset = (start + step) % count
+        if _binds(lo + offset):
+            _next_port[span] = (offset + 1) % count
+            return lo + offset
+    raise OSError(f"no free port in {PORTS_ENV}={lo}-{hi}")
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, conn: Connection) -> None:

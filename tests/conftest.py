@@ -1,4 +1,4 @@
-"""Test configuration: a fresh MASTER_PORT per test, one thread per process."""
+"""Test configuration: a fresh MASTER_PORT per test, one thread per process, one port range per xdist worker."""
 
 from __future__ import annotations
 
@@ -14,6 +14,23 @@ os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from lightning_gradcomp.gloo_workers import PORTS_ENV  # noqa: E402
+
+
+def _worker_ports(worker: str, workers: int, lo: int = 20000, hi: int = 31999) -> str:
+    """Worker ``gwK`` of ``workers`` gets the K-th of equal slices of ``[lo, hi]``, below the kernel's usual range
+    for the ports it hands out (32768 and up), so neither another worker nor any kernel-picked port meets it."""
+    index = int(worker.removeprefix("gw"))
+    size = (hi - lo + 1) // workers
+    return f"{lo + index * size}-{lo + (index + 1) * size - 1}"
+
+
+# pytest-xdist workers (``-n 2``) run side by side: the kernel could hand the port one worker is about to bind to
+# the other. Each takes its ports from its own range instead (children, subprocess ranks included, inherit it).
+if "PYTEST_XDIST_WORKER" in os.environ and PORTS_ENV not in os.environ:
+    os.environ[PORTS_ENV] = _worker_ports(os.environ["PYTEST_XDIST_WORKER"],
+                                          int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 torch.set_num_threads(1)

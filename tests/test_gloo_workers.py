@@ -1,10 +1,12 @@
-"""``gloo_workers.run_workers``: results in rank order, failures and dead ranks reported, never waited for."""
+"""``gloo_workers``: ``run_workers``'s results come in rank order, failures and dead ranks are reported, never waited
+for; ``free_port`` keeps to ``$LIGHTNING_GRADCOMP_PORTS``."""
 
 from __future__ import annotations
 
 import faulthandler
 import os
 import queue
+import socket
 import time
 from multiprocessing import util
 
@@ -12,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_gradcomp.gloo_workers import run_workers
+from lightning_gradcomp import gloo_workers
+from lightning_gradcomp.gloo_workers import PORTS_ENV, free_port, port_range, run_workers
 
 
 def _sum(rank: int, world: int) -> dict:
@@ -73,3 +76,42 @@ def _slow_on_one(rank: int, world: int) -> int:
 def test_a_rank_that_sends_nothing_in_time_raises_empty() -> None:
     with pytest.raises(queue.Empty, match=r"no result from ranks \[1\] within 1.0 s"):
         run_workers(_slow_on_one, 2, timeout=1.0)
+
+
+def _free_range(size: int) -> tuple[int, int]:
+    """``size`` consecutive ports below the kernel's usual range that bind now."""
+    for lo in range(24000, 31000, 97):
+        if all(gloo_workers._binds(port) for port in range(lo, lo + size)):
+            return lo, lo + size - 1
+    pytest.skip(f"no {size} consecutive free ports")
+
+
+def test_free_port_goes_round_its_range_and_skips_ports_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    lo, hi = _free_range(5)
+    monkeypatch.setenv(PORTS_ENV, f"{lo}-{hi}")
+    monkeypatch.setattr(gloo_workers, "_next_port", {})
+    first = [free_port() for _ in range(5)]
+    assert sorted(first) == list(range(lo, hi + 1))  # each port once, in a round from a random start
+    assert all(b - a in (1, -4) for a, b in zip(first, first[1:])), first
+    assert free_port() == first[0]  # then round again
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", first[1]))
+        taken.listen()
+        assert free_port() == first[2]  # the port in use is skipped
+        monkeypatch.setenv(PORTS_ENV, f"{first[1]}-{first[1]}")
+        with pytest.raises(OSError, match=f"no free port in {PORTS_ENV}={first[1]}-{first[1]}"):
+            free_port()
+
+
+def test_free_port_without_a_range_asks_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PORTS_ENV, raising=False)
+    assert port_range() is None
+    port = free_port()
+    assert 1024 <= port <= 65535 and gloo_workers._binds(port)
+
+
+@pytest.mark.parametrize("spec", ["20000", "20000-", "a-b", "2000-1000", "80-1000", "60000-70000", "1-2-3"])
+def test_a_malformed_port_range_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch, spec: str) -> None:
+    monkeypatch.setenv(PORTS_ENV, spec)
+    with pytest.raises(ValueError, match=rf"{PORTS_ENV} must be 'LO-HI' with 1024 <= LO <= HI <= 65535, got '{spec}'"):
+        free_port()
