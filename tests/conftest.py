@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 # MKL's fast memory manager keeps per-thread buffers keyed by thread id, and a rank forked by run_workers once spun
@@ -39,7 +40,18 @@ from helpers.distributed import free_port  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def fresh_master_port(monkeypatch: pytest.MonkeyPatch) -> None:
+def own_environment() -> Iterator[None]:
+    """Undo what a test left in ``os.environ`` (Lightning's ``seed_everything`` sets ``PL_GLOBAL_SEED``, its launchers
+    rank variables), so that no test depends on which ran before it on its worker."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def fresh_master_port(own_environment: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Lightning's launchers read MASTER_PORT and never clear it: give every test its own."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         monkeypatch.setenv("MASTER_PORT", str(free_port()))

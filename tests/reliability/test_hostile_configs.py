@@ -212,7 +212,8 @@ def _cli_error(path: Path, capsys: pytest.CaptureFixture[str]) -> str:
     """The message a LightningCLI run with ``path`` fails with: an exception raised while building the
     classes, or a parse error (printed with the usage, then ``SystemExit``)."""
     try:
-        LightningCLI(TinyNet, args=["--config", str(path)], run=False, save_config_callback=None)
+        LightningCLI(TinyNet, args=["--config", str(path)], run=False, save_config_callback=None,
+                     seed_everything_default=0)
     except (ValueError, TypeError) as err:
         return str(err)
     except SystemExit:
@@ -236,7 +237,8 @@ def test_a_valid_yaml_config_builds_the_strategy_with_a_timeout(tmp_path: Path) 
         config["trainer"]["strategy"]["init_args"]["timeout"] = timeout
         path = tmp_path / "config.yaml"
         path.write_text(yaml.safe_dump(config))
-        cli = LightningCLI(TinyNet, args=["--config", str(path)], run=False, save_config_callback=None)
+        cli = LightningCLI(TinyNet, args=["--config", str(path)], run=False, save_config_callback=None,
+                           seed_everything_default=0)
         strategy = cli.trainer.strategy
         assert isinstance(strategy, GradCompStrategy) and strategy.compressor.ratio == 0.1
         assert strategy._timeout == timedelta(seconds=seconds)
