@@ -20,15 +20,12 @@ from typing import Any, Optional
 import pytest
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from helpers.distributed import run_workers
+from helpers.engine import hook_under_ddp
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors import (CLTK, DIANA, QSGD, Cast, Compressor, NoCompression, PowerSGD, RandomK,
                                             SignSGD, TernGrad, TopK)
-from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout
-from lightning_gradcomp.hook import gradcomp_comm_hook
 
 STEPS = 5
 DTYPES = [torch.float32, torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -137,17 +134,9 @@ def _train(rank: int, world: int, config: Config, lr: float) -> dict[str, Any]:
     model = _Net(config.shapes, config.dtype)
     strategy = GradCompStrategy(compressor=config.make(), start_step=2, gradient_as_bucket_view=config.views,
                                 **dict(config.policy))
-    ddp = DistributedDataParallel(model, gradient_as_bucket_view=config.views, find_unused_parameters=config.unused,
-                                  **({} if config.bucket_mb is None else {"bucket_cap_mb": config.bucket_mb}))
-    stats, hierarchy = CommStats(), None
-    if config.node_size:
-        numels = {n: p.numel() for n, p in model.named_parameters()}
-        hierarchy = Hierarchy.create(HierarchyLayout(world, config.node_size), rank, numels, stats)
-    hook = strategy.make_hook(Comm(None, stats), {id(p): n for n, p in model.named_parameters()},
-                              torch.device("cpu"), hierarchy)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    hook.attach_optimizer(optimizer)
-    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    ddp, hook, optimizer = hook_under_ddp(
+        model, strategy, lr=lr, node_size=config.node_size, gradient_as_bucket_view=config.views,
+        find_unused_parameters=config.unused, **({} if config.bucket_mb is None else {"bucket_cap_mb": config.bucket_mb}))
     snapshots, applied = [], [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
     for step in range(STEPS):
         # the ledger runs always clear: a parameter unused on every rank keeps a stale .grad under

@@ -13,18 +13,15 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from helpers.distributed import run_workers
+from helpers.engine import hook_under_ddp
 from helpers.models import fit
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.comm import Comm, CommStats
-from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout
 from lightning_gradcomp.compressors import CLTK, DIANA, Compressor, PowerSGD, SignSGD, TopK
-from lightning_gradcomp.hook import gradcomp_comm_hook
 
 COMPRESSORS = {
     "cltk": lambda: CLTK(0.05),
@@ -220,17 +217,7 @@ def _hooked(model: nn.Module, name: str, views: bool, node_size: int = 0,
     attached to it: the optimizer steps with the gradients alone. ``node_size``: the hierarchical hook with nodes of
     that many ranks (0: flat)."""
     strategy = _strategy(COMPRESSORS[name](), start_step=2, min_numel=1, gradient_as_bucket_view=views)
-    ddp = DistributedDataParallel(model, gradient_as_bucket_view=views, **ddp_kwargs)
-    stats, names = CommStats(), {id(p): n for n, p in model.named_parameters()}
-    hierarchy = None
-    if node_size:
-        numels = {n: p.numel() for n, p in model.named_parameters()}
-        hierarchy = Hierarchy.create(HierarchyLayout(dist.get_world_size(), node_size), dist.get_rank(), numels, stats)
-    hook = strategy.make_hook(Comm(None, stats), names, torch.device("cpu"), hierarchy)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    hook.attach_optimizer(optimizer)
-    ddp.register_comm_hook(hook, gradcomp_comm_hook)
-    return ddp, hook, optimizer  # from the third step on: compressed
+    return hook_under_ddp(model, strategy, node_size=node_size, gradient_as_bucket_view=views, **ddp_kwargs)
 
 
 def _applied_and_memory(rank: int, world: int, name: str, views: bool, set_to_none: bool) -> dict[str, Any]:

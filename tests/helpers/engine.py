@@ -4,16 +4,36 @@ ways of computing the same reduction)."""
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.comm import Comm
+from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
+
+
+def hook_under_ddp(model: nn.Module, strategy: GradCompStrategy, *, lr: float = 0.0, node_size: int = 0,
+                   **ddp_kwargs: Any) -> tuple[DistributedDataParallel, GradCompHook, torch.optim.SGD]:
+    """``model`` in DDP (``ddp_kwargs``) with ``strategy``'s hook on CPU and an SGD at ``lr`` attached to the hook.
+
+    ``node_size``: the hierarchical hook, in nodes of that many ranks of the default group (0: flat)."""
+    ddp = DistributedDataParallel(model, **ddp_kwargs)
+    stats, names = CommStats(), {id(p): n for n, p in model.named_parameters()}
+    hierarchy = None
+    if node_size:
+        numels = {n: p.numel() for n, p in model.named_parameters()}
+        hierarchy = Hierarchy.create(HierarchyLayout(dist.get_world_size(), node_size), dist.get_rank(), numels, stats)
+    hook = strategy.make_hook(Comm(None, stats), names, torch.device("cpu"), hierarchy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    hook.attach_optimizer(optimizer)
+    ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    return ddp, hook, optimizer
 
 
 def train_through_hook(
