@@ -164,8 +164,7 @@ class ErrorProbe:
             return
         items = self._pending.setdefault(record.step, [])
         names = {slot.name for slot in record.slots}
-        if any(item[0] in names for item in items):  # a later synced backward pass of the same step: it replaces
-            items[:] = [item for item in items if item[0] not in names]
+        items[:] = [item for item in items if item[0] not in names]  # a later synced pass of the same step replaces
         for slot, p, r in zip(record.slots, record.inputs, record.residuals):
             items.append((slot.name, torch.linalg.vector_norm(r).square(), torch.linalg.vector_norm(p).square()))
 

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 CPU_OVERRIDES = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.precision=32-true"]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def free_the_models():
-    """Free what a test built before the next one runs.
+    """Free the models a test built before the next test runs.
 
     A CLI's trainer, strategy and model refer to one another, so only the collector's rare full pass frees them: the
     full-scale models (90-300 MB each) stayed in the test process, which grew to 3.4 GB. Every later multi-process
@@ -67,6 +67,7 @@ def test_config_parses(task: str, name: str):
     assert cli.config.report.path.endswith("summary.json")
 
 
+@pytest.mark.usefixtures("free_the_models")
 @pytest.mark.parametrize("task, name", CONFIGS)
 def test_config_instantiates(task: str, name: str, tmp_path: Path):
     model, data = _model_and_data(task)
