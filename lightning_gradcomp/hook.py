@@ -368,11 +368,17 @@ class GradCompHook:
         self.stats.hook_seconds += time.perf_counter() - start
         return fut
 
-    def close(self) -> None:
-        """Stop the communication thread (after the queued buckets); a later bucket starts a new one."""
+    def close(self) -> bool:
+        """Stop the communication thread (after the queued buckets); a later bucket starts a new one.
+
+        Returns whether it stopped: ``False`` when a job still ran after the wait (a collective stuck on a rank that
+        stopped responding), so that its process groups must not be destroyed under it."""
+        stopped = True
         if self._thread is not None:
             self._thread.close()
+            stopped = not self._thread.alive
             self._thread = None
+        return stopped
 
     def _reduce(self, plan: BucketPlan, buf: Tensor, step: int, compressing: bool, scale: Optional[Tensor]) -> Future:
         """One bucket's whole protocol, on the communication thread."""

@@ -23,7 +23,7 @@ from lightning_gradcomp.checks import check_bool, check_int, check_timeout
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.registry import as_compressor
-from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, is_collective_failure
+from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, is_collective_failure, release_group
 from lightning_gradcomp.functional.realview import real_view_numel
 from lightning_gradcomp.functional.selection import prepare_native
 from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, HierarchySpec, check_hierarchy, group_size_for
@@ -172,6 +172,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             _warn_unused_without_views(self.compressor)
         super().__init__(timeout=check_timeout(timeout), **kwargs)
         self._hook: Optional[GradCompHook] = None
+        self._released = False  # the hook's process groups were destroyed at teardown: a later fit makes new ones
         self._pending: Optional[tuple[dict[str, Any], bool]] = None
 
     # ------------------------------------------------------------------ public state
@@ -310,9 +311,19 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """Stop the hook's communication thread, then DDP's teardown."""
-        if self._hook is not None:
-            self._hook.close()
+        """Stop the hook's communication thread and destroy its process groups, then DDP's teardown.
+
+        The hook and its state stay: a later ``fit`` with this strategy gives it new groups. Groups whose thread did
+        not stop (a collective stuck on a rank that stopped responding) are left alone."""
+        if self._hook is not None and self._hook.close() and not self._released:
+            hierarchy = self._hook.hierarchy
+            groups = [
+                self._hook.comm.group,
+                *(() if hierarchy is None else (hierarchy.intra.group, hierarchy.cross.group)),
+            ]
+            for group in groups:
+                release_group(group)
+            self._released = True
         super().teardown()
 
     @override
@@ -340,19 +351,27 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         if self._hook is None:
             assert self.lightning_module is not None
             names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-            stats = CommStats()
-            hierarchy = None
-            if self.hierarchy is not None:
-                named = self.lightning_module.named_parameters()
-                numels = {n: real_view_numel(p) for n, p in named if p.requires_grad}  # DDP reduces complex as real
-                hierarchy = Hierarchy.create(self._hierarchy_layout(), self.global_rank, numels, stats, self._timeout)
-            group = _private_group(self.model.process_group, self._timeout)
-            self._hook = self.make_hook(Comm(group, stats), names, self.root_device, hierarchy)
+            comm, hierarchy = self._new_groups(CommStats())
+            self._hook = self.make_hook(comm, names, self.root_device, hierarchy)
             if self._pending is not None:
                 state, per_rank = self._pending
                 self._hook.load_state_dict(state, per_rank=per_rank)
                 self._pending = None
+        elif self._released:  # a later fit with this strategy: the hook keeps its state, on new groups
+            self._hook.comm, self._hook.hierarchy = self._new_groups(self._hook.stats)
+        self._released = False
         self.model.register_comm_hook(self._hook, gradcomp_comm_hook)
+
+    def _new_groups(self, stats: CommStats) -> tuple[Comm, Optional[Hierarchy]]:
+        """The hook's collectives on a new private group of DDP's ranks, and (``hierarchy=``) new node and cross-node
+        groups, all counting into ``stats`` (collective: every rank calls it, at setup)."""
+        assert isinstance(self.model, DistributedDataParallel) and self.lightning_module is not None
+        hierarchy = None
+        if self.hierarchy is not None:
+            named = self.lightning_module.named_parameters()
+            numels = {n: real_view_numel(p) for n, p in named if p.requires_grad}  # DDP reduces complex as real
+            hierarchy = Hierarchy.create(self._hierarchy_layout(), self.global_rank, numels, stats, self._timeout)
+        return Comm(_private_group(self.model.process_group, self._timeout), stats), hierarchy
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

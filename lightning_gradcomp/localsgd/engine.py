@@ -248,6 +248,11 @@ class OuterSync:
         """Whether an issued exchange has not been applied yet."""
         return self._inflight is not None
 
+    def exchanging(self) -> bool:
+        """Whether an exchange's background thread still runs (its collectives may still be on ``async_comm``)."""
+        job = self._inflight
+        return job is not None and job.thread is not None and job.thread.is_alive()
+
     def drain(self) -> None:
         """Wait for the exchange in flight to complete, without applying it (e.g. before a checkpoint)."""
         job = self._inflight

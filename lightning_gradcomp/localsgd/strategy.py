@@ -39,7 +39,7 @@ from lightning_gradcomp.compressors.cltk import CLTK
 from lightning_gradcomp.compressors.diana import DIANA
 from lightning_gradcomp.compressors.none import NoCompression
 from lightning_gradcomp.compressors.registry import as_compressor
-from lightning_gradcomp.distributed import DEFAULT_TIMEOUT
+from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, release_group
 from lightning_gradcomp.localsgd.engine import OUTERS, OuterSync
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta_for
 from lightning_gradcomp.plan import SlotPolicy, size_rule
@@ -288,6 +288,15 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         if self._restored_shared is not None:
             self._engine.load_shared_state(self._restored_shared)
             self._engine.load_rank_state(self._restored)
+
+    @override
+    def teardown(self) -> None:
+        """Destroy the background exchanges' process group (``overlap``; each fit makes a new one), then DDP's
+        teardown. Left alone while an exchange still runs (a fit that failed with one in flight)."""
+        engine = self._engine
+        if engine is not None and engine.async_comm is not None and not engine.exchanging():
+            release_group(engine.async_comm.group)
+        super().teardown()
 
     @override
     def on_train_start(self) -> None:

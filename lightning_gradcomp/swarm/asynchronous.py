@@ -295,14 +295,18 @@ class AsyncGossip:
             self._thread = threading.Thread(target=self._serve, name="swarmsgd-gossip", daemon=True)
             self._thread.start()
 
-    def close(self) -> None:
-        """Stop the thread (after :meth:`drain`)."""
+    def close(self) -> bool:
+        """Stop the thread (after :meth:`drain`); return whether it stopped (``False``: an exchange still ran after
+        ``timeout`` seconds, so its group must not be destroyed under it)."""
+        stopped = True
         if self._thread is not None:
             if self._job is not None:
                 self._job.cancelled.set()
             self._queue.put(None)
             self._thread.join(timeout=self.timeout)
+            stopped = not self._thread.is_alive()
             self._thread = None
+        return stopped
 
     @property
     def in_flight(self) -> bool:

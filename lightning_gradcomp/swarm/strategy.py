@@ -38,7 +38,7 @@ from lightning_gradcomp import checkpoint_shards
 from lightning_gradcomp.checkpoint_shards import load_verified
 from lightning_gradcomp.checks import MAX_TIMEOUT_SECONDS, check_bool, check_int, check_number, check_timeout, is_int
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
-from lightning_gradcomp.distributed import DEFAULT_TIMEOUT
+from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, release_group
 from lightning_gradcomp.functional.finite import DeferredCount
 from lightning_gradcomp.functional.realview import from_real, real_shape, real_view, real_view_numel
 from lightning_gradcomp.presets import register_preset, register_presets
@@ -672,8 +672,9 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._pending = None
-        if self._async is not None:
-            self._async.close()  # kept: its pairing log and counters stay readable after fit
+        if self._async is not None and self._async.close():  # kept: its pairing log and counters stay readable
+            assert self._engine is not None
+            release_group(self._engine.comm.group)  # the exchange group (setup makes a new one for each fit)
         super().teardown()
 
     # ------------------------------------------------------------------ registry
