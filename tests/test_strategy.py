@@ -71,6 +71,20 @@ def test_gradients_as_bucket_views_change_no_bit(tmp_path: Path, name: str) -> N
     assert views[0]["losses"] == copies[0]["losses"]
 
 
+@pytest.mark.parametrize("make", [lambda: CLTK(0.05), lambda: PowerSGD(rank=2)], ids=["cltk", "powersgd"])
+def test_static_graph_changes_no_bit(tmp_path: Path, make: Any) -> None:
+    """``static_graph=True`` (which Lightning suggests at the end of a fit) trains exactly as without it, with the
+    replicas identical: DDP's first static iteration reduces every bucket at the end of backward, through the hook
+    too."""
+    static = fit(strategy(make(), static_graph=True), tmp_path / "static", max_epochs=2)
+    plain = fit(strategy(make()), tmp_path / "plain", max_epochs=2)
+    assert_replicas_identical(static)
+    assert static[0]["hook_step"] == plain[0]["hook_step"] == 8
+    for a, b in zip(static[0]["params"], plain[0]["params"], strict=True):
+        assert torch.equal(a, b)
+    assert static[0]["stats"]["wire_bytes"] == plain[0]["stats"]["wire_bytes"]
+
+
 def _tinynet_layout() -> tuple[list[int], int]:
     net = TinyNet()
     compressed = [p.numel() for p in net.parameters() if p.dim() > 1 and p.numel() >= 1024]
