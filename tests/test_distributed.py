@@ -7,6 +7,7 @@ one process runs several fits (a sweep) on the same default group.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -89,7 +90,7 @@ def test_a_process_running_many_fits_keeps_no_earlier_fits_groups(kind: str, wor
         assert counts == [counts[0]] * 4, f"process groups held before and after each fit: {counts}"
 
 
-def _refit_worker(rank: int, world: int, hierarchy: Any) -> dict[str, Any]:
+def _refit_worker(rank: int, world: int, hierarchy: Any, ckpt: str) -> dict[str, Any]:
     _as_torchrun(rank, world)
     strategy = GradCompStrategy(compressor=TopK(0.1), hierarchy=hierarchy, start_step=2)
     model = TinyNet()
@@ -100,6 +101,7 @@ def _refit_worker(rank: int, world: int, hierarchy: Any) -> dict[str, Any]:
     assert hook is not None
     first = {"step": hook.step, "wire": hook.stats.wire_bytes, "groups": _registered() - before,
              "memory": {k: v.clone() for k, v in hook.memory.state_dict().items()}}
+    trainer.save_checkpoint(ckpt)  # after the fit's teardown: the hook's state, without its groups
     trainer.fit_loop.epoch_loop.max_steps = 6
     trainer.fit(model)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -108,10 +110,13 @@ def _refit_worker(rank: int, world: int, hierarchy: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("world,hierarchy", [(2, None), (4, 2)])
-def test_a_second_fit_of_one_strategy_keeps_its_hook_on_new_groups(world: int, hierarchy: Any) -> None:
+def test_a_second_fit_of_one_strategy_keeps_its_hook_on_new_groups(tmp_path: Path, world: int, hierarchy: Any) -> None:
     """The hook (its step counter, memories and byte counts) carries over to the next ``fit``; its groups are made
-    anew, the earlier ones released, and the replicas stay identical."""
-    results = run_workers(_refit_worker, world, hierarchy, timeout=120.0)
+    anew, the earlier ones released, and the replicas stay identical. A checkpoint saved between the fits holds the
+    first fit's step."""
+    ckpt = tmp_path / "between.ckpt"
+    results = run_workers(_refit_worker, world, hierarchy, str(ckpt), timeout=120.0)
+    assert torch.load(ckpt, weights_only=False)["gradcomp"]["replicated"]["step"] == 3
     for rank, result in enumerate(results):
         first = result["first"]
         assert first["groups"] == 0 and result["groups"] == 0, f"rank {rank}: groups left after a fit"
