@@ -90,6 +90,31 @@ def test_a_process_running_many_fits_keeps_no_earlier_fits_groups(kind: str, wor
         assert counts == [counts[0]] * 4, f"process groups held before and after each fit: {counts}"
 
 
+class _FailsAtStep(TinyNet):
+    """TinyNet whose ``training_step`` raises at batch ``2`` on every rank (after compressed steps)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2:
+            raise ValueError("failed on purpose")
+        return super().training_step(batch, batch_idx)
+
+
+def _failing_worker(rank: int, world: int) -> list[int]:
+    _as_torchrun(rank, world)
+    counts = [_registered()]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="failed on purpose"):
+            _trainer(GradCompStrategy(compressor=TopK(0.1), start_step=2), world, 6).fit(_FailsAtStep())
+        counts.append(_registered())
+    _trainer(GradCompStrategy(compressor=TopK(0.1)), world, 3).fit(TinyNet())  # the process still trains
+    return counts
+
+
+def test_a_fit_that_raises_releases_its_groups_too() -> None:
+    for counts in run_workers(_failing_worker, 2, timeout=120.0):
+        assert counts == [counts[0]] * 3, f"process groups held before and after each failed fit: {counts}"
+
+
 def _refit_worker(rank: int, world: int, hierarchy: Any, ckpt: str) -> dict[str, Any]:
     _as_torchrun(rank, world)
     strategy = GradCompStrategy(compressor=TopK(0.1), hierarchy=hierarchy, start_step=2)
