@@ -31,8 +31,9 @@ Kernel functions (each reads ``x`` as flat; results are identical to the NumPy s
 * :func:`approx`: all CPU steps of ``approx_topk_indices`` in one call: the systematic sample, its
   order statistic (radix selection on the bits of ``|x|``, which order as NumPy orders ``|x|``, NaN
   last), the threshold pass and the trim to the ``k`` largest candidates.
-* :func:`exact`: the exact top-``k`` of a small tensor (the k-th largest ``|x|`` among the entries above a
-  sampled threshold, then a pass at it).
+* :func:`exact`: the exact top-``k`` (the k-th largest ``|x|`` among the entries above a threshold from a
+  systematic sample, its stride coprime to 210 so that it meets every column of a matrix; a second, lower threshold
+  when too few pass the first; radix selection over all entries only when both fall short).
 * ``stochastic_round``, ``dequantize``, ``dequantize_add``, ``dequantize_mean``, ``pack``, ``unpack`` and
   ``pack_into`` (called by :mod:`.quantize`, :mod:`.packing` and the quantizers' wire layout, which check their
   arguments): stochastic rounding of fp32 groups with the counter-based uniform draws of ``quantize.hashed_uniform``

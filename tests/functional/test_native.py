@@ -267,6 +267,35 @@ def test_exact_matches_numpy(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
         assert torch.equal(selection._exact_small(x, k), expected)  # with the kernel, through the fallback
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("factor", [0.0, 1.0, 1.5, 2.0, 3.0, 10.0])
+def test_exact_when_its_sample_misleads(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, factor: float) -> None:
+    """The kernel's threshold comes from a systematic sample (every ``systematic_stride(n, 1024)``-th entry). Scaling
+    exactly those entries makes it miss every way: zeros (every entry a candidate: the count exceeds the room, a
+    second scan), a tail overestimated once (the second, lower threshold) or twice (radix selection over all
+    entries). The set is NumPy's whichever path finds it."""
+    n = 1024 * 50
+    x = _inputs("gauss", n, 3, dtype)
+    x[:: selection.systematic_stride(n, 1024)] *= factor
+    for k in (1, n // 100, n // 10):
+        found = _native.exact(kernel, x, k)
+        assert found is not None
+        np.testing.assert_array_equal(found, _numpy_exact(x, k, monkeypatch).numpy())
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(256, 512), (512, 384), (128, 1024), (300, 7)])
+def test_exact_on_matrices_whose_columns_differ_in_scale(monkeypatch: pytest.MonkeyPatch, shape: tuple) -> None:
+    """A weight gradient whose columns' scales span decades (the case a power-of-two sampling stride read wrong)."""
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(shape, generator=gen) * torch.logspace(-4, 2, shape[1])).reshape(-1)
+    for k in (1, x.numel() // 100, x.numel() // 10):
+        found = _native.exact(kernel, x, k)
+        assert found is not None
+        np.testing.assert_array_equal(found, _numpy_exact(x, k, monkeypatch).numpy())
+
+
 def _unique_at_cut(x: torch.Tensor, k: int) -> bool:
     """Whether NumPy's cut (the k-th largest |x|, NaN last) has exactly k entries at or above it."""
     magnitudes = np.abs(x.numpy())
