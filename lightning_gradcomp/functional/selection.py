@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.functional import _native
-from lightning_gradcomp.functional.sparsify import topk_indices
+from lightning_gradcomp.functional.sparsify import systematic_stride, topk_indices
 
 __all__ = [
     "APPROX_BAND",
@@ -64,7 +64,6 @@ __all__ = [
     "exact_topk_indices",
     "prepare_native",
     "sampled_threshold",
-    "systematic_stride",
 ]
 
 APPROX_BAND: tuple[float, float] = (0.9, 1.1)
@@ -154,23 +153,6 @@ def sampled_threshold(magnitudes: Tensor, count: float, generator: torch.Generat
     sample = magnitudes.index_select(0, picks)
     rank = min(sample_size, max(1, math.ceil(count * sample_size / n)))
     return float(torch.topk(sample, rank, sorted=False).values.min())
-
-
-@functools.lru_cache(maxsize=256)
-def systematic_stride(n: int, sample_size: int) -> int:
-    """Stride of a systematic sample of at least ``sample_size`` of ``n`` entries.
-
-    The largest ``d <= n // sample_size`` coprime to 2, 3, 5 and 7 (to 2 and 3 only when
-    ``n // sample_size < 11``), or 1.
-
-    Example::
-
-        >>> systematic_stride(10_000, 100), systematic_stride(50, 10)  # 97: coprime to 210; 5: coprime to 6
-        (97, 5)
-    """
-    limit = max(1, n // max(sample_size, 1))
-    modulus = 210 if limit >= 11 else 6
-    return next(d for d in range(limit, 0, -1) if math.gcd(d, modulus) == 1)
 
 
 def approx_topk_indices(

@@ -28,6 +28,7 @@ __all__ = [
     "scatter_dense",
     "stratified_indices",
     "stratified_layers",
+    "systematic_stride",
     "topk_indices",
 ]
 
@@ -43,6 +44,23 @@ def kept_count(numel: int, ratio: float) -> int:
     return max(1, min(numel, int(round(ratio * numel))))
 
 
+@functools.lru_cache(maxsize=256)
+def systematic_stride(n: int, sample_size: int) -> int:
+    """Stride of a systematic sample of at least ``sample_size`` of ``n`` entries.
+
+    The largest ``d <= n // sample_size`` coprime to 2, 3, 5 and 7 (to 2 and 3 only when
+    ``n // sample_size < 11``), or 1.
+
+    Example::
+
+        >>> systematic_stride(10_000, 100), systematic_stride(50, 10)  # 97: coprime to 210; 5: coprime to 6
+        (97, 5)
+    """
+    limit = max(1, n // max(sample_size, 1))
+    modulus = 210 if limit >= 11 else 6
+    return next(d for d in range(limit, 0, -1) if math.gcd(d, modulus) == 1)
+
+
 FILTER_MIN_NUMEL = 32768
 """Smallest tensor for which :func:`topk_indices` filters candidates before ``torch.topk``."""
 
@@ -51,13 +69,15 @@ def topk_indices(x: Tensor, k: int) -> Tensor:
     """Indices (int64, unsorted) of the ``k`` largest ``|x|`` of a flat tensor: the set ``torch.topk`` selects.
 
     ``torch.topk`` over a whole large layer costs 30-60 copies' time on CPU. For tensors of at least
-    :data:`FILTER_MIN_NUMEL` elements (and ``k <= n / 8``) a threshold ``t`` is read from a strided sample of
-    ``|x|`` (about 4096 entries, deterministic) so that about ``1.5 k`` entries are expected at or above it; the
-    entries ``|x| >= t`` are gathered in one pass, and ``torch.topk`` runs on those candidates only. The
-    top-``k`` set lies among the candidates whenever there are at least ``k`` of them (the ``k``-th largest
-    value is then ``>= t``), so the result is exact; with fewer (a sample far from typical) it falls back to
-    ``torch.topk`` on the whole tensor. Ties at the ``k``-th value may resolve to other indices than a plain
-    ``torch.topk`` (any choice among equal magnitudes is a top-``k`` set); the result is deterministic.
+    :data:`FILTER_MIN_NUMEL` elements (and ``k <= n / 8``) a threshold ``t`` is read from a systematic sample of
+    ``|x|`` (about 4096 entries at a stride coprime to 210, :func:`systematic_stride`, so that it meets every column
+    of a matrix; deterministic) so that about ``1.5 k`` entries are expected at or above it; the entries
+    ``|x| >= t`` are gathered in one pass, and ``torch.topk`` runs on those candidates only. The top-``k`` set lies
+    among the candidates whenever there are at least ``k`` of them (the ``k``-th largest value is then ``>= t``), so
+    the result is exact; with fewer, a second threshold aims at ``4 k``, and only when that too falls short (a
+    sample far from typical) does ``torch.topk`` run on the whole tensor. Ties at the ``k``-th value may resolve to
+    other indices than a plain ``torch.topk`` (any choice among equal magnitudes is a top-``k`` set); the result is
+    deterministic.
 
     Example::
 
@@ -70,14 +90,15 @@ def topk_indices(x: Tensor, k: int) -> Tensor:
     magnitudes = x.abs()
     if n < FILTER_MIN_NUMEL or 8 * k > n:
         return torch.topk(magnitudes, k, sorted=False).indices
-    sample = magnitudes[:: max(1, n // 4096)]
-    rank = min(sample.numel(), math.ceil(1.5 * k * sample.numel() / n) + 8)
-    threshold = torch.topk(sample, rank, sorted=False).values.min()
-    candidates = (magnitudes >= threshold).nonzero().squeeze(1)
-    if candidates.numel() < k:
-        return torch.topk(magnitudes, k, sorted=False).indices
-    chosen = torch.topk(magnitudes.index_select(0, candidates), k, sorted=False).indices
-    return candidates.index_select(0, chosen)
+    sample = magnitudes[:: systematic_stride(n, 4096)]
+    for aim in (1.5 * k, 4.0 * k):
+        rank = min(sample.numel(), math.ceil(aim * sample.numel() / n) + 8)
+        threshold = torch.topk(sample, rank, sorted=False).values.min()
+        candidates = (magnitudes >= threshold).nonzero().squeeze(1)
+        if candidates.numel() >= k:
+            chosen = torch.topk(magnitudes.index_select(0, candidates), k, sorted=False).indices
+            return candidates.index_select(0, chosen)
+    return torch.topk(magnitudes, k, sorted=False).indices
 
 
 def stratified_indices(numel: int, k: int, generator: torch.Generator, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lightning_gradcomp.functional import kept_count, scatter_dense, stratified_indices, topk_indices
-from lightning_gradcomp.functional.sparsify import packed_positions, repeated_offsets, stratified_layers
+from lightning_gradcomp.functional.sparsify import (packed_positions, repeated_offsets, stratified_layers,
+                                                   systematic_stride)
 
 
 @pytest.mark.parametrize(("numel", "ratio", "k"), [(1000, 0.01, 10), (10, 0.01, 1), (7, 1.0, 7), (3, 0.5, 2)])
@@ -18,6 +19,33 @@ def test_topk_indices_are_the_largest_magnitudes() -> None:
     x = torch.tensor([0.1, -5.0, 3.0, -0.2, 4.0])
     assert sorted(topk_indices(x, 3).tolist()) == [1, 2, 4]
     assert topk_indices(x, 9).tolist() == [0, 1, 2, 3, 4]
+
+
+def _same_set_as_torch_topk(x: torch.Tensor, k: int) -> None:
+    """``topk_indices`` keeps the ``k`` largest magnitudes (distinct values here, so the set is unique)."""
+    expected = torch.topk(x.abs(), k, sorted=False).indices.sort().values
+    assert torch.equal(topk_indices(x, k).sort().values, expected)
+
+
+@pytest.mark.parametrize("factor", [0.0, 1.0, 1.5, 2.0, 3.0, 10.0])
+def test_topk_indices_when_its_sample_misleads(factor: float) -> None:
+    """Its threshold comes from every ``systematic_stride(n, 4096)``-th entry; scaling exactly those makes the first
+    threshold, or both, fall short (or every entry a candidate): the set is the same."""
+    n = 4096 * 40
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    x[:: systematic_stride(n, 4096)] *= factor
+    for k in (1, n // 100, n // 10):
+        _same_set_as_torch_topk(x, k)
+
+
+@pytest.mark.parametrize("shape", [(512, 512), (256, 768), (300, 7)])
+@pytest.mark.parametrize("descending", [False, True])
+def test_topk_indices_on_matrices_whose_columns_differ_in_scale(shape: tuple, descending: bool) -> None:
+    """The case a power-of-two sampling stride read wrong (a few columns of every row), both ways round."""
+    scales = torch.logspace(2, -4, shape[1]) if descending else torch.logspace(-4, 2, shape[1])
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(6)) * scales).reshape(-1)
+    for k in (1, x.numel() // 100, x.numel() // 10):
+        _same_set_as_torch_topk(x, k)
 
 
 def test_scatter_dense_adds_duplicates() -> None:
