@@ -161,7 +161,7 @@ class CLTK(SparseCompressor):
         if slotted is None:
             values = taken
         else:
-            values = torch.zeros(sum(ks), dtype=torch.float32, device=device).index_copy_(0, slotted, taken)
+            values = torch.zeros(sum(ks), dtype=torch.float32, device=device).scatter_(0, slotted, taken)
         if self.value_dtype == torch.float32:
             sent, local, divisor = values, values, world
         else:  # pre-divided by W and saturated (no 16-bit overflow); the cast's rounding stays in the residual
@@ -170,10 +170,10 @@ class CLTK(SparseCompressor):
         lost = values - local  # residual p - c at the chosen entries, written in p's storage
         lost = lost if slotted is None else lost.index_select(0, slotted)
         if gathered is not None:
-            gathered[0].index_copy_(0, gathered[1], lost)
+            gathered[0].scatter_(0, gathered[1], lost)
         else:
             for t, idx, r in zip(tensors, indices, split_flat(lost, counts)):
-                t.index_copy_(0, idx, r)
+                t.scatter_(0, idx, r)
         fut = ctx.comm.all_reduce(sent, async_op=True, shares=ctx.shares(ks))
         outputs = [ctx.output(i, t) for i, t in enumerate(tensors)]  # zeroed while the values travel
         scattered = slot_positions(outputs, every, counts)
@@ -182,7 +182,7 @@ class CLTK(SparseCompressor):
             mean = f.value().to(torch.float32).div_(divisor)
             mean = mean if slotted is None else mean.index_select(0, slotted)
             if scattered is not None:
-                scattered[0].index_add_(0, scattered[1], mean)
+                scattered[0].scatter_add_(0, scattered[1], mean)
                 return outputs
             return [
                 scatter_dense(n, idx, v, out=out)

@@ -84,10 +84,10 @@ class RandomK(SparseCompressor):
             contribution = sent if self.value_dtype == torch.float32 else sent.to(torch.float32).mul_(world)
             lost = values - contribution  # p - c at the kept entries (zeros in fp32), c as the wire carries it
             if gathered is not None:
-                gathered[0].index_copy_(0, gathered[1], lost)
+                gathered[0].scatter_(0, gathered[1], lost)
             else:
                 for t, i, r in zip(tensors, split_flat(local, ks), split_flat(lost, ks)):
-                    t.index_copy_(0, i, r)
+                    t.scatter_(0, i, r)
             residuals = tensors
         fut = ctx.comm.all_reduce(sent, async_op=True, shares=ctx.shares(ks))
         scale = 1.0 if self.value_dtype != torch.float32 else 1.0 / world
@@ -97,7 +97,7 @@ class RandomK(SparseCompressor):
         def decode(f: torch.futures.Future) -> list[Tensor]:
             summed = f.value().to(torch.float32).mul_(scale)
             if scattered is not None:
-                scattered[0].index_add_(0, scattered[1], summed)
+                scattered[0].scatter_add_(0, scattered[1], summed)
                 return outputs
             return [
                 scatter_dense(n, i, v, out=out)

@@ -129,10 +129,10 @@ class TopK(SparseCompressor):
 
         lost = values - sent.to(torch.float32)  # p - c at the kept entries, written in place
         if gathered is not None:
-            gathered[0].index_copy_(0, gathered[1], lost)
+            gathered[0].scatter_(0, gathered[1], lost)
         else:
             for t, i, r in zip(tensors, indices, split_flat(lost, ks)):
-                t.index_copy_(0, i, r)
+                t.scatter_(0, i, r)
         averaged = [ctx.output(i, t) for i, t in enumerate(tensors)]  # zeroed while the payload travels
         # the outputs' window, and the shift from each rank's slot-local indices to positions in it
         out_window = slot_shift(averaged, ks)
@@ -151,19 +151,19 @@ class TopK(SparseCompressor):
                     idx = received.long()
                 if out_window is not None:
                     touched.append(idx.add_(out_window[1]))
-                    out_window[0].index_add_(0, touched[-1], vals)
+                    out_window[0].scatter_add_(0, touched[-1], vals)
                     continue
                 for out, i, v in zip(averaged, torch.split(idx, ks), torch.split(vals, ks)):
-                    out.index_add_(0, i, v)
+                    out.scatter_add_(0, i, v)
                 touched.append(idx)
             # the other entries are zeros, and 0 / W = 0: divide the sums
             if out_window is not None:
                 seen = torch.cat(touched)
-                out_window[0].index_put_((seen,), out_window[0].index_select(0, seen).div_(ctx.world_size))
+                out_window[0].scatter_(0, seen, out_window[0].index_select(0, seen).div_(ctx.world_size))
                 return averaged
             for out, pieces in zip(averaged, zip(*(torch.split(i, ks) for i in touched))):
                 where_l = torch.cat(pieces)
-                out.index_put_((where_l,), out.index_select(0, where_l).div_(ctx.world_size))
+                out.scatter_(0, where_l, out.index_select(0, where_l).div_(ctx.world_size))
             return averaged
 
         return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=tensors)
