@@ -410,7 +410,7 @@ py::tuple approx(uintptr_t x, int64_t n, bool is_double, int64_t offset, int64_t
 // the cut: the caller decides those). The cut is found among the candidates "NaN or |x| >= t", t from a
 // systematic sample of about 1000 entries (a stride coprime to 210, so that it meets every column of a
 // matrix): one scan aiming at about 1.5 k + 64 candidates; when fewer than k pass (the sample overestimated
-// the tail: about one call in ten), a second scan at the sample's threshold for 4 k + 256; then radix
+// the tail: about one call in twenty), a second scan at the sample's threshold for 4 k + 256; then radix
 // selection over all entries, several passes, only when that too finds fewer than k. The thresholds steer
 // only the time: the set is the k largest whichever finds it.
 template <typename T> bool exact_impl(const T* x, int64_t n, int64_t k, int level) {
