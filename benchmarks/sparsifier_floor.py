@@ -45,7 +45,7 @@ def compressed_slots(model: str, seed: int = 0) -> list[Tensor]:
     grads = [
         p.grad.detach().reshape(-1).float()
         for p in workload.parameters()
-        if p.grad is not None and p.numel() >= policy.min_numel and (p.dim() > 1 or policy.compress_1d)
+        if p.grad is not None and policy.wants(p.shape)
     ]
     flat = torch.cat(grads)
     return list(flat.split([g.numel() for g in grads]))

@@ -32,8 +32,8 @@ Kernel functions (each reads ``x`` as flat; results are identical to the NumPy s
   order statistic (radix selection on the bits of ``|x|``, which order as NumPy orders ``|x|``, NaN
   last), the threshold pass and the trim to the ``k`` largest candidates.
 * :func:`exact`: the exact top-``k`` (the k-th largest ``|x|`` among the entries above a threshold from a
-  systematic sample, its stride coprime to 210 so that it meets every column of a matrix; a second, lower threshold
-  when too few pass the first; radix selection over all entries only when both fall short).
+  systematic sample, at the stride :func:`exact_stride` gives; a second, lower threshold when too few pass the
+  first; radix selection over all entries only when both fall short).
 * ``stochastic_round``, ``dequantize``, ``dequantize_add``, ``dequantize_mean``, ``pack``, ``unpack`` and
   ``pack_into`` (called by :mod:`.quantize`, :mod:`.packing` and the quantizers' wire layout, which check their
   arguments): stochastic rounding of fp32 groups with the counter-based uniform draws of ``quantize.hashed_uniform``
@@ -61,6 +61,7 @@ Kernel functions (each reads ``x`` as flat; results are identical to the NumPy s
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -92,6 +93,7 @@ __all__ = [
     "approx",
     "at_least",
     "exact",
+    "exact_stride",
     "for_fp32",
     "load",
     "source",
@@ -407,4 +409,13 @@ def exact(kernel: ModuleType, x: Tensor, k: int, *, level: int | None = None) ->
     n = x.numel()
     if not 1 <= k < n < MAX_NUMEL:
         raise ValueError(f"need 1 <= k < n < 2**32, got k={k}, n={n}")
-    return kernel.exact(x.data_ptr(), n, x.dtype == torch.float64, k, _level(kernel, level))
+    return kernel.exact(x.data_ptr(), n, x.dtype == torch.float64, k, exact_stride(n), _level(kernel, level))
+
+
+@functools.lru_cache(maxsize=256)
+def exact_stride(n: int) -> int:
+    """Stride of :func:`exact`'s threshold sample of ``n`` entries: about 1,024 of them, at least every 8th, at the
+    stride :func:`~.sparsify.systematic_stride` gives (coprime to 210, so that it meets every column of a matrix)."""
+    from lightning_gradcomp.functional.sparsify import systematic_stride  # sparsify imports this module
+
+    return systematic_stride(n, min(1024, n // 8))

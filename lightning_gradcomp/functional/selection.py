@@ -132,7 +132,7 @@ def _exact_native(x: Tensor, k: int) -> Tensor | None:
     kernel = _native.load()
     if kernel is None:
         return None
-    found = kernel.exact(x.data_ptr(), n, x.dtype is torch.float64, k, kernel.level)
+    found = kernel.exact(x.data_ptr(), n, x.dtype is torch.float64, k, _native.exact_stride(n), kernel.level)
     return None if found is None else torch.from_numpy(found)
 
 

@@ -271,13 +271,13 @@ def test_exact_matches_numpy(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("factor", [0.0, 1.0, 1.5, 2.0, 3.0, 10.0])
 def test_exact_when_its_sample_misleads(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, factor: float) -> None:
-    """The kernel's threshold comes from a systematic sample (every ``systematic_stride(n, 1024)``-th entry). Scaling
+    """The kernel's threshold comes from a systematic sample (every ``_native.exact_stride(n)``-th entry). Scaling
     exactly those entries makes it miss every way: zeros (every entry a candidate: the count exceeds the room, a
     second scan), a tail overestimated once (the second, lower threshold) or twice (radix selection over all
     entries). The set is NumPy's whichever path finds it."""
     n = 1024 * 50
     x = _inputs("gauss", n, 3, dtype)
-    x[:: selection.systematic_stride(n, 1024)] *= factor
+    x[:: _native.exact_stride(n)] *= factor
     for k in (1, n // 100, n // 10):
         found = _native.exact(kernel, x, k)
         assert found is not None

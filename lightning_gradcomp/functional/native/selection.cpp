@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -49,18 +48,6 @@ constexpr int kBins = 1 << kRadix;
 constexpr int64_t kSmallBin = 48;         // a bin this small is finished by nth_element
 constexpr int64_t kFilterMin = 2048;      // exact(): smaller tensors go straight to radix selection
 constexpr int64_t kReleaseGil = 1 << 16;  // smaller calls keep the GIL (releasing it costs more than they do)
-
-// The largest d <= limit coprime to 2, 3, 5 and 7 (to 2 and 3 when limit < 11), or 1: the stride of a systematic
-// sample (selection.systematic_stride). A power-of-two stride over a matrix of power-of-two rows reads the same
-// few columns of every row: when the columns' scales differ, its threshold is far off and the selection falls back
-// to the slow path.
-inline int64_t coprime_stride(int64_t limit) {
-    const int64_t modulus = limit >= 11 ? 210 : 6;
-    for (int64_t d = limit; d > 1; --d) {
-        if (std::gcd(d, modulus) == 1) return d;
-    }
-    return 1;
-}
 
 template <typename V> inline void grow(std::vector<V>& v, int64_t size) {
     if (static_cast<int64_t>(v.size()) < size) v.resize(static_cast<size_t>(size));
@@ -408,18 +395,17 @@ py::tuple approx(uintptr_t x, int64_t n, bool is_double, int64_t offset, int64_t
 // Exact top-k of |x| (1 <= k < n) into tl_indices[0:k]: the k-th largest |x| in NumPy's order (NaN
 // last), then every entry at or above it; false when that is not exactly k entries (ties, or NaN, at
 // the cut: the caller decides those). The cut is found among the candidates "NaN or |x| >= t", t from a
-// systematic sample of about 1000 entries (a stride coprime to 210, so that it meets every column of a
-// matrix): one scan aiming at about 1.5 k + 64 candidates; when fewer than k pass (the sample overestimated
+// systematic sample of every step-th entry (the caller's _native.exact_stride: about 1000 entries, at a
+// stride that meets every column of a matrix): one scan aiming at about 1.5 k + 64 candidates; when fewer than k pass (the sample overestimated
 // the tail: about one call in twenty), a second scan at the sample's threshold for 4 k + 256; then radix
 // selection over all entries, several passes, only when that too finds fewer than k. The thresholds steer
 // only the time: the set is the k largest whichever finds it.
-template <typename T> bool exact_impl(const T* x, int64_t n, int64_t k, int level) {
+template <typename T> bool exact_impl(const T* x, int64_t n, int64_t k, int64_t step, int level) {
     using K = Key<T>;
     Scratch<K>& s = scratch<K>();
     std::vector<int64_t>& idx = tl_indices;
     grow(idx, k);
     if (n >= kFilterMin) {
-        const int64_t step = coprime_stride(std::max<int64_t>(8, n / 1024));
         const int64_t m = (n - 1) / step + 1;
         for (const double aim : {1.5 * static_cast<double>(k) + 64.0, 4.0 * static_cast<double>(k) + 256.0}) {
             const int64_t rank = std::min<int64_t>(m, static_cast<int64_t>(aim * static_cast<double>(m) / n) + 1);
@@ -449,13 +435,13 @@ template <typename T> bool exact_impl(const T* x, int64_t n, int64_t k, int leve
     return scan<T>(x, n, cut, idx.data(), k, level) == k;
 }
 
-py::object exact(uintptr_t x, int64_t n, bool is_double, int64_t k, int level) {
+py::object exact(uintptr_t x, int64_t n, bool is_double, int64_t k, int64_t step, int level) {
     bool found;
     {
         std::optional<py::gil_scoped_release> release;  // other threads may run while a large x is read
         if (n >= kReleaseGil) release.emplace();
-        found = is_double ? exact_impl<double>(reinterpret_cast<const double*>(x), n, k, level)
-                          : exact_impl<float>(reinterpret_cast<const float*>(x), n, k, level);
+        found = is_double ? exact_impl<double>(reinterpret_cast<const double*>(x), n, k, step, level)
+                          : exact_impl<float>(reinterpret_cast<const float*>(x), n, k, step, level);
     }
     py::object result = py::none();
     if (found) result = to_array(tl_indices.data(), k);
