@@ -98,7 +98,7 @@ class TopK(SparseCompressor):
 
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
         """Select locally (unless done already: :meth:`precompute`), all-gather one packed byte payload, sum the ranks'
-        entries in rank order.
+        entries divided by W (DDP's order: divide, then sum) in rank order.
 
         While the payload travels, this rank writes its residuals and zeroes its output slots. When the inputs (and
         the outputs) are slices of one buffer, gathering, residuals and sums take one call each for the whole bucket
@@ -139,10 +139,9 @@ class TopK(SparseCompressor):
         specs = [(self.value_dtype, sum(ks)), (index_dtype, sum(slots))]
 
         def decode(f: Future) -> list[Tensor]:
-            touched: list[Tensor] = []
             for raw in f.value():  # rank order: identical summation on every rank
                 vals, received = unpack_bytes(raw, specs)
-                vals = vals.to(torch.float32)
+                vals = vals.to(torch.float32, copy=True).div_(ctx.world_size)  # as DDP: divide, then sum
                 if delta16:
                     idx = decode_delta16_layers(received, slots)
                 elif wide:
@@ -150,20 +149,10 @@ class TopK(SparseCompressor):
                 else:
                     idx = received.long()
                 if out_window is not None:
-                    touched.append(idx.add_(out_window[1]))
-                    out_window[0].scatter_add_(0, touched[-1], vals)
+                    out_window[0].scatter_add_(0, idx.add_(out_window[1]), vals)
                     continue
                 for out, i, v in zip(averaged, torch.split(idx, ks), torch.split(vals, ks)):
                     out.scatter_add_(0, i, v)
-                touched.append(idx)
-            # the other entries are zeros, and 0 / W = 0: divide the sums
-            if out_window is not None:
-                seen = torch.cat(touched)
-                out_window[0].scatter_(0, seen, out_window[0].index_select(0, seen).div_(ctx.world_size))
-                return averaged
-            for out, pieces in zip(averaged, zip(*(torch.split(i, ks) for i in touched))):
-                where_l = torch.cat(pieces)
-                out.scatter_(0, where_l, out.index_select(0, where_l).div_(ctx.world_size))
             return averaged
 
         return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=tensors)
