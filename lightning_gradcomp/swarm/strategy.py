@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import numbers
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -162,14 +163,16 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         self.geometric_local_steps = check_bool("geometric_local_steps", geometric_local_steps)
         self.topology = _check_topology(topology)
         self.torus_shape = None if torus_shape is None else _check_shape(torus_shape)
+        if self.torus_shape is not None and self.topology != "torus":
+            raise ValueError(f"`torus_shape` applies to topology='torus' only, got topology={self.topology!r}")
         if rounding not in ROUNDINGS:
             raise ValueError(f"`rounding` must be one of {ROUNDINGS}, got {rounding!r}")
         self.rounding = rounding
-        self.codec = (
-            None
-            if bits is None
-            else LatticeCodec(bits=bits, block_size=block_size, margin=lattice_margin, rounding=rounding)
+        # built whatever ``bits`` is, so that block_size and lattice_margin are checked for fp32 exchanges too
+        codec = LatticeCodec(
+            bits=8 if bits is None else bits, block_size=block_size, margin=lattice_margin, rounding=rounding
         )
+        self.codec = None if bits is None else codec
         self.bits = bits
         self.non_blocking = check_bool("non_blocking", non_blocking)
         if eval_model not in _EVAL_MODELS:
@@ -290,6 +293,8 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             self._edges = topology_edges(self.topology, self.world_size)
         elif isinstance(self.topology, str):
             topology_edges(self.topology, self.world_size, self.torus_shape)  # validates torus_shape
+        if self.replay is not None:
+            _check_replay_ranks(self.replay, self.world_size)
         named: list[tuple[str, Tensor]] = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._param_numel = sum(real_view_numel(p) for _, p in named)  # real numbers: a complex entry is two
         if self.gossip_buffers:
@@ -732,23 +737,69 @@ def _write_named(module: torch.nn.Module, values: dict[str, Tensor]) -> None:
 
 
 def _check_replay(replay: Any) -> Any:
+    """``replay`` as lists of :data:`~.asynchronous.PairingRecord` tuples (a list indexed by rank, or a dict rank ->
+    list), or ``None``; raises ``TypeError`` / ``ValueError`` naming ``replay`` for anything else. The ranks are
+    checked against the world size at setup (:func:`_check_replay_ranks`)."""
     if replay is None:
         return None
     if not isinstance(replay, (list, tuple, dict)):
         raise TypeError(f"`replay` must be a list (or dict) of per-rank pairing logs, got {type(replay).__name__}")
-    logs = replay.values() if isinstance(replay, dict) else replay
-    for entries in logs:
+    if isinstance(replay, dict):
+        for key in replay:
+            if not _is_index(key):
+                raise TypeError(f"`replay` dict keys must be integer ranks >= 0, got {key!r}")
+        return {int(k): _check_log(v) for k, v in replay.items()}
+    return [_check_log(v) for v in replay]
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
+
+
+def _check_log(entries: Any) -> list[tuple[int, ...]]:
+    """One rank's pairing log: a list of ``(pub_step, partner, partner_pub_step, ticket, apply_step, drained)``, the
+    first five integers >= 0, ``drained`` 0 or 1."""
+    if not isinstance(entries, (list, tuple)):
+        raise TypeError(f"`replay` must hold one list of pairing records per rank, got {entries!r}")
+    out = []
+    for entry in entries:
+        fields = tuple(entry) if isinstance(entry, (list, tuple)) else ()
+        if (
+            len(fields) != 6
+            or not all(_is_index(v) for v in fields[:5])
+            or not (isinstance(fields[5], numbers.Integral) and fields[5] in (0, 1))
+        ):
+            raise ValueError(
+                "`replay` entries must be (pub_step, partner, partner_pub_step, ticket, apply_step, drained): five "
+                f"integers >= 0 and drained 0 or 1, got {entry!r}"
+            )
+        out.append(tuple(int(v) for v in fields))
+    return out
+
+
+def _check_replay_ranks(replay: Any, world_size: int) -> None:
+    """Raise ``ValueError`` unless ``replay`` holds one log per rank of ``world_size`` (a dict: ranks below it) whose
+    partners are other ranks below it."""
+    if isinstance(replay, dict):
+        logs = replay
+        outside = sorted(r for r in logs if r >= world_size)
+        if outside:
+            raise ValueError(
+                f"`replay` has logs of ranks {outside}, outside 0..{world_size - 1} (world size {world_size})"
+            )
+    else:
+        if len(replay) != world_size:
+            raise ValueError(
+                f"`replay` must hold one pairing log per rank (world size {world_size}), got {len(replay)}"
+            )
+        logs = dict(enumerate(replay))
+    for rank, entries in logs.items():
         for entry in entries:
-            if len(entry) != 6:
+            if entry[1] >= world_size or entry[1] == rank:
                 raise ValueError(
-                    "`replay` entries must be (pub_step, partner, partner_pub_step, ticket, apply_step, "
-                    f"drained), got {entry!r}"
+                    f"`replay`: rank {rank}'s log names partner {entry[1]}, which is not another rank of "
+                    f"0..{world_size - 1}: {entry!r}"
                 )
-    return (
-        {int(k): [tuple(int(v) for v in e) for e in logs_] for k, logs_ in replay.items()}
-        if isinstance(replay, dict)
-        else [[tuple(int(v) for v in e) for e in entries] for entries in replay]
-    )
 
 
 def _check_topology(topology: Any) -> Topology:

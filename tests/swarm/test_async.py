@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from lightning_gradcomp.checkpoint_shards import read_shards
 from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.swarm.asynchronous import AsyncGossip, StoreMatchmaker, exchange_group
 from lightning_gradcomp.swarm.exchange import LatticeCodec, PairwiseGossip
+from lightning_gradcomp.swarm.strategy import _check_replay_ranks
 
 
 class Probe(pl.Callback):
@@ -245,6 +247,16 @@ def test_async_checkpoint_drains_exchanges_and_resumes(tmp_path: Path) -> None:
     ({"mode": "lockstep", "replay": [[]]}, ValueError, "replay"),
     ({"replay": 3}, TypeError, "replay"),
     ({"replay": [[(1, 2, 3, 4, 5)]]}, ValueError, "replay"),
+    ({"replay": [5]}, TypeError, "replay"),
+    ({"replay": [[1, 2, 3]]}, ValueError, "replay"),
+    ({"replay": [[None]]}, ValueError, "replay"),
+    ({"replay": {"a": []}}, TypeError, "replay"),
+    ({"replay": {-1: []}}, TypeError, "replay"),
+    ({"replay": [[(1, 2, 3, 4, 5, "x")]]}, ValueError, "replay"),
+    ({"replay": [[(1.5, 1, 2, 3, 4, 0)]]}, ValueError, "replay"),  # was truncated to 1
+    ({"replay": [[(1, -1, 2, 3, 4, 0)]]}, ValueError, "replay"),
+    ({"replay": [[(1, 1, 2, 3, 4, 2)]]}, ValueError, "replay"),
+    ({"replay": [[(True, 1, 2, 3, 4, 0)]]}, ValueError, "replay"),
     ({"monitor_every": 2}, ValueError, "monitor_every"),
     ({"gossip_buffers": 1}, TypeError, "gossip_buffers"),
     ({"exchange_timeout": 0}, ValueError, "exchange_timeout"),
@@ -254,3 +266,30 @@ def test_async_checkpoint_drains_exchanges_and_resumes(tmp_path: Path) -> None:
 def test_bad_async_arguments_are_rejected(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         SwarmStrategy(**kwargs)
+
+
+def test_replay_logs_in_other_forms_are_accepted() -> None:
+    """Tuples or lists (a log read back from JSON), NumPy integers, a bool ``drained``, a dict of some ranks."""
+    entry = (np.int64(2), 1, 2, np.int32(7), 3, True)
+    assert SwarmStrategy(replay=[[list(entry)], []]).replay == [[(2, 1, 2, 7, 3, 1)], []]
+    assert SwarmStrategy(replay={1: (entry,)}).replay == {1: [(2, 1, 2, 7, 3, 1)]}
+
+
+@pytest.mark.parametrize("replay, message", [
+    ([[]], r"one pairing log per rank \(world size 2\), got 1"),
+    ([[], [], []], r"one pairing log per rank \(world size 2\), got 3"),
+    ({0: [], 2: []}, r"ranks \[2\], outside 0..1"),
+    ([[(1, 7, 1, 1, 1, 0)], []], "rank 0's log names partner 7"),
+    ([[], [(1, 1, 1, 1, 1, 0)]], "rank 1's log names partner 1"),
+])
+def test_replay_that_does_not_fit_the_world_is_refused(replay: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _check_replay_ranks(SwarmStrategy(replay=replay).replay, 2)
+    _check_replay_ranks(SwarmStrategy(replay={0: [], 1: [(1, 0, 1, 1, 1, 0)]}).replay, 2)  # fits: no error
+
+
+def test_a_replay_of_too_few_ranks_stops_the_setup_on_every_rank(tmp_path: Path) -> None:
+    """Before, rank 1 found no log of its own: a bare ``IndexError`` in the middle of the setup."""
+    with pytest.raises(Exception, match=r"`replay` must hold one pairing log per rank \(world size 2\), got 1"):
+        fit(SwarmStrategy(replay=[[]], start_method="fork"), tmp_path, devices=2)
+    assert not (tmp_path / "rank0.pt").exists()  # nothing trained

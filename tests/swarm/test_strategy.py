@@ -305,6 +305,13 @@ def test_old_single_file_checkpoint_still_resumes_exactly(tmp_path: Path) -> Non
     ({"topology": [(0, 0)]}, ValueError, "topology"),
     ({"topology": 3}, TypeError, "topology"),
     ({"torus_shape": (0, 2)}, ValueError, "torus_shape"),
+    ({"torus_shape": (1, 2)}, ValueError, "torus_shape` applies to topology='torus' only"),  # was ignored
+    ({"topology": "ring", "torus_shape": (1, 2)}, ValueError, "torus_shape"),
+    ({"bits": None, "block_size": 0}, ValueError, "block_size"),  # fp32 exchanges: checked all the same
+    ({"bits": None, "block_size": "1024"}, ValueError, "block_size"),
+    ({"bits": None, "lattice_margin": 0.5}, ValueError, "lattice_margin"),
+    ({"bits": None, "lattice_margin": float("nan")}, ValueError, "lattice_margin"),
+    ({"bits": None, "lattice_margin": "x"}, ValueError, "lattice_margin"),
     ({"eval_model": "best"}, ValueError, "eval_model"),
     ({"non_blocking": "yes"}, TypeError, "non_blocking"),
     ({"monitor_every": -1}, ValueError, "monitor_every"),
