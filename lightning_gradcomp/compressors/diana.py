@@ -139,7 +139,9 @@ class DIANA(QuantizedCompressor):
         limit = self.quantizer.alpha_max
         if alpha is None:
             alpha = limit / 2
-        if not is_number(alpha) or not 0.0 <= alpha <= limit:
+        if not is_number(alpha):
+            raise TypeError(f"`alpha` must be a number (or None for alpha_p / 2), got {alpha!r}")
+        if not 0.0 <= alpha <= limit:
             raise ValueError(
                 f"`alpha` must be a number in [0, alpha_p = {limit:.6g}] for quantizer {self.quantizer} "
                 f"(alpha_p(d) = 1/sqrt(d) for l2, 2/(1+sqrt(d)) for linf); got {alpha!r}"

@@ -37,8 +37,10 @@ def test_default_alpha_is_half_alpha_p_of_the_block() -> None:
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"alpha": 0.2}, ValueError, r"`alpha` must be a number in \[0, alpha_p = 0.162"),
     ({"alpha": -0.01}, ValueError, "`alpha`"),
-    ({"alpha": True}, ValueError, "`alpha`"),
-    ({"alpha": "0.1"}, ValueError, "`alpha`"),
+    ({"alpha": True}, TypeError, "`alpha` must be a number"),
+    ({"alpha": "0.1"}, TypeError, "`alpha` must be a number"),
+    ({"alpha": [0.1]}, TypeError, "`alpha` must be a number"),
+    ({"alpha": float("nan")}, ValueError, r"`alpha` must be a number in \[0, alpha_p"),
     ({"quantizer": "l2:64", "alpha": 0.13}, ValueError, r"alpha_p = 0.125"),
     ({"quantizer": "l1"}, ValueError, "`p` must be 2 or inf"),
     ({"quantizer": "linf:abc"}, ValueError, "quantizer"),
