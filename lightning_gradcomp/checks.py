@@ -24,6 +24,7 @@ from typing import Any, Optional, TypeGuard, Union
 import torch
 
 __all__ = [
+    "ArgumentTypeError",
     "DTYPE_ALIASES",
     "MAX_TIMEOUT_SECONDS",
     "check_bool",
@@ -35,6 +36,20 @@ __all__ = [
     "is_int",
     "is_number",
 ]
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type. A ``TypeError``, and a ``ValueError`` too, so that code catching ``ValueError``
+    for every bad argument (the other checks raise it for values out of range) catches this one as well.
+
+    Example::
+
+        >>> try:
+        ...     check_int("rank", "4", 1)
+        ... except ValueError as err:
+        ...     isinstance(err, TypeError), str(err)
+        (True, "`rank` must be an integer, got '4'")
+    """
 
 
 def is_number(value: Any) -> bool:
@@ -67,7 +82,7 @@ def check_number(
         ValueError: ``value`` is outside the range; the message names ``name`` and the range.
     """
     if not (is_int(value) if integer else is_number(value)):
-        raise TypeError(f"`{name}` must be {'an integer' if integer else 'a number'}, got {value!r}")
+        raise ArgumentTypeError(f"`{name}` must be {'an integer' if integer else 'a number'}, got {value!r}")
     above = value > low if low_open else value >= low
     below = value < high if high_open else value <= high
     if not (above and below):
@@ -96,7 +111,7 @@ def check_bool(name: str, value: Any) -> bool:
         TypeError: ``value`` is not a ``bool``; the message names ``name``.
     """
     if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a bool, got {value!r}")
+        raise ArgumentTypeError(f"`{name}` must be a bool, got {value!r}")
     return value
 
 
@@ -152,7 +167,7 @@ def check_timeout(timeout: Any) -> Optional[timedelta]:
     elif is_number(timeout):
         seconds = float(timeout)
     else:
-        raise TypeError(f"`timeout` must be a datetime.timedelta, a number of seconds or None, got {timeout!r}")
+        raise ArgumentTypeError(f"`timeout` must be a datetime.timedelta, a number of seconds or None, got {timeout!r}")
     # a timedelta holds whole microseconds: fewer would round to a zero timeout, not a short one
     if not 1e-6 <= seconds <= MAX_TIMEOUT_SECONDS:
         raise ValueError(

@@ -40,7 +40,7 @@ from typing import Optional, Union
 
 import torch.distributed as dist
 
-from lightning_gradcomp.checks import is_int
+from lightning_gradcomp.checks import ArgumentTypeError, is_int
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.plan import BucketPlan, LayerSlot
 
@@ -56,12 +56,14 @@ def check_hierarchy(value: HierarchySpec) -> HierarchySpec:
     """Validate ``hierarchy`` at construction; return it unchanged.
 
     Raises:
-        ValueError: anything but ``None``, ``"node"`` or a positive ``int``; the message names ``hierarchy``
-            and the allowed values.
+        ValueError: a string other than ``"node"``, or an ``int`` below 1; the message names ``hierarchy`` and the
+            allowed values. Another type: :class:`~lightning_gradcomp.checks.ArgumentTypeError` (also a ``TypeError``).
     """
     if value is None or value == "node":
         return value
-    if not is_int(value) or value < 1:
+    if not is_int(value) and not isinstance(value, str):
+        raise ArgumentTypeError(f"`hierarchy` must be {_ALLOWED}; got {value!r}")
+    if isinstance(value, str) or value < 1:
         raise ValueError(f"`hierarchy` must be {_ALLOWED}; got {value!r}")
     return value
 

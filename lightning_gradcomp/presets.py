@@ -27,6 +27,8 @@ from typing import Any, Optional
 
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
+from lightning_gradcomp.checks import ArgumentTypeError
+
 __all__ = ["PRESETS", "preset_class", "register_preset", "register_presets"]
 
 Factory = Callable[[], dict[str, Any]]
@@ -108,13 +110,13 @@ def _register(strategy_registry: Any, key: str, description: str, builder: _Buil
 
 def _check_declaration(name: str, description: str, factory: Factory, strategy: Optional[type[Strategy]]) -> str:
     if not isinstance(name, str) or not name:
-        raise TypeError(f"preset `name` must be a non-empty str, got {name!r}")
+        raise ArgumentTypeError(f"preset `name` must be a non-empty str, got {name!r}")
     if not isinstance(description, str):
-        raise TypeError(f"preset `description` must be a str, got {description!r}")
+        raise ArgumentTypeError(f"preset `description` must be a str, got {description!r}")
     if not callable(factory):
-        raise TypeError(f"preset `factory` must be a callable returning keyword arguments, got {factory!r}")
+        raise ArgumentTypeError(f"preset `factory` must be a callable returning keyword arguments, got {factory!r}")
     if strategy is not None and not (isinstance(strategy, type) and issubclass(strategy, Strategy)):
-        raise TypeError(f"preset `strategy` must be a Lightning Strategy class or None, got {strategy!r}")
+        raise ArgumentTypeError(f"preset `strategy` must be a Lightning Strategy class or None, got {strategy!r}")
     key = name.lower()
     for suffix, _ in _VARIANTS:
         entry = dict.get(StrategyRegistry, key + suffix)

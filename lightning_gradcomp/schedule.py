@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
-from lightning_gradcomp.checks import check_int, check_number, is_int
+from lightning_gradcomp.checks import ArgumentTypeError, check_int, check_number, is_int
 from lightning_gradcomp.compressors.base import Compressor
 
 __all__ = [
@@ -123,7 +123,7 @@ class CallableSchedule(CompressionSchedule):
 
     def __init__(self, fn: Callable[[int], float]) -> None:
         if not callable(fn):
-            raise TypeError(f"`schedule` must be callable, got {fn!r}")
+            raise ArgumentTypeError(f"`schedule` must be callable, got {fn!r}")
         self.fn = fn
 
     def value(self, step: int, target: Any) -> float:
@@ -154,7 +154,7 @@ def as_schedule(spec: ScheduleSpec, compressor: Compressor) -> Optional[Compress
     elif callable(spec):
         schedule = CallableSchedule(spec)
     else:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"`schedule` must be a CompressionSchedule, a {{step: value}} mapping or a callable, got {spec!r}"
         )
     schedule.check(compressor)

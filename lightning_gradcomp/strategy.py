@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_gradcomp import checkpoint_shards
 from lightning_gradcomp.checkpoint_shards import load_verified, verify_checkpoint_file
-from lightning_gradcomp.checks import check_bool, check_int, check_timeout
+from lightning_gradcomp.checks import ArgumentTypeError, check_bool, check_int, check_timeout
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.registry import as_compressor
@@ -154,7 +154,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             raise ValueError(f"`nonfinite` must be 'dense' or 'zero', got {nonfinite!r}")
         self.nonfinite = nonfinite
         if layerwise is not None and not isinstance(layerwise, Callback):
-            raise TypeError(f"`layerwise` must be a Lightning Callback such as LGreCo(...), got {layerwise!r}")
+            raise ArgumentTypeError(f"`layerwise` must be a Lightning Callback such as LGreCo(...), got {layerwise!r}")
         if layerwise is not None and not self.compressor.tunable:  # known now: fail here, not at the fit's start
             raise ValueError(
                 f"`layerwise` tunes per-layer compression parameters, but {self.compressor._not_tunable()}: use "

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from lightning_gradcomp import GradCompStrategy, LocalSGDStrategy, SwarmStrategy, checks, distributed
-from lightning_gradcomp.checks import (check_bool, check_bucket_size, check_dtype, check_int, check_number,
-                                       check_timeout, is_int, is_number)
+from lightning_gradcomp.callbacks import LowPassMemoryFilter
+from lightning_gradcomp.checks import (ArgumentTypeError, check_bool, check_bucket_size, check_dtype, check_int,
+                                       check_number, check_timeout, is_int, is_number)
+from lightning_gradcomp.compressors import DIANA, PowerSGD, TopK
 
 PACKAGE = Path(checks.__file__).parent
 
@@ -204,3 +206,40 @@ def test_every_strategy_checks_its_timeout_alike(cls: type) -> None:
     with pytest.raises(ValueError, match="`timeout` must be positive and finite"):
         cls(timeout=0)
     assert math.isclose(cls(timeout=timedelta(minutes=1))._timeout.total_seconds(), 60.0)
+
+
+WRONG_TYPES = {  # one wrong-typed argument of each kind of check, strategies, compressors and callbacks
+    "beta": lambda: GradCompStrategy(compressor=TopK(), beta="0.5"),
+    "hierarchy": lambda: GradCompStrategy(hierarchy=2.0),
+    "ratio": lambda: TopK(ratio="0.1"),
+    "rank": lambda: PowerSGD(rank=2.5),
+    "alpha": lambda: DIANA(alpha="0.1"),
+    "bits": lambda: SwarmStrategy(bits="8"),
+    "block_size": lambda: SwarmStrategy(block_size="1024"),
+    "lattice_margin": lambda: SwarmStrategy(lattice_margin="4"),
+    "torus_shape": lambda: SwarmStrategy(topology="torus", torus_shape=("2", "2")),
+    "schedule": lambda: LowPassMemoryFilter(schedule={"a": 0.1}),
+    "compress_1d": lambda: GradCompStrategy(compress_1d=1),
+    "timeout": lambda: GradCompStrategy(timeout="10"),
+}
+
+
+@pytest.mark.parametrize("argument", sorted(WRONG_TYPES))
+def test_a_wrong_type_is_a_type_error_and_a_value_error(argument: str) -> None:
+    """docs/reliability.md: a wrong type raises ``TypeError``; it is a ``ValueError`` too (:class:`ArgumentTypeError`),
+    as an out-of-range value is, so that ``except ValueError`` catches every bad argument. Before, some checks raised a
+    plain ``ValueError`` for a wrong type (``beta``, ``hierarchy``, the lattice's, ``torus_shape``, the low-pass
+    schedule's keys) and the rest a plain ``TypeError``."""
+    with pytest.raises(ArgumentTypeError, match=f"`{argument}`") as caught:
+        WRONG_TYPES[argument]()
+    assert isinstance(caught.value, TypeError) and isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize("make", [lambda: GradCompStrategy(compressor=TopK(), beta=1.5),
+                                  lambda: GradCompStrategy(hierarchy=0), lambda: GradCompStrategy(hierarchy="nodes"),
+                                  lambda: SwarmStrategy(bits=9), lambda: SwarmStrategy(lattice_margin=0.5),
+                                  lambda: LowPassMemoryFilter(schedule={-1: 0.1}), lambda: TopK(ratio=2.0)])
+def test_a_value_out_of_range_stays_a_plain_value_error(make: Any) -> None:
+    with pytest.raises(ValueError) as caught:
+        make()
+    assert not isinstance(caught.value, TypeError)

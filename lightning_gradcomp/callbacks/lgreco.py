@@ -40,7 +40,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_gradcomp.checks import check_bool, check_int, check_number
+from lightning_gradcomp.checks import ArgumentTypeError, check_bool, check_int, check_number
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.powersgd import PowerSGD
 from lightning_gradcomp.functional.layerwise import feedback_errors, solve_or_uniform
@@ -197,7 +197,7 @@ class LGreCo(Callback):
         self.alpha = float(check_number("alpha", alpha, 0.0, inf, high_open=True))
         if candidates is not None:
             if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence) or not candidates:
-                raise TypeError(f"`candidates` must be a non-empty sequence of numbers, got {candidates!r}")
+                raise ArgumentTypeError(f"`candidates` must be a non-empty sequence of numbers, got {candidates!r}")
             for c in candidates:
                 check_number("candidates", c, 0.0, inf, high_open=True)
         self.candidates = None if candidates is None else list(candidates)

@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from lightning_gradcomp.checks import check_int, is_int
+from lightning_gradcomp.checks import ArgumentTypeError, check_int, is_int
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.memory import ErrorFeedback, require_error_feedback, validate_beta
 
@@ -67,17 +67,20 @@ def _check_schedule(schedule: Optional[Mapping[Any, float]]) -> dict[int, float]
     if schedule is None:
         return {}
     if not isinstance(schedule, Mapping):
-        raise TypeError(f"`schedule` must be a mapping {{step: beta}}, e.g. {{500: 0.1}}, got {schedule!r}")
+        raise ArgumentTypeError(f"`schedule` must be a mapping {{step: beta}}, e.g. {{500: 0.1}}, got {schedule!r}")
     out = {}
     for step, beta in schedule.items():
         if isinstance(step, str) and step.strip().isdigit():
             step = int(step)
-        if not is_int(step) or step < 0:
+        if not is_int(step):
+            raise ArgumentTypeError(f"`schedule` keys must be optimizer steps (integers >= 0), got {step!r}")
+        if step < 0:
             raise ValueError(f"`schedule` keys must be optimizer steps (integers >= 0), got {step!r}")
         try:
             out[step] = validate_beta(beta)
-        except ValueError:
-            raise ValueError(f"`schedule` values must be numbers in (0, 1], got {beta!r} at step {step}") from None
+        except ValueError as err:  # the same kind: a wrong type, or a number out of range
+            kind = ArgumentTypeError if isinstance(err, TypeError) else ValueError
+            raise kind(f"`schedule` values must be numbers in (0, 1], got {beta!r} at step {step}") from None
     return dict(sorted(out.items()))
 
 
@@ -140,7 +143,7 @@ class LowPassMemoryFilter(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Check that the strategy has an error-feedback memory to filter."""
         if not callable(getattr(trainer.strategy, "set_beta", None)):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"LowPassMemoryFilter needs a GradCompStrategy (with `set_beta`), got {type(trainer.strategy).__name__}"
             )
         compressor = getattr(trainer.strategy, "compressor", None)

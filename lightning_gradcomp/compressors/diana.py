@@ -35,7 +35,7 @@ from typing import Any, Optional, Union, cast
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.checks import check_bucket_size, is_number
+from lightning_gradcomp.checks import ArgumentTypeError, check_bucket_size, is_number
 from lightning_gradcomp.compressors.base import ReduceContext
 from lightning_gradcomp.compressors.quantized import (
     DecodedMessages,
@@ -108,7 +108,9 @@ class BlockQuantizer:
                 return cls(norm, size)
             except ValueError as err:  # name the argument the user set
                 raise ValueError(f"`quantizer` {spec!r}: {err}") from None
-        raise TypeError(f"`quantizer` must be a BlockQuantizer, a string like 'linf:128' or a mapping, got {spec!r}")
+        raise ArgumentTypeError(
+            f"`quantizer` must be a BlockQuantizer, a string like 'linf:128' or a mapping, got {spec!r}"
+        )
 
     def __str__(self) -> str:
         return f"{'linf' if self.p == math.inf else 'l2'}:{self.block_size}"
@@ -140,7 +142,7 @@ class DIANA(QuantizedCompressor):
         if alpha is None:
             alpha = limit / 2
         if not is_number(alpha):
-            raise TypeError(f"`alpha` must be a number (or None for alpha_p / 2), got {alpha!r}")
+            raise ArgumentTypeError(f"`alpha` must be a number (or None for alpha_p / 2), got {alpha!r}")
         if not 0.0 <= alpha <= limit:
             raise ValueError(
                 f"`alpha` must be a number in [0, alpha_p = {limit:.6g}] for quantizer {self.quantizer} "

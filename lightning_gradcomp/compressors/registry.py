@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar, Union
 
+from lightning_gradcomp.checks import ArgumentTypeError
 from lightning_gradcomp.compressors.base import Compressor
 
 __all__ = ["as_compressor", "create", "list", "register"]
@@ -76,7 +77,7 @@ def as_compressor(compressor: Union[Compressor, str, None]) -> Compressor:
             )
         return create(compressor)
     if not isinstance(compressor, Compressor):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"`compressor` must be a Compressor instance or a registered name ({', '.join(list())}), got {compressor!r}"
         )
     return compressor

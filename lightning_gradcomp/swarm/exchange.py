@@ -41,7 +41,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.checks import is_int, is_number
+from lightning_gradcomp.checks import ArgumentTypeError, is_int, is_number
 from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.functional.lattice import (
     MAX_BLOCK,
@@ -137,12 +137,27 @@ class LatticeCodec:
     rounding: str = "nearest"
 
     def __post_init__(self) -> None:
-        if not is_int(self.bits) or not 1 <= self.bits <= 8:
-            raise ValueError(f"`bits` must be an integer in [1, 8] (or None for fp32), got {self.bits!r}")
-        if not is_int(self.block_size) or not 1 <= self.block_size <= MAX_BLOCK:
-            raise ValueError(f"`block_size` must be an integer in [1, {MAX_BLOCK}], got {self.block_size!r}")
-        if not is_number(self.margin) or not 1 <= self.margin < math.inf:
-            raise ValueError(f"`lattice_margin` must be a finite number >= 1, got {self.margin!r}")
+        for ok_type, in_range, message in (
+            (
+                is_int(self.bits),
+                is_int(self.bits) and 1 <= self.bits <= 8,
+                f"`bits` must be an integer in [1, 8] (or None for fp32), got {self.bits!r}",
+            ),
+            (
+                is_int(self.block_size),
+                is_int(self.block_size) and 1 <= self.block_size <= MAX_BLOCK,
+                f"`block_size` must be an integer in [1, {MAX_BLOCK}], got {self.block_size!r}",
+            ),
+            (
+                is_number(self.margin),
+                is_number(self.margin) and 1 <= self.margin < math.inf,
+                f"`lattice_margin` must be a finite number >= 1, got {self.margin!r}",
+            ),
+        ):
+            if not ok_type:
+                raise ArgumentTypeError(message)
+            if not in_range:
+                raise ValueError(message)
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"`rounding` must be one of {ROUNDINGS}, got {self.rounding!r}")
 

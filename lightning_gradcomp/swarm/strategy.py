@@ -37,7 +37,15 @@ from typing_extensions import override
 
 from lightning_gradcomp import checkpoint_shards
 from lightning_gradcomp.checkpoint_shards import load_verified
-from lightning_gradcomp.checks import MAX_TIMEOUT_SECONDS, check_bool, check_int, check_number, check_timeout, is_int
+from lightning_gradcomp.checks import (
+    MAX_TIMEOUT_SECONDS,
+    ArgumentTypeError,
+    check_bool,
+    check_int,
+    check_number,
+    check_timeout,
+    is_int,
+)
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, release_group
 from lightning_gradcomp.functional.finite import DeferredCount
@@ -743,11 +751,13 @@ def _check_replay(replay: Any) -> Any:
     if replay is None:
         return None
     if not isinstance(replay, (list, tuple, dict)):
-        raise TypeError(f"`replay` must be a list (or dict) of per-rank pairing logs, got {type(replay).__name__}")
+        raise ArgumentTypeError(
+            f"`replay` must be a list (or dict) of per-rank pairing logs, got {type(replay).__name__}"
+        )
     if isinstance(replay, dict):
         for key in replay:
             if not _is_index(key):
-                raise TypeError(f"`replay` dict keys must be integer ranks >= 0, got {key!r}")
+                raise ArgumentTypeError(f"`replay` dict keys must be integer ranks >= 0, got {key!r}")
         return {int(k): _check_log(v) for k, v in replay.items()}
     return [_check_log(v) for v in replay]
 
@@ -760,7 +770,7 @@ def _check_log(entries: Any) -> list[tuple[int, ...]]:
     """One rank's pairing log: a list of ``(pub_step, partner, partner_pub_step, ticket, apply_step, drained)``, the
     first five integers >= 0, ``drained`` 0 or 1."""
     if not isinstance(entries, (list, tuple)):
-        raise TypeError(f"`replay` must hold one list of pairing records per rank, got {entries!r}")
+        raise ArgumentTypeError(f"`replay` must hold one list of pairing records per rank, got {entries!r}")
     out = []
     for entry in entries:
         fields = tuple(entry) if isinstance(entry, (list, tuple)) else ()
@@ -810,7 +820,9 @@ def _check_topology(topology: Any) -> Topology:
     try:
         edges = [tuple(edge) for edge in topology]
     except TypeError:
-        raise TypeError(f"`topology` must be a name {TOPOLOGIES} or a list of (i, j) edges, got {topology!r}") from None
+        raise ArgumentTypeError(
+            f"`topology` must be a name {TOPOLOGIES} or a list of (i, j) edges, got {topology!r}"
+        ) from None
     for edge in edges:
         if len(edge) != 2 or not all(is_int(v) and v >= 0 for v in edge):
             raise ValueError(f"`topology` edges must be pairs of non-negative integer ranks, got {edge!r}")
@@ -825,9 +837,11 @@ def _check_shape(shape: Any) -> tuple[int, int]:
     try:
         rows, cols = shape
     except (TypeError, ValueError):
-        raise TypeError(f"`torus_shape` must be a (rows, cols) pair, got {shape!r}") from None
+        raise ArgumentTypeError(f"`torus_shape` must be a (rows, cols) pair, got {shape!r}") from None
     for v in (rows, cols):
-        if not is_int(v) or v < 1:
+        if not is_int(v):
+            raise ArgumentTypeError(f"`torus_shape` entries must be integers >= 1, got {shape!r}")
+        if v < 1:
             raise ValueError(f"`torus_shape` entries must be integers >= 1, got {shape!r}")
     return int(rows), int(cols)
 
