@@ -41,7 +41,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.checks import ArgumentTypeError, is_int, is_number
+from lightning_gradcomp.checks import check_int, check_number
 from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.functional.lattice import (
     MAX_BLOCK,
@@ -137,27 +137,9 @@ class LatticeCodec:
     rounding: str = "nearest"
 
     def __post_init__(self) -> None:
-        for ok_type, in_range, message in (
-            (
-                is_int(self.bits),
-                is_int(self.bits) and 1 <= self.bits <= 8,
-                f"`bits` must be an integer in [1, 8] (or None for fp32), got {self.bits!r}",
-            ),
-            (
-                is_int(self.block_size),
-                is_int(self.block_size) and 1 <= self.block_size <= MAX_BLOCK,
-                f"`block_size` must be an integer in [1, {MAX_BLOCK}], got {self.block_size!r}",
-            ),
-            (
-                is_number(self.margin),
-                is_number(self.margin) and 1 <= self.margin < math.inf,
-                f"`lattice_margin` must be a finite number >= 1, got {self.margin!r}",
-            ),
-        ):
-            if not ok_type:
-                raise ArgumentTypeError(message)
-            if not in_range:
-                raise ValueError(message)
+        check_int("bits", self.bits, 1, 8)  # None (fp32 models) never builds a codec
+        check_int("block_size", self.block_size, 1, MAX_BLOCK)
+        check_number("lattice_margin", self.margin, 1.0, math.inf, low_open=False, high_open=True)
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"`rounding` must be one of {ROUNDINGS}, got {self.rounding!r}")
 
