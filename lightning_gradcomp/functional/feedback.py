@@ -67,6 +67,8 @@ def compensate_checked(
         >>> p.tolist(), bad in (True, None)  # None where the kernel is unavailable
         ([1.5, inf], True)
     """
+    if scale is not None and scale.dtype != torch.float32:  # p is fp32 whatever the scale's dtype
+        scale = scale.to(torch.float32)
     kernel = None if memory is None else _kernel_for(memory, grad, scale)
     if memory is not None and kernel is not None:
         divisor = 0.0 if scale is None else float(scale)  # a CPU tensor: no device sync

@@ -153,9 +153,10 @@ def lattice_decode(
 ) -> Tensor:
     """Recover lattice indices (int32) from ``codes`` using the receiver's ``reference``.
 
-    Exact when ``|index - reference / side| < 2**bits / 2`` for every coordinate; otherwise the wrong
-    coordinates are off by multiples of ``2**bits`` (and clamped to ``+-2**20``). ``dither``: the
-    sender's offsets (the reference is shifted the same way, so the condition is unchanged).
+    Exact when ``|index - reference / side| < 2**bits / 2`` and ``|index| <= 2**20`` for every coordinate (decoded
+    indices are clamped to ``+-2**20``; :func:`lattice_sides` keeps indices far below); otherwise the wrong
+    coordinates are off by multiples of ``2**bits``, or clamped. ``dither``: the sender's offsets (the reference is
+    shifted the same way, so the condition is unchanged).
 
     Example::
 

@@ -129,6 +129,10 @@ class Quantized(NamedTuple):
         _decode_add(self, base, alpha, out, alpha2, out2)
 
 
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+"""Inputs quantized, and values decoded, through fp32."""
+
+
 def parse_p(p: PNorm) -> float:
     """Validate a norm order and return it as ``1.0``, ``2.0`` or ``inf``.
 
@@ -349,12 +353,15 @@ def stochastic_quantize(
         >>> torch.allclose(mean, x, atol=0.1)  # unbiased
         True
     """
-    if levels < 1:
-        raise ValueError(f"`levels` must be >= 1, got {levels!r}")
+    if not 1 <= levels <= 127:
+        raise ValueError(f"`levels` must be in [1, 127] (codes 0..2L in one byte), got {levels!r}")
     x = x.reshape(-1)
     norm = parse_p(p)
     if minus is not None and minus.numel() != x.numel():
         raise ValueError(f"`minus` must have as many elements as `x` ({x.numel()}), got {minus.numel()}")
+    if x.dtype in _HALF_DTYPES:  # in fp32: the norms, L |x| / s and the draws rounded in 16 bits were biased
+        x = x.float()
+        minus = None if minus is None else minus.float()
     kernel = _native_for(x) if levels <= 127 and x.numel() < _native.MAX_NUMEL else None
     fused = minus is not None and norm == math.inf and minus.dtype is x.dtype and minus.device == x.device
     if minus is not None and (kernel is None or not fused):
@@ -572,13 +579,15 @@ def _decode(q: Quantized, dtype: torch.dtype, out: Optional[Tensor], level: Opti
             return values if out is None or direct else out.copy_(values)
     q = q.unpacked()
     n = q.codes.shape[-1]
-    values = _grouped(q.codes, q.group_size).to(dtype)
+    work = torch.float32 if dtype in _HALF_DTYPES else dtype  # 16 bits: an fp32 scale cast first could overflow
+    values = _grouped(q.codes, q.group_size).to(work)
     if q.levels == 0:
-        step = q.scales.to(dtype).unsqueeze(-1)
+        step = q.scales.to(work).unsqueeze(-1)
         result = _ungrouped(values.mul_(2.0).sub_(1.0).mul_(step), n)
     else:
-        step = (q.scales.to(dtype) / float(q.levels)).unsqueeze(-1)
+        step = (q.scales.to(work) / float(q.levels)).unsqueeze(-1)
         result = _ungrouped(values.sub_(float(q.levels)).mul_(step), n)
+    result = result.to(dtype)
     return result if out is None else out.copy_(result)
 
 

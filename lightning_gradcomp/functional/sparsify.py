@@ -94,7 +94,7 @@ def topk_indices(x: Tensor, k: int) -> Tensor:
     for aim in (1.5 * k, 4.0 * k):
         rank = min(sample.numel(), math.ceil(aim * sample.numel() / n) + 8)
         threshold = torch.topk(sample, rank, sorted=False).values.min()
-        candidates = (magnitudes >= threshold).nonzero().squeeze(1)
+        candidates = magnitudes.lt(threshold).logical_not_().nonzero().squeeze(1)  # NaN too: torch.topk's largest
         if candidates.numel() >= k:
             chosen = torch.topk(magnitudes.index_select(0, candidates), k, sorted=False).indices
             return candidates.index_select(0, chosen)
@@ -276,7 +276,7 @@ def delta16_capacity(numel: int, k: int) -> int:
         >>> delta16_capacity(1000, 10), delta16_capacity(262144, 2621)
         (10, 2625)
     """
-    return k + (numel - 1) // DELTA16_ESCAPE
+    return k + max(numel - 1, 0) // DELTA16_ESCAPE  # an empty layer: 0
 
 
 def encode_delta16(indices: Tensor, capacity: int) -> Tensor:
@@ -313,6 +313,7 @@ def encode_delta16_layers(indices: Sequence[Tensor], capacities: Sequence[int]) 
         >>> encode_delta16_layers([torch.tensor([0, 4]), torch.tensor([2])], [2, 1]).to(torch.int32).tolist()
         [1, 4, 3]
     """
+    _check_capacities(capacities, len(indices))
     device = indices[0].device if indices else torch.device("cpu")
     ks: list[int] = [i.numel() for i in indices]
     kernel = _native.load() if device.type == "cpu" and sum(ks) > 0 else None
@@ -352,12 +353,17 @@ def decode_delta16_layers(codes: Tensor, capacities: Sequence[int]) -> Tensor:
         >>> decode_delta16_layers(codes, [2, 1]).tolist()
         [0, 4, 2]
     """
+    _check_capacities(capacities)
+    if sum(capacities) != codes.numel():
+        raise ValueError(f"`capacities` must add up to the number of codes ({codes.numel()}), got {list(capacities)}")
     kernel = _native.load() if codes.device.type == "cpu" and codes.dtype == torch.uint16 and codes.numel() else None
     if kernel is not None:  # one pass in the compiled kernel: the same indices
         flat = codes.reshape(-1).contiguous()
         sizes = torch.tensor(list(capacities), dtype=torch.int64)
         out = torch.empty(flat.numel(), dtype=torch.int64)
         found = kernel.delta16_decode(flat.data_ptr(), sizes.data_ptr(), len(capacities), out.data_ptr(), out.numel())
+        if found < 0:
+            raise ValueError("`codes` decode to more indices than they hold")
         return out[:found]
     c = codes.to(torch.int64)
     positions = torch.cumsum(torch.where(c == 0, DELTA16_ESCAPE, c), 0)  # over all layers
@@ -367,6 +373,14 @@ def decode_delta16_layers(codes: Tensor, capacities: Sequence[int]) -> Tensor:
         counts = torch.tensor(list(capacities), device=c.device)
         positions = positions - torch.repeat_interleave(before, counts, output_size=c.numel())
     return (positions - 1)[c != 0]
+
+
+def _check_capacities(capacities: Sequence[int], layers: Optional[int] = None) -> None:
+    """Raise ``ValueError`` unless ``capacities`` are integers >= 0 (``layers`` of them, when given)."""
+    if layers is not None and len(capacities) != layers:
+        raise ValueError(f"`capacities` must give one count per layer ({layers}), got {len(capacities)}")
+    if any(not isinstance(c, int) or c < 0 for c in capacities):
+        raise ValueError(f"`capacities` must be integers >= 0, got {list(capacities)}")
 
 
 def _starts(sizes: Sequence[int]) -> list[int]:

@@ -132,3 +132,14 @@ def test_recover_gradient_gives_back_nan_and_inf_exactly_and_the_rest_within_rou
     else:  # p's rounding, relative to |m| (times s)
         tolerance = 2.0**-23 * (memory.abs() + (grad / (scale or 1.0)).abs()) * (scale or 1.0)
         assert bool(((back - grad).abs()[finite] <= tolerance[finite]).all())
+
+
+@pytest.mark.parametrize("shape", [(1,), ()])
+@pytest.mark.parametrize("with_memory", [True, False])
+def test_p_is_fp32_whatever_the_scales_dtype(shape: tuple, with_memory: bool) -> None:
+    """A one-element fp64 scale promoted ``addcdiv`` to fp64; now the scale is taken in fp32, as the hook passes it."""
+    g, m = torch.tensor([1.0, -3.0, 0.5]), torch.tensor([0.25, 0.5, -1.0])
+    scale = torch.full(shape, 4.0, dtype=torch.float64)
+    p = compensate(m if with_memory else None, g, scale)
+    assert p.dtype is torch.float32
+    assert torch.equal(p, compensate(m if with_memory else None, g, scale.float()))

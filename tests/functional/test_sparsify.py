@@ -150,3 +150,46 @@ def test_packed_positions_place_fewer_entries_at_the_start_of_each_slot() -> Non
     """CLT-k's values of a leader that kept fewer than k entries in a layer."""
     assert packed_positions([2, 3, 1], [4, 5, 1], torch.device("cpu")).tolist() == [0, 1, 4, 5, 6, 9]
     assert packed_positions([4, 5], [4, 5], torch.device("cpu")).tolist() == list(range(9))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("where", ["unsampled", "sampled"])
+def test_a_nan_counts_as_the_largest_magnitude_wherever_it_lies(dtype: torch.dtype, where: str) -> None:
+    """``torch.topk`` ranks NaN above every number. Before, a NaN outside the threshold's sample failed ``|x| >= t``
+    and was left out of the candidates (the compiled kernel hands NaN to these steps)."""
+    from lightning_gradcomp.functional.selection import exact_topk_indices
+
+    n, k = 65536, 100
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(dtype)
+    stride = systematic_stride(n, 4096)
+    at = 1 if where == "unsampled" else stride  # index 1 is never sampled (stride > 1), the stride always is
+    x[at] = float("nan")
+    expected = set(torch.topk(x.abs(), k).indices.tolist())
+    assert at in expected
+    assert set(topk_indices(x, k).tolist()) == expected
+    assert set(exact_topk_indices(x, k).tolist()) == expected
+
+
+def test_delta16_of_an_empty_layer_and_capacities_that_do_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty layer reserves no code (it reserved -1, and the kernel's encoding crashed the process); capacities
+    that do not add up to the codes (or are negative) are refused on both paths (the kernel read past the codes)."""
+    from lightning_gradcomp.functional import _native
+    from lightning_gradcomp.functional.sparsify import decode_delta16_layers, delta16_capacity, encode_delta16_layers
+
+    assert delta16_capacity(0, 0) == 0 and delta16_capacity(1, 1) == 1 and delta16_capacity(65536, 1) == 2
+    short = torch.tensor([1, 1, 1, 7, 7, 7, 7], dtype=torch.uint16)[:3]
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(_native, "load", lambda: None)  # the torch steps
+        caps = [delta16_capacity(0, 0), delta16_capacity(10, 2)]
+        codes = encode_delta16_layers([torch.empty(0, dtype=torch.int64), torch.tensor([3, 4])], caps)
+        assert codes.to(torch.int32).tolist() == [4, 1]
+        assert decode_delta16_layers(codes, caps).tolist() == [3, 4]
+        with pytest.raises(ValueError, match="`capacities` must add up to the number of codes"):
+            decode_delta16_layers(short, [3, 4])
+        with pytest.raises(ValueError, match="`capacities` must be integers >= 0"):
+            decode_delta16_layers(short, [4, -1])
+        with pytest.raises(ValueError, match="`capacities` must be integers >= 0"):
+            encode_delta16_layers([torch.tensor([1]), torch.tensor([2])], [2, -1])
+        with pytest.raises(ValueError, match="one count per layer"):
+            encode_delta16_layers([torch.tensor([1])], [1, 1])
