@@ -313,7 +313,7 @@ def randomk_errors(x: Tensor, ks: Sequence[int]) -> list[float]:
     """
     n = x.numel()
     norm_sq = float(x.detach().to(torch.float64).square().sum())
-    return [math.sqrt(max(0.0, 1.0 - min(k, n) / n) * norm_sq) for k in ks]
+    return [math.sqrt(max(0.0, 1.0 - min(k, n) / n) * norm_sq) if n else 0.0 for k in ks]  # empty: no error
 
 
 def quantization_errors(x: Tensor, bits: Sequence[int], bucket_size: int, p: PNorm = "inf") -> list[float]:

@@ -339,8 +339,9 @@ def stochastic_quantize(
 
     Returns:
         :class:`Quantized` with ``n`` codes in ``[0, 2L]`` and ``ceil(n / group_size)`` fp32 scales.
-        Zero groups, and groups whose scale is too small to invert in fp32 (subnormal), get scale 0 and
-        decode to exact zeros.
+        Zero groups, and groups whose scale is too small for ``L / scale`` to stay finite in fp32 (below about
+        ``L * 2.9e-39``: subnormal scales, and at large ``L`` the smallest normal ones), get scale 0 and decode to
+        exact zeros.
 
     Example::
 

@@ -159,6 +159,10 @@ def _strata(numels: tuple[int, ...], ks: tuple[int, ...]) -> tuple[Tensor, Tenso
     starts, sizes = [], []
     for numel, k in zip(numels, ks):
         k = min(k, numel)
+        if k <= 0:  # nothing kept: no block
+            starts.append(torch.zeros(0, dtype=torch.int64))
+            sizes.append(torch.zeros(0, dtype=torch.int64))
+            continue
         bounds = torch.div(torch.arange(k + 1, dtype=torch.int64) * numel, k, rounding_mode="floor")
         starts.append(bounds[:-1])
         sizes.append(bounds[1:] - bounds[:-1])

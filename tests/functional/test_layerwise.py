@@ -262,3 +262,8 @@ def test_solve_or_uniform_falls_back_to_the_uniform_setting_only_when_it_fits() 
         solve_or_uniform(sizes, errors[:1], [1, 1], budget, 100)
     with pytest.raises(ValueError, match="one candidate index per layer"):
         solve_or_uniform(sizes, errors, [1, 2], budget, 100)
+
+
+def test_randomk_errors_of_an_empty_tensor_are_zero() -> None:
+    """An empty layer divided by its zero size."""
+    assert randomk_errors(torch.tensor([]), [0, 1]) == [0.0, 0.0]

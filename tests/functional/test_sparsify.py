@@ -193,3 +193,13 @@ def test_delta16_of_an_empty_layer_and_capacities_that_do_not_fit(monkeypatch: p
             encode_delta16_layers([torch.tensor([1]), torch.tensor([2])], [2, -1])
         with pytest.raises(ValueError, match="one count per layer"):
             encode_delta16_layers([torch.tensor([1])], [1, 1])
+
+
+def test_stratified_indices_of_nothing_kept_are_empty() -> None:
+    """``k = 0`` or an empty layer divided by zero; now they keep nothing, and the other layers are unchanged."""
+    gens = lambda: [torch.Generator().manual_seed(s) for s in range(3)]  # noqa: E731
+    indices, sizes = stratified_indices(5, 0, torch.Generator(), torch.device("cpu"))
+    assert indices.numel() == 0 and sizes.numel() == 0
+    mixed, _ = stratified_layers([5, 0, 10], [0, 0, 3], gens(), torch.device("cpu"))
+    alone, _ = stratified_indices(10, 3, gens()[2], torch.device("cpu"))
+    assert torch.equal(mixed, alone)
