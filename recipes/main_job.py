@@ -93,11 +93,11 @@ def run_config(config: str, data: DataChoice, out: Path, epochs: Optional[int], 
 
     args = ["fit", "-c", str(config_path("image", config)), f"--data.source={data.source}",
             f"--trainer.default_root_dir={out / config}", f"--report.path={out / config / 'summary.json'}"]
-    if epochs:
+    if epochs is not None:
         args.append(f"--trainer.max_epochs={epochs}")
     if data.root:
         args.append(f"--data.root={data.root}")
-    if train_subset:
+    if train_subset is not None:
         args.append(f"--data.train_subset={train_subset}")
     if data.source == "digits":  # 1400 tiny images: smaller batches
         args += ["--data.batch_size=32"]
@@ -119,12 +119,23 @@ def _table(runs: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _positive_int(text: str) -> int:
+    """An option's integer value, at least 1 (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse options, pick the data, train, print the result."""
     parser = argparse.ArgumentParser(prog="python -m recipes.main_job", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=None,
+    parser.add_argument("--epochs", type=_positive_int, default=None,
                         help="epochs (default: the config's 4, or 20 on the digits fallback)")
-    parser.add_argument("--train-subset", type=int, default=None, help="train on this many images only")
+    parser.add_argument("--train-subset", type=_positive_int, default=None, help="train on this many images only")
     parser.add_argument("--dense", action="store_true", help="also train the dense baseline and compare")
     parser.add_argument("--no-install", action="store_true", help="never run apt-get")
     parser.add_argument("--out", default="runs/main_job", help="output folder (summaries)")
@@ -133,7 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     data = choose_data(allow_install=not args.no_install, fashion_dir=args.data_dir)
     print(f"[main-job] data: {data.description}", flush=True)
-    epochs = args.epochs or (20 if data.source == "digits" else None)
+    epochs = args.epochs if args.epochs is not None else (20 if data.source == "digits" else None)
     out = Path(args.out)
     runs = {"ScaleCom": run_config("scalecom_cpu", data, out, epochs, args.train_subset, [*args.overrides, *unknown])}
     if args.dense:

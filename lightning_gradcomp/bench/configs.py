@@ -359,15 +359,24 @@ def install(name: str, model: nn.Module, bucket_cap_mb: Optional[float] = None) 
             thread_seconds=timed.work_seconds,
             wait_seconds=lambda: timed.wait_seconds,
         )
-    if not is_config(name):
+    return install_strategy(build_strategy(name), model, bucket_cap_mb)
+
+
+def build_strategy(name: str) -> GradCompStrategy:
+    """The strategy of configuration ``name`` (a preset, with its compressor's arguments after ``@``); raises
+    ``ValueError`` naming the configuration for an unknown name or arguments its compressor refuses."""
+    if not is_config(name) or name in BASELINES:
         raise ValueError(f"unknown benchmark configuration {name!r}; available: {', '.join(available_configs())}")
     preset, overrides = split_config(name)
     kwargs = PRESETS[preset][1]()
     if overrides:
-        kwargs["compressor"] = type(kwargs["compressor"])(**overrides)
+        try:
+            kwargs["compressor"] = type(kwargs["compressor"])(**overrides)
+        except (TypeError, ValueError) as err:  # an unknown or a bad argument
+            raise ValueError(f"configuration {name!r}: {err}") from None
     strategy = preset_class(preset)(**kwargs)
     assert isinstance(strategy, GradCompStrategy)
-    return install_strategy(strategy, model, bucket_cap_mb)
+    return strategy
 
 
 def install_strategy(strategy: GradCompStrategy, model: nn.Module, bucket_cap_mb: Optional[float] = None) -> Installed:

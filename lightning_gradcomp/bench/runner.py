@@ -13,9 +13,9 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_gradcomp.bench.configs import available_configs, is_config
+from lightning_gradcomp.bench.configs import BASELINES, available_configs, build_strategy, is_config
 from lightning_gradcomp.bench.models import check_model
-from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, rank_address
+from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, parse_rate, rank_address
 from lightning_gradcomp.gloo_workers import free_port  # re-exported (in __all__)
 
 __all__ = ["free_port", "plot_ladder", "print_ladder", "recommend", "run_bench", "run_ladder", "summarise"]
@@ -236,24 +236,7 @@ def run_bench(
     cuts them into that many blocks, run round-robin with the compute-only step's blocks (every configuration
     resident at once), so that the machine's drift over the run falls on all of them alike.
     """
-    unknown = [c for c in configs if not is_config(c)]
-    if unknown:
-        raise ValueError(f"unknown configurations {unknown}; available: {', '.join(available_configs())}")
-    check_model(model)  # here, not in the ranks after their imports
-    if world_size < 2:
-        raise ValueError(f"`world_size` must be >= 2, got {world_size}")
-    if steps < 1 or warmup < 3:
-        raise ValueError(
-            f"`steps` must be >= 1 and `warmup` >= 3 (compression starts at step 2), got {steps}, {warmup}"
-        )
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
-    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-        raise ValueError(f"`bucket_cap_mb` must be > 0 (MB) or None for each configuration's own, got {bucket_cap_mb}")
-    if threads < 1:
-        raise ValueError(f"`threads` must be >= 1, got {threads}")
-    if not 1 <= rounds <= steps:
-        raise ValueError(f"`rounds` must be between 1 and `steps` ({steps}), got {rounds}")
+    check_options(model, world_size, steps, warmup, configs, bucket_cap_mb, threads, batch_size, rounds, [link or ""])
     note = "loopback (no link emulation requested)"
     emulate = False
     if link:
@@ -278,6 +261,47 @@ def run_bench(
     summary = summarise(raw)
     summary["rounds"] = rounds
     return {"link": note, "model": model, "summary": summary, "recommendation": recommend(summary), "raw": raw}
+
+
+def check_options(
+    model: str,
+    world_size: int,
+    steps: int,
+    warmup: int,
+    configs: Sequence[str],
+    bucket_cap_mb: Optional[float],
+    threads: int,
+    batch_size: Optional[int],
+    rounds: int,
+    links: Sequence[str] = (),
+) -> None:
+    """Raise ``ValueError`` for anything :func:`run_bench` refuses, before a rank starts: the numbers, the model, every
+    configuration (its compressor's arguments built here) and every link of a ladder (``""`` and ``"loopback"``:
+    none)."""
+    unknown = [c for c in configs if not is_config(c)]
+    if unknown:
+        raise ValueError(f"unknown configurations {unknown}; available: {', '.join(available_configs())}")
+    for name in configs:
+        if name not in BASELINES:
+            build_strategy(name)  # an argument its compressor refuses, here rather than in every rank
+    for link in links:
+        if link and link != "loopback":
+            parse_rate(link)
+    check_model(model)  # here, not in the ranks after their imports
+    if world_size < 2:
+        raise ValueError(f"`world_size` must be >= 2, got {world_size}")
+    if steps < 1 or warmup < 3:
+        raise ValueError(
+            f"`steps` must be >= 1 and `warmup` >= 3 (compression starts at step 2), got {steps}, {warmup}"
+        )
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise ValueError(f"`bucket_cap_mb` must be > 0 (MB) or None for each configuration's own, got {bucket_cap_mb}")
+    if threads < 1:
+        raise ValueError(f"`threads` must be >= 1, got {threads}")
+    if not 1 <= rounds <= steps:
+        raise ValueError(f"`rounds` must be between 1 and `steps` ({steps}), got {rounds}")
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -379,7 +403,11 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def run_ladder(links: Sequence[str], **kwargs: Any) -> dict[str, dict[str, Any]]:
-    """:func:`run_bench` once per link (``"loopback"``: no emulation), in order; ``{link: result}``."""
+    """:func:`run_bench` once per link (``"loopback"``: no emulation), in order; ``{link: result}``. Every link is
+    checked before the first runs."""
+    for link in links:
+        if link != "loopback":
+            parse_rate(link)
     return {link: run_bench(link=None if link == "loopback" else link, **kwargs) for link in links}
 
 
@@ -478,12 +506,39 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--json", default=None, help="also write the result (with raw per-rank data) to this file")
 
 
+def _as_flags(message: str) -> str:
+    """``message`` with the Python names of the options (`` `world_size` ``) spelled as their flags
+    (`` `--world-size` ``)."""
+    for name in ("world_size", "steps", "warmup", "batch_size", "bucket_cap_mb", "threads", "rounds", "link", "model"):
+        message = message.replace(f"`{name}`", f"`--{name.replace('_', '-')}`")
+    return message
+
+
 def run_command(args: Any) -> int:
     """Run ``bench`` from parsed arguments; prints the table, the recommendation and the JSON summary."""
     import lightning_gradcomp  # noqa: F401 - declares every preset
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     links = [link.strip() for link in (args.link or "").split(",") if link.strip()]
+    try:  # everything a run would refuse, before any rank starts, as a usage error
+        check_options(
+            args.model,
+            args.world_size,
+            args.steps,
+            args.warmup,
+            configs,
+            args.bucket_cap_mb,
+            args.threads,
+            args.batch_size,
+            args.rounds,
+            links,
+        )
+        for flag, path in (("--json", args.json), ("--chart", getattr(args, "chart", None))):
+            if path and not Path(path).resolve().parent.is_dir():
+                raise ValueError(f"`{flag}`: the folder of {path} does not exist")
+    except ValueError as err:
+        print(f"lightning-gradcomp bench: error: {_as_flags(str(err))}", file=sys.stderr)
+        return 2
     if len(links) > 1 or getattr(args, "chart", None):
         ladder = run_ladder(
             links or ["loopback"],

@@ -108,6 +108,9 @@ class ImageDataModule(pl.LightningDataModule):
             raise ValueError(f"`source` must be fashion_mnist, mnist, imagefolder, digits or shapes, got {source!r}")
         if batch_size < 1 or num_workers < 0:
             raise ValueError(f"`batch_size` must be >= 1 and `num_workers` >= 0, got {batch_size}, {num_workers}")
+        for name, value in (("train_subset", train_subset), ("val_subset", val_subset)):
+            if value is not None and value < 1:
+                raise ValueError(f"`{name}` must be >= 1 (or None for every sample), got {value}")
         if source == "imagefolder" and root is None:
             raise ValueError("`root` (folder holding the train/ and val/ class folders) is required for imagefolder")
         self.source = source

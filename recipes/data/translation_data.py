@@ -139,6 +139,9 @@ class TranslationDataModule(pl.LightningDataModule):
             train_src, train_tgt, val_src, val_tgt = self.files
             train = read_parallel(train_src, train_tgt)  # type: ignore[arg-type]
             val = read_parallel(val_src, val_tgt)  # type: ignore[arg-type]
+            for pairs, src, tgt in ((train, train_src, train_tgt), (val, val_src, val_tgt)):
+                if not pairs:
+                    raise ValueError(f"no sentence pairs (non-empty on both sides) in {src} and {tgt}")
         return train[: self.num_train], val[: self.num_val]
 
     def _spm_prefix(self) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,8 @@ import pytest
 
 from lightning_gradcomp.bench.models import load_workload
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, parse_rate, setup_commands, teardown_commands
-from lightning_gradcomp.bench.runner import plot_ladder, print_ladder, recommend, run_bench, summarise, work_ms_of
+from lightning_gradcomp.bench.runner import (plot_ladder, print_ladder, recommend, run_bench, run_ladder, summarise,
+                                             work_ms_of)
 from lightning_gradcomp.bench.worker import block_sizes, header_bytes_per_packet
 
 FIELDS = {"step_time_median_s", "step_time_p25_s", "step_time_p75_s", "throughput_samples_per_s", "scaling_efficiency",
@@ -185,6 +187,35 @@ def test_invalid_bench_arguments() -> None:
     for model in ("nosuch", "module.path:", ":Class"):  # refused before any rank starts
         with pytest.raises(ValueError, match=r"`model` must be one of mlp, .* or 'module.path:ClassName', got"):
             run_bench(model=model)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "-1"], "`--steps` must be >= 1"), (["--warmup", "1"], "`--warmup` >= 3"),
+    (["-w", "1"], "`--world-size` must be >= 2"), (["--rounds", "0"], "`--rounds` must be between 1 and `--steps`"),
+    (["--threads", "0"], "`--threads` must be >= 1"), (["--batch-size", "0"], "`--batch-size` must be >= 1"),
+    (["--bucket-cap-mb", "-1"], "`--bucket-cap-mb` must be > 0"), (["--configs", "bogus"], "unknown configurations"),
+    (["--model", "bogus"], "`--model` must be one of"),
+    (["--configs", "signsgd@bogus=1"], "configuration 'signsgd@bogus=1': .*unexpected keyword argument 'bogus'"),
+    (["--configs", "qsgd@bits=99"], r"configuration 'qsgd@bits=99': `bits` must be in \[2, 8\]"),
+    (["--link", "loopback,bogus"], "`--link` must look like 100mbit"),
+    (["--json", "/nonexistent-folder/x.json"], "`--json`: the folder of /nonexistent-folder/x.json does not exist"),
+    (["--link", "loopback,1gbit", "--chart", "/nonexistent-folder/c.png"], "`--chart`: the folder"),
+])
+def test_bad_bench_options_are_usage_errors_before_any_rank_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, a compressor argument the compressor refuses failed in every rank after its start, a ladder's second
+    link after the first link's whole run, a ``--json`` folder after the run, and the rest with a traceback."""
+    from lightning_gradcomp.cli import main
+
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lightning-gradcomp bench: error: ") and re.search(message, err), err
+
+
+def test_a_ladder_checks_every_link_before_the_first_runs() -> None:
+    with pytest.raises(ValueError, match="`link` must look like 100mbit"):
+        run_ladder(["loopback", "bogus"], configs=["ddp"])
 
 
 def test_batch_size_overrides_a_builtin_model() -> None:

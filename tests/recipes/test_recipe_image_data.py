@@ -123,3 +123,12 @@ def test_digits_source_when_sklearn_is_installed():
     assert len(dm.train_set) == 1400 and len(dm.val_set) == 397
     x, _ = dm.val_set[0]
     assert x.shape == (1, 8, 8)
+
+
+@pytest.mark.parametrize("name", ["train_subset", "val_subset"])
+@pytest.mark.parametrize("value", [0, -5])
+def test_a_subset_of_no_sample_is_refused(name: str, value: int):
+    """``train_subset=0`` emptied the training set (the sampler's ``num_samples=0`` on every rank); ``-5`` dropped five
+    samples."""
+    with pytest.raises(ValueError, match=f"`{name}` must be >= 1"):
+        ImageDataModule(source="shapes", **{name: value})

@@ -67,3 +67,14 @@ def test_main_job_trains_and_prints_accuracy_and_bytes_saved(tmp_path: Path, cap
     line = next(s for s in out.splitlines() if s.strip().startswith("ScaleCom"))
     assert line.count("%") == 2 and "x" in line and line.rstrip().endswith("s")
     assert (tmp_path / "out" / "scalecom_cpu" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("argv", [["--epochs", "0"], ["--epochs", "-1"], ["--train-subset", "0"],
+                                  ["--train-subset", "-5"], ["--epochs", "x"]])
+def test_bad_counts_are_usage_errors(argv: list, capsys: pytest.CaptureFixture):
+    """``--epochs 0`` and ``--train-subset 0`` were read as "not set", ``-1`` crashed inside training, ``-5`` dropped
+    five images."""
+    with pytest.raises(SystemExit) as stop:
+        main_job.main(argv)
+    assert stop.value.code == 2
+    assert f"argument {argv[0]}: must be an integer >= 1" in capsys.readouterr().err

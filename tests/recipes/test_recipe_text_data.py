@@ -148,3 +148,15 @@ def test_held_out_split_is_deterministic():
     held = [t for t in texts if is_held_out(t, 10)]
     assert 50 < len(held) < 150
     assert held == [t for t in texts if is_held_out(t, 10)]
+
+
+@pytest.mark.parametrize("empty", ["train", "val"])
+def test_parallel_files_without_a_sentence_pair_are_named(tmp_path: Path, empty: str):
+    """Before, an empty file surfaced as the sampler's ``num_samples=0`` on every rank, naming nothing."""
+    files = _write_wmt(tmp_path)
+    for side in ("src", "tgt"):
+        Path(files[f"{empty}_{side}"]).write_text("\n\n", encoding="utf-8")  # lines, but none with text
+    dm = TranslationDataModule(source="parallel", tokenizer="word", vocab_size=64, batch_size=10, **files)
+    with pytest.raises(ValueError, match=f"no sentence pairs .* in {files[f'{empty}_src']} and {files[f'{empty}_tgt']}"):
+        dm.prepare_data()
+        dm.setup("fit")
