@@ -17,7 +17,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Optional, TypeGuard, Union
 
@@ -33,6 +33,7 @@ __all__ = [
     "check_int",
     "check_number",
     "check_timeout",
+    "check_value",
     "is_int",
     "is_number",
 ]
@@ -90,6 +91,23 @@ def check_number(
         brackets = ("(" if low_open else "[", "]" if closed else ")")
         upper = high if high_name is None else f"{high_name} = {high}"
         raise ValueError(f"`{name}` must be in {brackets[0]}{low}, {upper}{brackets[1]}, got {value!r}")
+    return value
+
+
+def check_value(value: Any, of_type: Callable[[Any], bool], in_range: Callable[[Any], bool], message: str) -> Any:
+    """Return ``value`` when ``of_type(value)`` and ``in_range(value)``; otherwise raise ``f"{message}, got {value!r}"``
+    as :class:`ArgumentTypeError` (the wrong type) or ``ValueError`` (out of range), for checks whose message states
+    the type and the range at once.
+
+    Example::
+
+        >>> check_value(0.5, is_number, lambda v: 0 < v <= 1, "`beta` must be a number in (0, 1]")
+        0.5
+    """
+    if not of_type(value):
+        raise ArgumentTypeError(f"{message}, got {value!r}")
+    if not in_range(value):
+        raise ValueError(f"{message}, got {value!r}")
     return value
 
 

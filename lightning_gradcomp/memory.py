@@ -36,7 +36,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.checks import ArgumentTypeError, is_number
+from lightning_gradcomp.checks import check_value, is_number
 from lightning_gradcomp.compressors.staged import drop_staged
 from lightning_gradcomp.functional.feedback import compensate_checked, recover_gradient
 
@@ -46,11 +46,7 @@ __all__ = ["ErrorFeedback", "require_error_feedback", "validate_beta", "validate
 def validate_beta(beta: float) -> float:
     """Return ``beta`` as a float or raise ``ValueError`` unless ``0 < beta <= 1`` (not a number:
     :class:`~lightning_gradcomp.checks.ArgumentTypeError`, a ``TypeError`` and a ``ValueError``)."""
-    if not is_number(beta):
-        raise ArgumentTypeError(f"`beta` must be a number in (0, 1], got {beta!r}")
-    if not 0.0 < float(beta) <= 1.0:
-        raise ValueError(f"`beta` must be a number in (0, 1], got {beta!r}")
-    return float(beta)
+    return float(check_value(beta, is_number, lambda v: 0.0 < float(v) <= 1.0, "`beta` must be a number in (0, 1]"))
 
 
 def validate_beta_for(beta: float, compressor: Any) -> float:

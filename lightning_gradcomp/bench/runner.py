@@ -284,9 +284,7 @@ def check_options(
     for name in configs:
         if name not in BASELINES:
             build_strategy(name)  # an argument its compressor refuses, here rather than in every rank
-    for link in links:
-        if link and link != "loopback":
-            parse_rate(link)
+    check_links(links)
     check_model(model)  # here, not in the ranks after their imports
     if world_size < 2:
         raise ValueError(f"`world_size` must be >= 2, got {world_size}")
@@ -302,6 +300,13 @@ def check_options(
         raise ValueError(f"`threads` must be >= 1, got {threads}")
     if not 1 <= rounds <= steps:
         raise ValueError(f"`rounds` must be between 1 and `steps` ({steps}), got {rounds}")
+
+
+def check_links(links: Sequence[str]) -> None:
+    """Raise ``ValueError`` unless every link is a rate such as ``100mbit`` (``""`` and ``"loopback"``: none)."""
+    for link in links:
+        if link and link != "loopback":
+            parse_rate(link)
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -405,9 +410,7 @@ def print_report(result: dict[str, Any]) -> None:
 def run_ladder(links: Sequence[str], **kwargs: Any) -> dict[str, dict[str, Any]]:
     """:func:`run_bench` once per link (``"loopback"``: no emulation), in order; ``{link: result}``. Every link is
     checked before the first runs."""
-    for link in links:
-        if link != "loopback":
-            parse_rate(link)
+    check_links(links)
     return {link: run_bench(link=None if link == "loopback" else link, **kwargs) for link in links}
 
 

@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from lightning_gradcomp.checks import ArgumentTypeError, check_int, is_int
+from lightning_gradcomp.checks import ArgumentTypeError, check_int, check_value, is_int
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.memory import ErrorFeedback, require_error_feedback, validate_beta
 
@@ -72,10 +72,7 @@ def _check_schedule(schedule: Optional[Mapping[Any, float]]) -> dict[int, float]
     for step, beta in schedule.items():
         if isinstance(step, str) and step.strip().isdigit():
             step = int(step)
-        if not is_int(step):
-            raise ArgumentTypeError(f"`schedule` keys must be optimizer steps (integers >= 0), got {step!r}")
-        if step < 0:
-            raise ValueError(f"`schedule` keys must be optimizer steps (integers >= 0), got {step!r}")
+        check_value(step, is_int, lambda v: v >= 0, "`schedule` keys must be optimizer steps (integers >= 0)")
         try:
             out[step] = validate_beta(beta)
         except ValueError as err:  # the same kind: a wrong type, or a number out of range

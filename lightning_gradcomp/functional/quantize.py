@@ -363,7 +363,7 @@ def stochastic_quantize(
     if x.dtype in _HALF_DTYPES:  # in fp32: the norms, L |x| / s and the draws rounded in 16 bits were biased
         x = x.float()
         minus = None if minus is None else minus.float()
-    kernel = _native_for(x) if levels <= 127 and x.numel() < _native.MAX_NUMEL else None
+    kernel = _native_for(x) if x.numel() < _native.MAX_NUMEL else None
     fused = minus is not None and norm == math.inf and minus.dtype is x.dtype and minus.device == x.device
     if minus is not None and (kernel is None or not fused):
         x, minus = x - minus.reshape(-1), None

@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.checks import ArgumentTypeError, is_int, is_number
+from lightning_gradcomp.checks import check_value, is_int, is_number
 from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.functional.lattice import (
     MAX_BLOCK,
@@ -120,16 +119,6 @@ class Decoded:
     dither: Optional[Tensor] = None
 
 
-def _check(
-    name: str, value: Any, of_type: Callable[[Any], bool], in_range: Callable[[Any], bool], allowed: str
-) -> None:
-    """Raise :class:`~lightning_gradcomp.checks.ArgumentTypeError` unless ``of_type(value)``, ``ValueError`` unless
-    ``in_range(value)``: `` `name` must be {allowed}``."""
-    if not of_type(value) or not in_range(value):
-        kind = ValueError if of_type(value) else ArgumentTypeError
-        raise kind(f"`{name}` must be {allowed}, got {value!r}")
-
-
 @dataclass(frozen=True)
 class LatticeCodec:
     """Wire format of a lattice-coded flat model.
@@ -148,10 +137,12 @@ class LatticeCodec:
     rounding: str = "nearest"
 
     def __post_init__(self) -> None:
-        _check("bits", self.bits, is_int, lambda v: 1 <= v <= 8, "an integer in [1, 8] (or None for fp32)")
-        in_blocks = f"an integer in [1, {MAX_BLOCK}]"
-        _check("block_size", self.block_size, is_int, lambda v: 1 <= v <= MAX_BLOCK, in_blocks)
-        _check("lattice_margin", self.margin, is_number, lambda v: 1 <= v < math.inf, "a finite number >= 1")
+        check_value(self.bits, is_int, lambda v: 1 <= v <= 8, "`bits` must be an integer in [1, 8] (or None for fp32)")
+        in_blocks = f"`block_size` must be an integer in [1, {MAX_BLOCK}]"
+        check_value(self.block_size, is_int, lambda v: 1 <= v <= MAX_BLOCK, in_blocks)
+        check_value(
+            self.margin, is_number, lambda v: 1 <= v < math.inf, "`lattice_margin` must be a finite number >= 1"
+        )
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"`rounding` must be one of {ROUNDINGS}, got {self.rounding!r}")
 
