@@ -30,6 +30,26 @@ class RecipeCLI(LightningCLI):
         for source, target in self._links:
             parser.link_arguments(f"data.{source}", f"model.{target}", apply_on="instantiate")
 
+    def check_data(self) -> None:
+        """The data module's ``check_data()`` (a missing data path raises ``FileNotFoundError`` naming the argument),
+        before a subcommand runs: in the launching process, before any rank starts, rather than in each rank's
+        ``setup``. Not called with ``run=False``."""
+        check = getattr(self.datamodule, "check_data", None)
+        if callable(check):
+            check()
+
+    def before_fit(self) -> None:
+        self.check_data()
+
+    def before_validate(self) -> None:
+        self.check_data()
+
+    def before_test(self) -> None:
+        self.check_data()
+
+    def before_predict(self) -> None:
+        self.check_data()
+
 
 def run_recipe(model_class: type[pl.LightningModule], datamodule_class: type[pl.LightningDataModule],
                links: Sequence[tuple[str, str]], args: Optional[Sequence[str]] = None,

@@ -123,6 +123,23 @@ class ImageDataModule(pl.LightningDataModule):
         self.train_set: Optional[Dataset] = None
         self.val_set: Optional[Dataset] = None
 
+    def check_data(self) -> None:
+        """Raise ``FileNotFoundError`` naming the argument and the path when the local data this module reads is
+        missing (the IDX files of both splits, or the image folder's split folders and their classes); the recipes'
+        CLI calls this before training starts any process. Reads no image."""
+        if self.source in _IDX_SOURCES:
+            for split in ("train", "t10k"):
+                try:
+                    find_idx_pair(self.root, split)  # type: ignore[arg-type]
+                except FileNotFoundError as err:
+                    raise FileNotFoundError(f"`data.root`: {err} (the {self.source} IDX files)") from None
+        elif self.source == "imagefolder":
+            for name, split in (("train_dir", self.train_dir), ("val_dir", self.val_dir)):
+                try:
+                    list_classes(Path(self.root) / split)  # type: ignore[arg-type]
+                except FileNotFoundError as err:
+                    raise FileNotFoundError(f"`data.root` / `data.{name}`: {err}") from None
+
     @property
     def num_classes(self) -> int:
         """Classes of the task (the classifier's outputs)."""

@@ -117,6 +117,17 @@ class SpeechDataModule(pl.LightningDataModule):
         self.train_set: Optional[TranscribedAudio] = None
         self.val_set: Optional[TranscribedAudio] = None
 
+    def check_data(self) -> None:
+        """Raise ``FileNotFoundError`` naming the argument and the path when a corpus split folder is missing
+        (``source='corpus'``; the generated digits need nothing); the recipes' CLI calls this before training starts
+        any process. Lists no folder."""
+        if self.source != "corpus":
+            return
+        for name, split in (("train_dir", self.train_dir), ("val_dir", self.val_dir)):
+            folder = Path(self.root) / split  # type: ignore[arg-type]
+            if not folder.is_dir():
+                raise FileNotFoundError(f"`data.root` / `data.{name}`: speech corpus folder {folder} does not exist")
+
     @property
     def num_classes(self) -> int:
         """CTC classes: blank + units."""

@@ -114,6 +114,19 @@ class TranslationDataModule(pl.LightningDataModule):
         self.train_set: Optional[PairDataset] = None
         self.val_set: Optional[PairDataset] = None
 
+    def check_data(self) -> None:
+        """Raise ``FileNotFoundError`` naming the argument and the path when a file this module reads is missing
+        (the four ``parallel`` files, or the Ding dictionary); the recipes' CLI calls this before training starts any
+        process. Reads no file."""
+        if self.source == "parallel":
+            for name, path in zip(("train_src", "train_tgt", "val_src", "val_tgt"), self.files):
+                if not Path(path).is_file():  # type: ignore[arg-type]
+                    raise FileNotFoundError(f"`data.{name}`: {path} is not a file")
+        elif self.source == "ding" and not Path(self.root or DING_PATH).is_file():
+            raise FileNotFoundError(
+                f"`data.root`: the Ding dictionary {self.root or DING_PATH} is not a file (apt-get install trans-de-en)"
+            )
+
     # ------------------------------------------------------------------ sizes the model needs at build time
     @property
     def src_vocab_size(self) -> int:
