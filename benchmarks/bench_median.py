@@ -4,12 +4,13 @@ A single bench run moves by a few points of scaling efficiency (its compute-only
 drift with the machine's state), so the engine figures in docs/benchmarks.md are medians of repeated runs:
 
     for i in 1 2 3; do lightning-gradcomp bench ... --json run_$i.json; done
-    python benchmarks/bench_median.py run_1.json run_2.json run_3.json
+    python benchmarks/bench_median.py run_1.json run_2.json run_3.json [--chart ladder.png]
 
 Per link and configuration: the median over the runs of the step time, the scaling efficiency (each run's
 compute-only step / step), the work per step and its ratios against the references timed in the same run
 (``clone``, ``clone + rand_like``, PyTorch's ``fp16_compress_hook`` and ``powerSGD_hook`` work), with the spread
 (min-max) of the efficiency, and the tensors each configuration keeps between steps in fp32 copies of the gradient.
+``--chart`` draws the median efficiencies as the bench's ladder chart.
 """
 
 from __future__ import annotations
@@ -97,14 +98,35 @@ def markdown(runs: list[dict[str, Any]], link: str) -> str:
     return "\n".join(lines)
 
 
+def median_results(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The runs as one bench result per link (what ``bench --json`` holds), each configuration's scaling efficiency the
+    median over the runs: the input of :func:`lightning_gradcomp.bench.runner.plot_ladder`, titled with the count."""
+    out = {}
+    for link, first in runs[0].items():
+        effs = {r["name"]: r["eff"] for r in rows(runs, link)}
+        out[link] = {
+            "model": f"{first['model']}, median of {len(runs)} runs",
+            "summary": {
+                "world_size": first["summary"]["world_size"],
+                "configs": {name: {"scaling_efficiency": eff} for name, eff in effs.items()},
+            },
+        }
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="bench --json files of the same command")
+    parser.add_argument("--chart", help="also draw the median scaling efficiencies as a PNG ladder chart (matplotlib)")
     args = parser.parse_args(argv)
     runs = _runs(args.runs)
     for link in runs[0]:
         print(markdown(runs, link))
         print()
+    if args.chart:
+        from lightning_gradcomp.bench.runner import plot_ladder
+
+        plot_ladder(median_results(runs), args.chart)
     return 0
 
 

@@ -450,7 +450,7 @@ def plot_ladder(results: dict[str, dict[str, Any]], path: str) -> None:
     ax.axhline(100, color="grey", linewidth=0.8)
     first = next(iter(results.values()))
     ax.set_title(f"{first['model']}, W={first['summary']['world_size']}")
-    ax.legend(title="link")
+    ax.legend(title="link", loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never over one
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
