@@ -418,7 +418,8 @@ template <typename T> bool exact_impl(const T* x, int64_t n, int64_t k, int64_t 
                 grow(idx, found);
                 found = scan<T, true>(x, n, t, idx.data(), found, level);
             }
-            grow(s.keys, found);  // the cut is among the candidates: radix selection over their keys
+            grow(s.keys, found);  // the cut is among the candidates: radix selection over their keys' own range
+            // (not from key(t): a NaN sample threshold makes every entry a candidate, keys below key(t) included)
             K lo = ~K(0), hi = 0;
             for (int64_t j = 0; j < found; ++j) {
                 const K key = s.keys[j] = key_of(x[idx[j]]);
