@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
 
-from recipes import config_path
-from recipes.cli import RecipeCLI
+from recipes import RECIPES, config_path
 from recipes.data.idx import write_idx
 from recipes.data.image_data import ImageDataModule
 from recipes.data.speech_data import SpeechDataModule
@@ -81,31 +81,27 @@ def test_translation_files_are_checked(tmp_path: Path):
 
 
 @pytest.mark.parametrize(
-    "task, module, overrides, message",
+    "task, overrides, message",
     [
-        ("image", "recipes.image", ["--data.source=fashion_mnist", "--data.root={missing}"], "`data.root`"),
-        ("speech", "recipes.speech", ["--data.source=corpus", "--data.root={missing}"], "`data.train_dir`"),
+        ("image", ["--data.source=fashion_mnist", "--data.root={missing}"], "`data.root`"),
+        ("speech", ["--data.source=corpus", "--data.root={missing}"], "`data.train_dir`"),
         (
             "translation",
-            "recipes.translation",
             ["--data.source=parallel", *(f"--data.{f}={{missing}}/{f}" for f in
                                          ("train_src", "train_tgt", "val_src", "val_tgt"))],
             "`data.train_src`",
         ),
     ],
 )
-def test_fit_stops_before_any_rank_starts(task: str, module: str, overrides: list, message: str, tmp_path: Path):
-    """``fit`` with a missing data path raises in this process, from the CLI, before the trainer launches ranks."""
-    recipe = __import__(module, fromlist=["LINKS"])
-    model, data = {"image": ("ImageClassifier", ImageDataModule), "speech": ("SpeechRecognizer", SpeechDataModule),
-                   "translation": ("Translator", TranslationDataModule)}[task]
-    import recipes.tasks as tasks
-
+def test_fit_stops_before_any_rank_starts(task: str, overrides: list, message: str, tmp_path: Path):
+    """``fit`` with a missing data path raises in this process, from the recipe's CLI (its ``main``), before the
+    trainer launches ranks."""
+    recipe = importlib.import_module(RECIPES[task].module)
     launched = []
     args = ["fit", "-c", str(config_path(task, "dense_cpu")), f"--trainer.default_root_dir={tmp_path}",
             *(o.format(missing=tmp_path / "missing") for o in overrides)]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("lightning.pytorch.Trainer.fit", lambda *a, **k: launched.append(a))
         with pytest.raises(FileNotFoundError, match=message):
-            RecipeCLI(getattr(tasks, model), data, links=recipe.LINKS, args=args, run=True)
+            recipe.main(args)
     assert not launched
