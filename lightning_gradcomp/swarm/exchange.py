@@ -67,6 +67,7 @@ __all__ = [
     "average_pair",
     "blockwise_absmax",
     "contained_average",
+    "contained_mean",
     "with_progress",
 ]
 
@@ -194,6 +195,27 @@ def contained_average(a: Tensor, b: Tensor) -> Tensor:
     average = (a + b) / 2
     finite_a, finite_b = torch.isfinite(a), torch.isfinite(b)
     return torch.where(finite_a == finite_b, average, torch.where(finite_a, a, b))
+
+
+def contained_mean(total: Tensor, finite_total: Tensor, finite_count: Tensor, world_size: int) -> Tensor:
+    """The mean over ranks of one coordinate each, taken over the ranks whose value there is finite.
+
+    Args:
+        total: the plain sum over ranks (NaN/Inf where some rank's value is).
+        finite_total: the sum over ranks of the finite values (a NaN/Inf counted as 0).
+        finite_count: how many ranks hold a finite value, per coordinate (float).
+        world_size: the number of ranks.
+
+    Returns:
+        ``finite_total / finite_count`` where some rank is finite, else ``total / world_size`` (no rank is finite:
+        the value stays NaN/Inf). With two ranks this is :func:`contained_average`.
+
+    Example::
+
+        >>> contained_mean(torch.tensor([4.0, float("inf")]), torch.tensor([4.0, 6.0]), torch.tensor([2.0, 2.0]), 3)
+        tensor([2., 3.])
+    """
+    return torch.where(finite_count > 0, finite_total / finite_count.clamp(min=1), total / world_size)
 
 
 def with_progress(average: Optional[Tensor], x_now: Tensor, x_old: Tensor) -> tuple[Tensor, bool]:

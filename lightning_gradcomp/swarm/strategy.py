@@ -54,7 +54,14 @@ from lightning_gradcomp.presets import register_preset, register_presets
 from lightning_gradcomp.replicas import DivergentReplicas
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 from lightning_gradcomp.swarm.asynchronous import AsyncGossip, PairingRecord, StoreMatchmaker, exchange_group
-from lightning_gradcomp.swarm.exchange import ROUNDINGS, LatticeCodec, PairwiseGossip, PendingExchange, SwarmStats
+from lightning_gradcomp.swarm.exchange import (
+    ROUNDINGS,
+    LatticeCodec,
+    PairwiseGossip,
+    PendingExchange,
+    SwarmStats,
+    contained_mean,
+)
 from lightning_gradcomp.swarm.pairing import TOPOLOGIES, Edges, Topology, matching, round_local_steps, topology_edges
 
 __all__ = ["CHECKPOINT_KEY", "SwarmStrategy"]
@@ -558,13 +565,38 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         return named
 
     def _mean_of(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Element-wise mean over ranks of named floating tensors (one all-reduce)."""
+        """Element-wise mean over ranks of named floating tensors (one all-reduce of their fp64 values).
+
+        Where some rank's model holds NaN/Inf (it diverged and has not healed through an exchange yet), the mean
+        there is over the finite ranks only (:func:`~lightning_gradcomp.swarm.exchange.contained_mean`, one more
+        all-reduce of twice the size, only then), so one diverged rank does not poison the averaged model. Every
+        rank reads the same sum, so every rank takes the same branch.
+        """
         assert self._aux is not None
-        names = list(tensors)
-        flat = torch.cat([real_view(tensors[n]).reshape(-1).double() for n in names])
+        flat = torch.cat([real_view(t).reshape(-1).double() for t in tensors.values()])
         self._aux.all_reduce(flat)
-        flat /= self.world_size
-        return _split_real(flat, tensors)
+        finite = torch.isfinite(flat)
+        if bool(finite.all()):  # one host read; evaluation, checkpoints and the end of fit only
+            flat /= self.world_size
+            return _split_real(flat, tensors)
+        local = torch.cat([real_view(t).reshape(-1).double() for t in tensors.values()])
+        local_finite = torch.isfinite(local)
+        parts = torch.cat(
+            [
+                torch.where(local_finite, local, torch.zeros((), dtype=local.dtype, device=local.device)),
+                local_finite.double(),
+            ]
+        )
+        self._aux.all_reduce(parts)
+        finite_total, finite_count = parts.chunk(2)
+        mean = contained_mean(flat, finite_total, finite_count, self.world_size)
+        if self.global_rank == 0:
+            log.warning(
+                f"SwarmSGD: {int((~finite).sum())} of {flat.numel()} coordinates of the mean over ranks met a "
+                f"NaN/Inf model value; there the mean is over the ranks whose value is finite "
+                f"({int((finite_count == 0).sum())} coordinates have none and stay NaN/Inf)"
+            )
+        return _split_real(mean, tensors)
 
     def _enter_eval(self) -> None:
         self._ensure_comms()

@@ -18,7 +18,7 @@ import torch
 
 from helpers.distributed import run_workers
 from lightning_gradcomp.comm import Comm
-from lightning_gradcomp.swarm.exchange import LatticeCodec, PairwiseGossip, contained_average
+from lightning_gradcomp.swarm.exchange import LatticeCodec, PairwiseGossip, contained_average, contained_mean
 from lightning_gradcomp.swarm.pairing import matching
 
 VALUES = [1.5, -2.25, float("nan"), float("inf"), -float("inf")]
@@ -40,6 +40,27 @@ def test_contained_average_is_symmetric_and_keeps_the_finite_side() -> None:
         finite_x, finite_y = torch.isfinite(torch.tensor(x)).item(), torch.isfinite(torch.tensor(y)).item()
         want = (x + y) / 2 if finite_x == finite_y else (x if finite_x else y)
         assert got == want or (got != got and want != want), (x, y, got)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_contained_mean_averages_the_finite_ranks_and_is_contained_average_at_two(world: int) -> None:
+    """Every assignment of VALUES to ``world`` ranks (one coordinate each): the mean of the finite values, or the
+    plain (non-finite) mean where no rank is finite; at W = 2 the same value as :func:`contained_average`."""
+    columns = torch.tensor(list(itertools.product(VALUES, repeat=world)), dtype=torch.float64).T  # (world, cases)
+    finite = torch.isfinite(columns)
+    total = columns.sum(0)
+    finite_total = torch.where(finite, columns, torch.zeros(())).sum(0)
+    got = contained_mean(total, finite_total, finite.double().sum(0), world)
+    for case in range(columns.shape[1]):
+        values = columns[:, case].tolist()
+        kept = [v for v in values if v == v and abs(v) != float("inf")]
+        want = sum(kept) / len(kept) if kept else sum(values) / world
+        value = got[case].item()
+        assert value == want or (value != value and want != want), (values, value, want)
+    if world == 2:
+        pair = contained_average(columns[0], columns[1])
+        assert torch.equal(torch.isnan(got), torch.isnan(pair))
+        assert torch.equal(got.nan_to_num(0.0), pair.nan_to_num(0.0))
 
 
 def _worker(rank: int, world: int, bits: Optional[int], non_blocking: bool, value: float) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import os
 import shutil
@@ -374,6 +375,43 @@ def test_a_diverged_model_heals_from_its_partner_and_poisons_nobody(tmp_path: Pa
             heal_step = len(finite[1]) + 1
     assert not any(finite[1][5 : heal_step - 1]), finite[1]  # poisoned until that exchange ...
     assert all(finite[1][heal_step - 1 :]), finite[1]  # ... and healed from it on
+
+
+class _PoisonLastRankAtEnd(pl.Callback):
+    """At ``on_train_end`` (before the strategy's averaging), writes NaN/Inf into two weights of the last rank's
+    model (a rank that diverged after its last exchange), then saves a checkpoint on every rank."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = Path(out)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == trainer.world_size - 1:
+            with torch.no_grad():
+                pl_module.body[2].weight.view(-1)[3] = float("nan")
+                pl_module.head.bias[1] = -float("inf")
+        trainer.save_checkpoint(self.out / "end.ckpt")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_model_diverged_at_the_end_does_not_poison_the_mean(tmp_path: Path, world: int) -> None:
+    """The checkpoint's mean model and ``average_at_end`` take, where the last rank's model is NaN/Inf, the mean of
+    the other ranks' values; elsewhere the mean of all; every rank ends with the same finite model."""
+    strategy = SwarmStrategy(local_steps=2, mode="lockstep", non_blocking=False, start_method="fork")
+    records, probes = _run(tmp_path, "end", world, strategy, max_epochs=2, callbacks=[_PoisonLastRankAtEnd(tmp_path)])
+    last = torch.stack([rec["params"][-1].double() for rec in records])  # each rank's model before the poison
+    names = [n for n, _ in TinyNet().named_parameters()]
+    offsets = dict(zip(names, itertools.accumulate([0] + [p.numel() for p in TinyNet().parameters()])))
+    poisoned = [offsets["body.2.weight"] + 3, offsets["head.bias"] + 1]
+    want = last.mean(0)
+    want[poisoned] = last[:-1, poisoned].mean(0)
+    want = want.float()
+    for p in probes:
+        assert bool(torch.isfinite(p["final"]).all())
+        assert torch.equal(p["final"], probes[0]["final"])
+        assert torch.allclose(p["final"], want, rtol=1e-6, atol=1e-7)
+    state = torch.load(tmp_path / "end.ckpt", weights_only=True)["state_dict"]
+    saved = torch.cat([state[n].reshape(-1) for n in names])
+    assert torch.equal(saved, probes[0]["final"])  # the same contained mean
 
 
 def test_sparse_embedding_gradients_train_and_a_nan_in_them_is_zeroed(tmp_path: Path) -> None:
