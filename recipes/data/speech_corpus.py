@@ -9,17 +9,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Union
 
-__all__ = ["AUDIO_EXTENSIONS", "scan_corpus", "write_transcripts"]
+__all__ = ["AUDIO_EXTENSIONS", "check_corpus_folder", "scan_corpus", "write_transcripts"]
 
 AUDIO_EXTENSIONS = (".flac", ".wav")
+
+
+def check_corpus_folder(root: Union[str, Path]) -> Path:
+    """``root`` as a ``Path``; ``FileNotFoundError`` when it is not a folder (lists nothing)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"speech corpus folder {root} does not exist")
+    return root
 
 
 def scan_corpus(root: Union[str, Path]) -> list[tuple[Path, str]]:
     """Every (audio path, transcript) under ``root``, sorted by path; ``FileNotFoundError`` when there are none
     or a listed utterance has no audio file."""
-    root = Path(root)
-    if not root.is_dir():
-        raise FileNotFoundError(f"speech corpus folder {root} does not exist")
+    root = check_corpus_folder(root)
     items: list[tuple[Path, str]] = []
     for trans in sorted(root.rglob("*.trans.txt")):
         for line in trans.read_text(encoding="utf-8").splitlines():

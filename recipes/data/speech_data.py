@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from recipes.data.audio import LogMel, read_audio, resample
 from recipes.data.digit_speech import DIGIT_WORDS, Engine, corpus_info, make_digit_corpus
-from recipes.data.speech_corpus import scan_corpus
+from recipes.data.speech_corpus import check_corpus_folder, scan_corpus
 from recipes.data.translation_data import default_cache_dir
 
 __all__ = ["CHARACTERS", "SpeechDataModule", "TranscribedAudio", "collate_speech"]
@@ -124,9 +124,10 @@ class SpeechDataModule(pl.LightningDataModule):
         if self.source != "corpus":
             return
         for name, split in (("train_dir", self.train_dir), ("val_dir", self.val_dir)):
-            folder = Path(self.root) / split  # type: ignore[arg-type]
-            if not folder.is_dir():
-                raise FileNotFoundError(f"`data.root` / `data.{name}`: speech corpus folder {folder} does not exist")
+            try:
+                check_corpus_folder(self.corpus_root / split)
+            except FileNotFoundError as err:
+                raise FileNotFoundError(f"`data.root` / `data.{name}`: {err}") from None
 
     @property
     def num_classes(self) -> int:
