@@ -399,8 +399,9 @@ def test_a_model_diverged_at_the_end_does_not_poison_the_mean(tmp_path: Path, wo
     strategy = SwarmStrategy(local_steps=2, mode="lockstep", non_blocking=False, start_method="fork")
     records, probes = _run(tmp_path, "end", world, strategy, max_epochs=2, callbacks=[_PoisonLastRankAtEnd(tmp_path)])
     last = torch.stack([rec["params"][-1].double() for rec in records])  # each rank's model before the poison
-    names = [n for n, _ in TinyNet().named_parameters()]
-    offsets = dict(zip(names, itertools.accumulate([0] + [p.numel() for p in TinyNet().parameters()])))
+    sizes = {n: p.numel() for n, p in TinyNet().named_parameters()}
+    names = list(sizes)
+    offsets = dict(zip(names, itertools.accumulate([0, *sizes.values()])))
     poisoned = [offsets["body.2.weight"] + 3, offsets["head.bias"] + 1]
     want = last.mean(0)
     want[poisoned] = last[:-1, poisoned].mean(0)
