@@ -30,11 +30,15 @@ NAMES = sorted(n for n in registry.list() if not n.startswith("unit_test"))
 SYNCING = ("item", "__bool__", "tolist", "cpu", "numpy", "__int__", "__float__", "nonzero")
 
 
-def _on_cuda(rank: int, world: int, name: str) -> dict[str, Any]:
+def _hooked_ddp(name: str, widths: tuple[int, ...] = (64, 128, 128, 4)) -> tuple[nn.Module, Any, Any, Any]:
+    """A small MLP on ``cuda:0`` (same initial weights on every rank) under DDP with the ``name`` compressor's hook."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 4)).to(device)
+    layers: list[nn.Module] = []
+    for fan_in, fan_out in zip(widths, widths[1:]):
+        layers += [nn.Linear(fan_in, fan_out), nn.Tanh()]
+    model = nn.Sequential(*layers[:-1]).to(device)
     ddp = DistributedDataParallel(model, device_ids=[0])
     names = {id(p): n for n, p in model.named_parameters()}
     hook = GradCompStrategy(compressor=registry.create(name), min_numel=256).make_hook(
@@ -42,6 +46,12 @@ def _on_cuda(rank: int, world: int, name: str) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     hook.attach_optimizer(opt)
     ddp.register_comm_hook(hook, gradcomp_comm_hook)
+    return model, ddp, hook, opt
+
+
+def _on_cuda(rank: int, world: int, name: str) -> dict[str, Any]:
+    device = torch.device("cuda", 0)
+    model, ddp, hook, opt = _hooked_ddp(name)
     before = [p.detach().clone() for p in model.parameters()]
 
     counts: dict[str, int] = {}
@@ -82,6 +92,34 @@ def _on_cuda(rank: int, world: int, name: str) -> dict[str, Any]:
     return {"counts": counts, "steps": hook.stats.steps, "compressed": hook.stats.compressed_steps,
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
             "moved": any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))}
+
+
+def _replica_on_cuda(rank: int, world: int, name: str, widths: tuple[int, ...]) -> dict[str, Any]:
+    """Rank ``rank`` of a gloo group whose tensors all live on ``cuda:0``: 6 steps on this rank's own batches."""
+    device = torch.device("cuda", 0)
+    model, ddp, hook, opt = _hooked_ddp(name, widths)
+    gen = torch.Generator(device=device).manual_seed(100 + rank)
+    for _ in range(6):
+        x = torch.randn(8, widths[0], device=device, generator=gen)
+        ddp(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    return {"params": [p.detach().cpu() for p in model.parameters()], "compressed": hook.stats.compressed_steps,
+            "collectives": hook.stats.collectives}
+
+
+@pytest.mark.parametrize("widths", [(64, 128, 128, 4), (33, 257, 7, 3)], ids=["even", "odd"])
+@pytest.mark.parametrize("name", NAMES)
+def test_replicas_stay_identical_at_two_ranks_on_cuda_tensors(name: str, widths: tuple[int, ...]) -> None:
+    """Two processes on one GPU, gloo with CUDA tensors: the compressor's collectives, the communication thread's
+    stream ordering and the optimizer-step commit leave both ranks with the same weights (``torch.equal``), on layer
+    sizes that are and are not multiples of the compressors' groups."""
+    first, second = run_workers(_replica_on_cuda, 2, name, widths, timeout=120)
+    assert first["collectives"] > 0 and first["compressed"] == second["compressed"]
+    assert all(torch.isfinite(p).all() for p in first["params"])
+    for a, b in zip(first["params"], second["params"]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("name", NAMES)

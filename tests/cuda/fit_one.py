@@ -1,0 +1,100 @@
+"""One preset's Lightning fit on one GPU: ``Trainer(accelerator="gpu", devices=1, precision="bf16-mixed")``.
+
+Run as a script (``python tests/cuda/fit_one.py PRESET``) by ``test_cuda_fit.py``, one process per preset, so that
+the pytest process never initialises CUDA. At one device Lightning's DDP family still builds a process group (NCCL
+on a GPU, world size 1), wraps the model in DDP and runs the strategy's reduction path. The last line printed is a
+JSON object: steps, compressed steps, collectives, bytes, whether the weights stayed finite and on the GPU, and the
+hook state's tensors that live on the host (name and element count).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_gradcomp  # noqa: F401  (registers the presets)
+
+STEPS = 24
+
+
+class _Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(96, 512), nn.GELU(), nn.LayerNorm(512), nn.Linear(512, 384), nn.GELU(),
+                                  nn.Linear(384, 10))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.body(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class _HostState(pl.Callback):
+    """At the end of training: the hook state's tensors on the host (``[name, numel]``) and its device tensors."""
+
+    def __init__(self) -> None:
+        self.host: list[tuple[str, int]] = []
+        self.device_tensors = 0
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        hook = getattr(trainer.strategy, "hook", None)
+        if hook is None or not hasattr(hook, "state_dict"):
+            return
+        self._walk("", hook.state_dict())
+
+    def _walk(self, name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.device.type == "cuda":
+                self.device_tensors += 1
+            else:
+                self.host.append((name, value.numel()))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                self._walk(f"{name}.{key}" if name else str(key), item)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                self._walk(f"{name}[{i}]", item)
+
+
+def fit(preset: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(STEPS * 32, 96), torch.randint(0, 10, (STEPS * 32,)))
+    model, probe = _Net(), _HostState()
+    trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", strategy=preset, max_steps=STEPS,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[probe])
+    start = time.perf_counter()
+    trainer.fit(model, DataLoader(data, batch_size=32))
+    torch.cuda.synchronize()
+    stats = getattr(trainer.strategy, "comm_stats", None)
+    params = list(model.parameters())
+    return {
+        "preset": preset,
+        "strategy": type(trainer.strategy).__name__,
+        "global_step": trainer.global_step,
+        "seconds": round(time.perf_counter() - start, 2),
+        "steps": getattr(stats, "steps", None),
+        "compressed": getattr(stats, "compressed_steps", None),
+        "collectives": getattr(stats, "collectives", None),
+        "wire_bytes": getattr(stats, "wire_bytes", None),
+        "dense_bytes": getattr(stats, "dense_bytes", None),
+        "dense": getattr(getattr(trainer.strategy, "compressor", None), "dense", None),
+        "finite": all(bool(torch.isfinite(p).all()) for p in params),
+        "on_gpu": all(p.device.type == "cuda" for p in params),
+        "state_on_gpu": probe.device_tensors,
+        "state_on_host": probe.host,
+        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(fit(sys.argv[1])), flush=True)
