@@ -22,9 +22,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 "$PY" -c "import triton; print('triton', triton.__version__)" 2>/dev/null || echo "triton: none"
 
 echo "== install"
-if ! "$PY" -c "import lightning_gradcomp" 2>/dev/null; then
-  "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { echo "install FAILED"; tail -20 "$OUT/install.log"; exit 1; }
-fi
+# Always install: a bare `python -c "import lightning_gradcomp"` succeeds from the repository root (the current
+# folder is on sys.path) although scripts and subprocesses started elsewhere would not find the package.
+"$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { echo "install FAILED"; tail -20 "$OUT/install.log"; exit 1; }
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the same package whatever the image's site-packages hold
 "$PY" -c "import lightning_gradcomp; print('lightning_gradcomp from', lightning_gradcomp.__file__)"
 timeout 120 "$PY" -c "from lightning_gradcomp.functional import _native; print('native kernel:', 'built' if _native.load() else 'none (torch steps)')"
 

@@ -12,6 +12,12 @@ bytes a compressor can move is one read of the gradient), and the ratio to ``pow
 
     python benchmarks/gpu_reduction.py --json $OUT/gpu_reduction.json
 
+``--profile N`` profiles N steps of each ``--only`` configuration after the warm-up instead (torch.profiler, CPU and
+CUDA): the top operators by host and by device time, and per step the calls that wait for the device or copy to the
+host (``aten::_local_scalar_dense`` is ``.item()``), into ``--profile-dir``::
+
+    python benchmarks/gpu_reduction.py --only cltk topk --profile 3 --profile-dir $OUT
+
 On a machine without CUDA, ``--device cpu --small`` runs the same code on a small model (a smoke test of the script).
 """
 
@@ -130,6 +136,8 @@ def time_configuration(setup: HookSetup, args: argparse.Namespace, device: torch
     hook = setup(ddp, model, opt)
     gen = torch.Generator(device=device).manual_seed(1)
     batches = [torch.randint(0, vocab, (args.batch, seq), device=device, generator=gen) for _ in range(4)]
+    if args.profile:
+        return profile_configuration(ddp, opt, batches, args, device, hook)
     event_ms: list[float] = []
     host_ms: list[float] = []
     loss = torch.zeros((), device=device)
@@ -173,6 +181,43 @@ def time_configuration(setup: HookSetup, args: argparse.Namespace, device: torch
     return result
 
 
+SYNC_EVENTS = ("aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+               "cudaEventSynchronize", "cudaMemcpyAsync", "Memcpy DtoH (Device -> Pinned)",
+               "Memcpy DtoH (Device -> Pageable)", "cudaLaunchKernel")
+
+
+def profile_configuration(ddp: DistributedDataParallel, opt: torch.optim.Optimizer, batches: list[torch.Tensor],
+                          args: argparse.Namespace, device: torch.device, hook: Any) -> dict[str, Any]:
+    """Warm up, then profile ``args.profile`` steps: per-step counts of :data:`SYNC_EVENTS` and two top-25 tables."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step(tokens: torch.Tensor) -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = ddp(tokens)
+        nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    for i in range(args.warmup):
+        step(batches[i % len(batches)])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        for i in range(args.profile):
+            step(batches[i % len(batches)])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    counts = {e.key: round(e.count / args.profile, 1) for e in averages if e.key in SYNC_EVENTS}
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=25)]
+    if device.type == "cuda":
+        tables.append(averages.table(sort_by="self_device_time_total", row_limit=25))
+    if hook is not None:
+        hook.close()
+    return {"per_step_counts": counts, "tables": tables}
+
+
 def table(results: dict[str, dict[str, Any]], one_pass: float) -> str:
     """The printed table: step, excess over DDP, excess in one-pass units, ratios to PyTorch's hooks' excess."""
     base = results["ddp"]["step_ms"]
@@ -205,6 +250,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps (medians)")
     parser.add_argument("--only", nargs="*", help="configuration labels to run (default: all)")
     parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--profile", type=int, default=0, help="profile this many steps instead of timing")
+    parser.add_argument("--profile-dir", default=".", help="where --profile writes its tables")
     args = parser.parse_args()
 
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
@@ -216,6 +263,14 @@ def main() -> None:
     configs = configurations()
     chosen = args.only or list(configs)
     results: dict[str, dict[str, Any]] = {}
+    if args.profile:
+        for name in chosen:
+            result = time_configuration(configs[name], args, device)
+            with open(os.path.join(args.profile_dir, f"profile_{name}.txt"), "w") as f:
+                f.write("\n\n".join(result["tables"]))
+            print(f"{name}: per step {json.dumps(result['per_step_counts'])}", flush=True)
+        dist.destroy_process_group()
+        return
     for name in ["ddp", *[c for c in chosen if c != "ddp"]]:
         try:
             results[name] = time_configuration(configs[name], args, device)

@@ -39,30 +39,37 @@ class _Net(pl.LightningModule):
 
 
 class _HostState(pl.Callback):
-    """At the end of training: the hook state's tensors on the host (``[name, numel]``) and its device tensors."""
+    """At the end of training, before Lightning moves the model back to the CPU: where the weights are, and the live
+    compression state's tensors (error-feedback memories, the compressor's attributes) on the host (``[name, numel]``)
+    and on the GPU. (``state_dict()`` holds CPU copies by design, so the live objects are walked instead.)"""
 
     def __init__(self) -> None:
         self.host: list[tuple[str, int]] = []
         self.device_tensors = 0
+        self.params_on_gpu = False
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.params_on_gpu = all(p.device.type == "cuda" for p in pl_module.parameters())
         hook = getattr(trainer.strategy, "hook", None)
-        if hook is None or not hasattr(hook, "state_dict"):
+        if hook is None:
             return
-        self._walk("", hook.state_dict())
+        self._walk("memory", getattr(getattr(hook, "memory", None), "memories", {}), 3)
+        self._walk("compressor", vars(hook.compressor), 3)
 
-    def _walk(self, name: str, value: Any) -> None:
+    def _walk(self, name: str, value: Any, depth: int) -> None:
         if isinstance(value, torch.Tensor):
             if value.device.type == "cuda":
                 self.device_tensors += 1
             else:
                 self.host.append((name, value.numel()))
-        elif isinstance(value, dict):
+        elif depth > 0 and isinstance(value, dict):
             for key, item in value.items():
-                self._walk(f"{name}.{key}" if name else str(key), item)
-        elif isinstance(value, (list, tuple)):
+                self._walk(f"{name}.{key}", item, depth - 1)
+        elif depth > 0 and isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
-                self._walk(f"{name}[{i}]", item)
+                self._walk(f"{name}[{i}]", item, depth - 1)
+        elif depth > 0 and hasattr(value, "__dict__") and type(value).__module__.startswith("lightning_gradcomp"):
+            self._walk(name, vars(value), depth - 1)
 
 
 def fit(preset: str) -> dict[str, Any]:
@@ -76,7 +83,7 @@ def fit(preset: str) -> dict[str, Any]:
     trainer.fit(model, DataLoader(data, batch_size=32))
     torch.cuda.synchronize()
     stats = getattr(trainer.strategy, "comm_stats", None)
-    params = list(model.parameters())
+    params = list(model.parameters())  # back on the CPU after fit: Lightning's teardown moves the model there
     return {
         "preset": preset,
         "strategy": type(trainer.strategy).__name__,
@@ -89,7 +96,7 @@ def fit(preset: str) -> dict[str, Any]:
         "dense_bytes": getattr(stats, "dense_bytes", None),
         "dense": getattr(getattr(trainer.strategy, "compressor", None), "dense", None),
         "finite": all(bool(torch.isfinite(p).all()) for p in params),
-        "on_gpu": all(p.device.type == "cuda" for p in params),
+        "on_gpu": probe.params_on_gpu,
         "state_on_gpu": probe.device_tensors,
         "state_on_host": probe.host,
         "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
