@@ -130,6 +130,14 @@ def then_same_numerics(fut: Future, fn: Callable[[Future], T], stats: Optional[C
     denormal mode (``torch.set_flush_denormal``), which gloo's threads inherit when ``init_process_group``
     creates them, and autocast, which Lightning enables for the forward pass only.
 
+    On CUDA, ``fn`` also continues the caller's stream. PyTorch runs a CUDA Future's callback on a fresh pool stream
+    that waits only for the collective, so a callback reading a tensor the caller wrote after launching the collective
+    (RandomK's output positions, computed while its values travel) could read it before it was written: seen on an
+    H200 as a device-side "index out of bounds" in ``scatter_add_``, in one fit of five. So ``fn`` runs on the
+    caller's stream after that stream waits for the callback's stream (the collective), and the callback's stream
+    then waits for ``fn``'s work, on which the returned Future records its completion. Two event waits, no host sync;
+    every tensor ``fn`` allocates and frees stays on one stream, as the caching allocator requires.
+
     Args:
         fut: the Future to chain on.
         fn: the callback; it receives the completed ``fut``.
@@ -141,8 +149,9 @@ def then_same_numerics(fut: Future, fn: Callable[[Future], T], stats: Optional[C
     """
     threads = torch.get_num_threads()
     caller = threading.get_ident()
+    stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
 
-    def run(done: Future) -> T:
+    def timed(done: Future) -> T:
         torch.set_num_threads(threads)  # a no-op on the calling thread; ~0.1 us
         if stats is None or threading.get_ident() == caller:
             return fn(done)
@@ -151,6 +160,16 @@ def then_same_numerics(fut: Future, fn: Callable[[Future], T], stats: Optional[C
             return fn(done)
         finally:
             stats.add_callback(time.perf_counter() - start)
+
+    def run(done: Future) -> T:
+        if stream is None:
+            return timed(done)
+        callback_stream = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(callback_stream)
+        with torch.cuda.stream(stream):
+            result = timed(done)
+        callback_stream.wait_stream(stream)
+        return result
 
     return fut.then(run)
 

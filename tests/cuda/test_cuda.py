@@ -170,3 +170,26 @@ def test_zero_if_nonfinite_decides_on_the_device_without_a_host_sync() -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert kept.item() == 0.0 and zeroed.item() == 1.0
     assert all(not t.any() for t in poisoned)
+
+
+def _late_write(rank: int, world: int) -> list[float]:
+    from lightning_gradcomp.comm import then_same_numerics
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    seen = []
+    for _ in range(3):
+        values, late = torch.ones(1 << 16, device=device), torch.zeros(4, device=device)
+        fut = torch.distributed.all_reduce(values, async_op=True).get_future()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of device time on the caller's stream, then the write
+        late.fill_(7.0)
+        seen += then_same_numerics(fut, lambda _: late.clone()).wait().tolist()
+    return seen
+
+
+def test_a_callback_sees_what_the_caller_wrote_after_launching_the_collective() -> None:
+    """``then_same_numerics`` runs its callback after the caller's stream: a tensor written on that stream after the
+    collective was launched (behind a ~0.1 s device sleep) reads as written, not as it was (PyTorch's own callback
+    stream waits only for the collective)."""
+    (seen,) = run_workers(_late_write, 1, timeout=120)
+    assert seen == [7.0] * 12
