@@ -21,16 +21,17 @@ import numbers
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, TypeVar, Union
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.callbacks import EarlyStopping, Timer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -76,6 +77,7 @@ _CHECKPOINT_VERSION = 1
 _SHARD_WORDS = {"what": "rank-state", "contents": "model, optimizer states and gossip state"}
 _EVAL_MODELS = ("mean", "rank0", "local")
 MODES = ("async", "lockstep")
+_T = TypeVar("_T")
 
 
 class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
@@ -241,6 +243,8 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         self._eval_backup: Optional[dict[str, Tensor]] = None
         self._restored: Optional[dict[str, Any]] = None
         self._restored_counters: Optional[dict[str, Any]] = None
+        self._rank_local = False  # async training: Lightning's global decisions are taken on each rank alone
+        self._warned_sync_dist = False
 
     # ------------------------------------------------------------------ public state
     @property
@@ -403,6 +407,8 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         self._restored = self._restored_counters = None  # consumed by setup and the optimizer restore
         if self._async is not None:
             self._unlock_training_loop()
+            self._warn_collective_validation()
+            self._rank_local = True
         super().on_train_start()
 
     def _unlock_training_loop(self) -> None:
@@ -428,6 +434,62 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
                 raise SIGTERMException()
 
         loop._broadcast_sigterm_tensor = check_sigterm
+
+    # ------------------------------------------------------------------ Lightning's decisions during async training
+    @override
+    def broadcast(self, obj: _T, src: int = 0) -> _T:
+        """Lightning's broadcast; during asynchronous training ``obj`` itself, so each rank decides on its own.
+
+        Lightning decides through this collective after every batch (``Timer``, ``max_time``) and around
+        checkpoints; that would put the asynchronous ranks back in lock-step (docs/swarm.md).
+        """
+        return obj if self._rank_local else super().broadcast(obj, src)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Lightning's all/any over ranks; during asynchronous training this rank's ``decision`` (``EarlyStopping``,
+        ``ModelCheckpoint``'s top-k)."""
+        return decision if self._rank_local else super().reduce_boolean_decision(decision, all=all)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        """Lightning's barrier; no-op during asynchronous training (the end of ``fit`` waits for every rank)."""
+        if not self._rank_local:
+            super().barrier(name)
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        """Lightning's reduction (``self.log(..., sync_dist=True)``); during asynchronous training this rank's value,
+        with one warning naming the metrics (an all-reduce per step would put the ranks back in lock-step)."""
+        if not self._rank_local:
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if not self._warned_sync_dist:
+            self._warned_sync_dist = True
+            names = _sync_dist_names(getattr(self.lightning_module.trainer, "_results", None))
+            rank_zero_warn(
+                f"SwarmStrategy(mode='async'): self.log(..., sync_dist=True) of {names or 'a metric'} would "
+                "all-reduce over every rank at every step, which puts the asynchronous ranks back in lock-step (and "
+                "hangs once they stop at different steps). During training each rank logs its own value, "
+                "unreduced; log with sync_dist=False to silence this warning."
+            )
+        return tensor
+
+    def _warn_collective_validation(self) -> None:
+        """Warn when validation during ``fit`` is collective while the ranks may stop at different epochs."""
+        trainer = self.lightning_module.trainer
+        if self.eval_model == "local" or self.world_size < 2 or not getattr(trainer, "enable_validation", False):
+            return
+        own_clock = any(
+            isinstance(c, EarlyStopping) or (isinstance(c, Timer) and c._duration is not None)
+            for c in trainer.callbacks
+        )
+        if own_clock:
+            rank_zero_warn(
+                f"SwarmStrategy(mode='async', eval_model={self.eval_model!r}): every validation during fit "
+                "averages over all ranks (a collective), but with a time limit or EarlyStopping each rank stops "
+                "on its own clock, possibly after another number of validations: a rank left waiting there hangs. "
+                "Use eval_model='local', or validate the averaged model after fit."
+            )
 
     def _ensure_comms(self) -> None:
         if self._comm is None and dist.is_available() and dist.is_initialized():
@@ -547,6 +609,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         longer than any collective timeout, so it polls the store (:meth:`_await_peers`) and fails only when a
         rank that is still training stops completing batches; then one barrier, which every rank reaches.
         """
+        self._rank_local = False
         self.flush(final=True)
         if self._async is not None:
             assert self._engine is not None  # _setup_async ran with it
@@ -622,8 +685,13 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         """The checkpoint's ``state_dict``: the mean over ranks of every floating tensor (an all-reduce).
 
         Integer buffers (e.g. ``num_batches_tracked``) are this rank's. Every rank must call this (as
-        ``Trainer.save_checkpoint`` does).
+        ``Trainer.save_checkpoint`` does). During asynchronous training: rank 0's own model, no collective
+        (:meth:`save_checkpoint`).
         """
+        if self._rank_local:
+            if self.global_rank == 0:
+                self.flush()  # its exchange in flight, if any, is applied first (waits for that partner only)
+            return self._local_model_state()
         if self._async is not None:
             self.flush()  # async: apply exchanges in flight first, so the mean and the per-rank models agree
         state = self._local_model_state()
@@ -658,7 +726,14 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
 
         Rank 0's checkpoint gets, under ``"swarm"``, ``bits``, its round counters and the manifest of the shards
         (:mod:`lightning_gradcomp.sharded_checkpoints`); every rank gets the same error if one cannot write.
+
+        During asynchronous training (a ``ModelCheckpoint`` firing on each rank's own step count or metrics) the save
+        is rank 0's alone, without a collective: its file holds rank 0's model and optimizer states, and resuming from
+        it starts every rank from them (:meth:`_save_replica`).
         """
+        if self._rank_local:
+            self._save_replica(checkpoint, filepath, storage_options)
+            return
         local = self._rank_state()
         codec = type(self.codec).__name__ if self.codec is not None else "NoCompression"
         self._save_with_shards(
@@ -672,6 +747,19 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             bits=self.bits,
             counters=local["counters"],
         )  # rank 0's counters: rank 0 writes
+
+    def _save_replica(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any]) -> None:
+        """Rank 0 writes ``checkpoint`` (its own model and optimizers) with ``bits``, its counters and
+        ``"replica": 0`` under ``"swarm"``; the other ranks write nothing."""
+        if self.global_rank != 0:
+            return
+        counters = {
+            "round_index": self._round_index,
+            "steps_in_round": self._steps_in_round,
+            "round_length": self._round_length,
+        }
+        checkpoint[CHECKPOINT_KEY] = {"bits": self.bits, "counters": counters, "replica": 0}
+        DDPStrategy.save_checkpoint(self, checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -692,6 +780,8 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         self._restored = self._restored_counters = None
         if saved is None:
             return checkpoint
+        if isinstance(saved, dict) and "replica" in saved:
+            return self._load_replica(checkpoint, saved)
         sharded = checkpoint_shards.is_sharded(saved)
         checkpoint_shards.check_entry(saved, sharded, CHECKPOINT_KEY, ("bits", "counters"), _CHECKPOINT_VERSION)
         if saved["bits"] != self.bits:
@@ -714,9 +804,24 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             )
         return checkpoint
 
+    def _load_replica(self, checkpoint: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint saved during asynchronous training (:meth:`_save_replica`): every rank resumes from it."""
+        if saved.get("bits") != self.bits or not isinstance(saved.get("counters"), dict):
+            raise ValueError(
+                f"checkpoint entry {CHECKPOINT_KEY!r} must hold this strategy's bits={self.bits} and the counters, "
+                f"got bits={saved.get('bits')!r}"
+            )
+        self._restored_counters = saved["counters"]
+        rank_zero_info(
+            "SwarmStrategy: this checkpoint was saved during asynchronous training and holds rank 0's model and "
+            "optimizer states: every rank resumes from them"
+        )
+        return checkpoint
+
     @override
     def teardown(self) -> None:
         self._pending = None
+        self._rank_local = False
         if self._async is not None and self._async.close():  # kept: its pairing log and counters stay readable
             assert self._engine is not None
             release_group(self._engine.comm.group)  # the exchange group (setup makes a new one for each fit)
@@ -765,6 +870,12 @@ def _split_real(flat: Tensor, like: dict[str, Tensor]) -> dict[str, Tensor]:
         out[name] = from_real(flat[offset : offset + numel].view(shape), t)
         offset += numel
     return out
+
+
+def _sync_dist_names(results: Any) -> list[str]:
+    """Names of the logged metrics that ask for ``sync_dist`` in Lightning's result collection ``results``."""
+    metas = [getattr(v, "meta", None) for v in (results or {}).values()]
+    return sorted({m.name for m in metas if m is not None and getattr(m.sync, "should", False)})
 
 
 def _write_named(module: torch.nn.Module, values: dict[str, Tensor]) -> None:

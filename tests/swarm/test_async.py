@@ -8,6 +8,7 @@ import queue
 import random
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch import nn
 
 from helpers.distributed import free_port
@@ -217,28 +218,91 @@ def test_batchnorm_statistics_are_gossiped_with_the_parameters(tmp_path: Path) -
     assert not torch.equal(probes[0]["final"], probes[1]["final"])  # statistics stayed local
 
 
+class EndCheckpoint(pl.Callback):
+    """Every rank saves ``<dir>/end.ckpt`` when ``fit`` is over (collective, per-rank shards)."""
+
+    def __init__(self, dirpath: Path) -> None:
+        self.dirpath = Path(dirpath)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.dirpath / "end.ckpt")
+
+
 def test_async_checkpoint_drains_exchanges_and_resumes(tmp_path: Path) -> None:
+    """Saved during training (ModelCheckpoint on each rank's clock): rank 0's replica, no collective, and every rank
+    resumes from it. Saved after fit: every rank's drained state in its shard, and each rank resumes its own."""
     def strategy() -> SwarmStrategy:
         return SwarmStrategy(local_steps=1, start_method="fork")
 
     model = lambda: TinyNet(samples=128, batch_size=8)  # noqa: E731 - 4 steps per epoch per rank
     _run(tmp_path, "first", 4, strategy(), {"sleep": 0.01, "straggler": 3}, model=model(), max_epochs=2,
-         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_epochs=1)],
-         enable_checkpointing=True)
-    path = next((tmp_path / "ck").glob("epoch=0*.ckpt"))
+         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_epochs=1),
+                    EndCheckpoint(tmp_path / "ck")], enable_checkpointing=True)
+    during = next((tmp_path / "ck").glob("epoch=0*.ckpt"))
+    assert torch.load(during, weights_only=True)["swarm"]["replica"] == 0
+    assert not Path(f"{during}.gradcomp").exists()
+    _, probes = _run(tmp_path, "from_replica", 4, strategy(), {"sleep": 0.01}, model=model(), max_epochs=2,
+                     ckpt_path=str(during))
+    assert all(p["comm"]["steps"] == 4 for p in probes)  # epoch 1 only
+    assert all(torch.equal(p["final"], probes[0]["final"]) for p in probes)
+    path = tmp_path / "ck" / "end.ckpt"
     saved = read_shards(path, key="swarm")  # every rank's state, from its shard
     for rank, entry in enumerate(saved):
         assert entry["pending"] is None and entry["async"] is not None
-        assert all(applied <= 4 for *_, applied, _ in entry["async"]["log"])  # drained at step 4, nothing after
+        assert all(applied <= 8 for *_, applied, _ in entry["async"]["log"])  # drained at step 8, nothing after
     _check_logs_consistent([{"log": [tuple(e) for e in entry["async"]["log"]]} for entry in saved])
     _, probes = _run(tmp_path, "resumed", 4, strategy(), {"sleep": 0.01}, model=model(), max_epochs=3,
                      ckpt_path=str(path))
     for rank, p in enumerate(probes):
         old = [tuple(e) for e in saved[rank]["async"]["log"]]
         assert p["log"][: len(old)] == old and len(p["log"]) > len(old)
-        assert all(pub >= 4 for pub, *_ in p["log"][len(old):])
+        assert all(pub >= 8 for pub, *_ in p["log"][len(old):])
         assert p["comm"]["steps"] == 12
     assert all(torch.equal(p["final"], probes[0]["final"]) for p in probes)
+
+
+@pytest.mark.parametrize("callbacks", [False, True])
+def test_a_time_limit_leaves_each_rank_on_its_own_clock(tmp_path: Path, callbacks: bool) -> None:
+    """W=3, rank 2 sleeps 3x as long per step, ``max_time``: Lightning's per-batch Timer broadcast (and EarlyStopping's
+    and ModelCheckpoint's decisions) are taken on each rank, so the fast ranks run on; the end still averages."""
+    extra = [EarlyStopping("train_loss", patience=10_000, check_on_train_epoch_end=True),
+             ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=5)] if callbacks else []
+    _, probes = _run(tmp_path, "timed", 3, SwarmStrategy(start_method="fork"), {"sleep": 0.03, "straggler": 2},
+                     model=TinyNet(samples=64, batch_size=8), max_epochs=-1, max_time={"seconds": 4},
+                     callbacks=extra, enable_checkpointing=callbacks)
+    done = [len(p["times"]) for p in probes]
+    assert min(done[:2]) >= 2 * done[2], done
+    assert all(torch.equal(p["final"], probes[0]["final"]) for p in probes)  # drained and averaged at the end
+
+
+class StopSignal(pl.Callback):
+    """Logs ``stop_signal``: 0 on rank 0 (its EarlyStopping fires at the first epoch end), 1 elsewhere."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        pl_module.log("stop_signal", float(trainer.global_rank != 0))
+
+
+def test_early_stopping_on_one_rank_stops_that_rank_only(tmp_path: Path) -> None:
+    """Each rank's EarlyStopping decides on its own metric; the rank that stopped waits at the end for the others."""
+    stop = EarlyStopping("stop_signal", stopping_threshold=0.5, check_on_train_epoch_end=True)
+    _, probes = _run(tmp_path, "early", 3, SwarmStrategy(start_method="fork"), {"sleep": 0.01},
+                     model=TinyNet(samples=72, batch_size=8), max_epochs=4, callbacks=[StopSignal(), stop])
+    assert [len(p["times"]) for p in probes] == [3, 12, 12]  # 3 steps per epoch per rank
+    assert all(torch.equal(p["final"], probes[0]["final"]) for p in probes)
+
+
+def test_sync_dist_during_async_training_warns_once_and_stays_local() -> None:
+    strategy = SwarmStrategy()
+    meta = SimpleNamespace(name="acc", sync=SimpleNamespace(should=True))
+    results = {"training_step.acc": SimpleNamespace(meta=meta)}
+    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(_results=results))  # type: ignore[assignment]
+    strategy._rank_local = True
+    value = torch.tensor(2.0)
+    with pytest.warns(UserWarning, match=r"sync_dist=True\) of \['acc'\]") as caught:
+        assert strategy.reduce(value) is value
+        assert strategy.reduce(value) is value
+    assert len([w for w in caught if "sync_dist" in str(w.message)]) == 1
+    assert strategy.broadcast("mine", src=0) == "mine" and strategy.reduce_boolean_decision(True) is True
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
