@@ -168,7 +168,7 @@ def _install_pause(trainer: Any, module: Any, pause: dict[str, Any], marker: Pat
         time.sleep(pause.get("seconds", 600))
 
     hook = getattr(trainer.strategy, "hook", None)
-    if hook is not None:  # inside the compression hook, after the compressor issued its collectives
+    if hook is not None and not pause.get("backward"):  # inside the compression hook, after the compressor issued its collectives
 
         class Stall:
             def wants(self, step: int) -> bool:
