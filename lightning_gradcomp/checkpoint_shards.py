@@ -17,8 +17,8 @@ that the previous manifest lists: until the new checkpoint file is in place, the
 Each rank deletes its stale shards after the new checkpoint file is written (:func:`remove_stale_shards`).
 
 Files go through fsspec (Lightning's ``get_filesystem``), so remote paths (``s3://...``) work as they do for the
-checkpoint itself. A shard is written atomically: a temporary file in the same folder, then a rename (object
-stores publish an object only when its upload is complete).
+checkpoint itself. A shard is written atomically (:mod:`lightning_gradcomp.atomic_files`: a temporary file in the same
+folder, fsync, then a rename; object stores publish an object only when its upload is complete).
 
 The checkpoint file itself is CRC-checked before it is loaded (:func:`load_verified`, which every strategy's
 ``load_checkpoint`` goes through): ``torch.load`` does not verify the checksums of its zip members.
@@ -51,6 +51,8 @@ import torch
 from fsspec import AbstractFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
+from lightning_gradcomp.atomic_files import atomic_write
+
 __all__ = [
     "FORMAT_VERSION",
     "SUFFIX",
@@ -79,7 +81,6 @@ SUFFIX = ".gradcomp"
 
 _NAME = re.compile(r"rank-(\d{5,})-([0-9A-Za-z_]+)\.pt")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl"}
 _MANIFEST_KEYS = ("version", "compressor", "world_size", "dir", "replicated", "shards")
 
 
@@ -140,23 +141,8 @@ def write_shard(state: dict[str, Any], checkpoint_path: Any, rank: int, token: s
     data = buffer.getbuffer()
     fs = get_filesystem(path)
     fs.makedirs(_parent(path), exist_ok=True)
-    _atomic_write(fs, path, data)
+    atomic_write(path, data)
     return {"rank": rank, "file": _base(path), "bytes": data.nbytes, "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def _atomic_write(fs: AbstractFileSystem, path: str, data: memoryview) -> None:
-    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-    if protocols & _OBJECT_STORES:  # an object appears only once its upload is complete
-        fs.pipe_file(path, bytes(data))
-        return
-    temporary = f"{path}.tmp-{os.getpid()}"
-    try:
-        with fs.open(temporary, "wb") as file:
-            file.write(data)
-        fs.mv(temporary, path)  # a rename within the folder
-    finally:
-        if fs.exists(temporary):
-            fs.rm(temporary)
 
 
 # ---------------------------------------------------------------------------------------------- manifest
@@ -384,14 +370,15 @@ def _first_line(err: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- remove
-def remove_stale_shards(checkpoint_path: Any, rank: int, keep: str) -> None:
-    """Delete rank ``rank``'s shard files of ``checkpoint_path`` other than ``keep`` (earlier saves, leftovers).
+def remove_stale_shards(checkpoint_path: Any, rank: int, keep: str, token: str = "") -> None:
+    """Delete rank ``rank``'s shard files of ``checkpoint_path`` other than ``keep`` (earlier saves, leftovers);
+    with ``token``, only those of that save (a save that failed).
 
     Each rank deletes only its own files, so this also works where every node has its own disk.
     """
     folder = shard_dir(checkpoint_path)
     fs = get_filesystem(folder)
-    prefix = f"rank-{rank:05d}-"
+    prefix = f"rank-{rank:05d}-{token}"
     try:
         names = [_base(path) for path in fs.ls(folder, detail=False)]
     except FileNotFoundError:

@@ -42,6 +42,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
+from lightning_gradcomp.failures import TIMEOUT_SETTING, ExplainedWork, explained
+
 __all__ = [
     "Comm",
     "CommStats",
@@ -317,14 +319,22 @@ class Comm:
         stats: where counts go (a new :class:`CommStats` when omitted).
         intra: the group is inside one node (``hierarchy=``): bytes go to ``stats.intra_bytes``, not
             ``stats.wire_bytes``.
+        timeout_setting: the argument that sets the group's timeout, named when a collective times out
+            (:func:`~lightning_gradcomp.failures.timeout_message`).
     """
 
     def __init__(
-        self, group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None, *, intra: bool = False
+        self,
+        group: Optional[dist.ProcessGroup] = None,
+        stats: Optional[CommStats] = None,
+        *,
+        intra: bool = False,
+        timeout_setting: str = TIMEOUT_SETTING,
     ) -> None:
         self.group = group
         self.stats = stats if stats is not None else CommStats()
         self.intra = intra
+        self.timeout_setting = timeout_setting
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
@@ -337,6 +347,20 @@ class Comm:
     def waiting(self) -> _Waiting:
         """A context that adds its wall time to ``stats.wait_seconds`` (a blocking collective or wait)."""
         return _Waiting(self.stats)
+
+    def _explained(self, collective: str) -> Any:
+        """A context raising a timeout of ``collective`` on this group in plain words (:mod:`~.failures`)."""
+        return explained(collective, self.group, self.timeout_setting)
+
+    def _resolving_to(self, collective: str, work: dist.Work, value: Callable[[Any], Any]) -> Future:
+        """``work``'s Future, resolving to ``value(result)`` once it completes, or to its error (explained; never a
+        value after a failed collective)."""
+
+        def done(fut: Future) -> Any:
+            with self._explained(collective):
+                return value(fut.value())  # raises the collective's error
+
+        return work.get_future().then(done)
 
     @overload
     def all_reduce(
@@ -366,11 +390,11 @@ class Comm:
         else:
             self._count(all_reduce_bytes(_nbytes(tensor), self.world_size), shares)
         if not async_op:
-            with self.waiting():
+            with self.waiting(), self._explained("all_reduce"):
                 dist.all_reduce(tensor, op=op, group=self.group)
             return None
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
+        return self._resolving_to("all_reduce", work, lambda result: result[0])
 
     @overload
     def all_gather(
@@ -392,21 +416,21 @@ class Comm:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         flat, shaped = tensor.contiguous().reshape(-1), out.view(self.world_size, *tensor.shape)
         if not async_op:
-            with self.waiting():
+            with self.waiting(), self._explained("all_gather"):
                 gather(out, flat, group=self.group)
             return shaped
-        return _resolving_to(gather(out, flat, group=self.group, async_op=True), shaped)
+        return self._resolving_to("all_gather", gather(out, flat, group=self.group, async_op=True), lambda _: shaped)
 
     def broadcast(self, tensor: Tensor, src: int, *, shares: Optional[LayerShares] = None) -> None:
         """In-place broadcast of ``tensor`` from group rank ``src``."""
         self._count(broadcast_bytes(_nbytes(tensor), self.world_size), shares)
-        with self.waiting():
+        with self.waiting(), self._explained("broadcast"):
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
 
     def all_to_all(self, output: Tensor, tensor: Tensor, *, shares: Optional[LayerShares] = None) -> None:
         """Exchange equal chunks: chunk ``j`` of ``tensor`` goes to rank ``j``, into ``output``."""
         self._count(all_to_all_bytes(_nbytes(tensor), self.world_size), shares)
-        with self.waiting():
+        with self.waiting(), self._explained("all_to_all"):
             dist.all_to_all_single(output, tensor, group=self.group)
 
     @overload
@@ -447,39 +471,30 @@ class Comm:
         self._count(float(sent * tensor.element_size()), None)
         out_splits, in_splits = list(output_splits), list(input_splits)
         if not async_op:
-            with self.waiting():
+            with self.waiting(), self._explained("all_to_all"):
                 dist.all_to_all_single(output, tensor, out_splits, in_splits, group=self.group)
             return None
         work = dist.all_to_all_single(output, tensor, out_splits, in_splits, group=self.group, async_op=True)
-        return _resolving_to(work, output)
+        return self._resolving_to("all_to_all", work, lambda _: output)
 
     def exchange(
         self, send: Tensor, recv: Tensor, peer: int, *, async_op: bool = False, shares: Optional[LayerShares] = None
-    ) -> list[dist.Work]:
-        """Send ``send`` to and receive ``recv`` from group rank ``peer`` (both posted together)."""
+    ) -> list[ExplainedWork]:
+        """Send ``send`` to and receive ``recv`` from group rank ``peer`` (both posted together); the handles'
+        ``wait()`` raises a timeout in plain words."""
         self._count(p2p_bytes(_nbytes(send), self.world_size), shares)
         global_peer = dist.get_global_rank(self.group, peer) if self.group else peer
         ops = [
             dist.P2POp(dist.isend, send, global_peer, self.group),
             dist.P2POp(dist.irecv, recv, global_peer, self.group),
         ]
-        works = dist.batch_isend_irecv(ops)
+        what = f"exchange (send and receive) with rank {global_peer}"
+        works = [ExplainedWork(work, what, self.group, self.timeout_setting) for work in dist.batch_isend_irecv(ops)]
         if not async_op:
             with self.waiting():
                 for work in works:
                     work.wait()
         return works
-
-
-def _resolving_to(work: dist.Work, value: Tensor) -> Future:
-    """``work``'s Future, resolving to ``value`` once it completes, or to its error (never ``value`` after a
-    failed collective)."""
-
-    def done(fut: Future) -> Tensor:
-        fut.value()  # raises the collective's error
-        return value
-
-    return work.get_future().then(done)
 
 
 class _Waiting:

@@ -10,7 +10,9 @@ and the replicated state only. The steps of a save (every rank runs them, as ``T
 1. rank 0 broadcasts the file it writes and a fresh save token;
 2. every rank writes its shard (a failure on one rank raises on every rank);
 3. the manifest entries (names, sizes, SHA-256s, not the states) are all-gathered;
-4. rank 0 writes the checkpoint file, with the manifest under the strategy's key;
+4. rank 0 writes the checkpoint file, with the manifest under the strategy's key, atomically (a temporary file,
+   fsync, ``os.replace``: :mod:`lightning_gradcomp.atomic_files`); a failure there (a full disk) raises on every
+   rank, which deletes its new shard: the checkpoint saved before at that path still loads, shards included;
 5. after a barrier (the new file is in place), every rank deletes its shards of earlier saves.
 """
 
@@ -21,9 +23,11 @@ from typing import Any, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightning_gradcomp import checkpoint_shards
+from lightning_gradcomp.atomic_files import atomic_save
 
 __all__ = ["ShardedCheckpoints"]
 
@@ -69,16 +73,33 @@ class ShardedCheckpoints:
             **fields: further manifest entries (the strategy's settings and shared state).
         """
         filepath, token = self.broadcast((filepath, checkpoint_shards.new_token()))  # the file rank 0 writes
-        entry = self._on_every_rank(lambda: checkpoint_shards.write_shard(state, filepath, self.global_rank, token))
+        entry = self._on_every_rank(
+            lambda: _saving(filepath, lambda: checkpoint_shards.write_shard(state, filepath, self.global_rank, token))
+        )
         shards: list[Any] = [entry]
         if self._distributed():
             shards = [None] * self.world_size
             dist.all_gather_object(shards, entry)
         checkpoint[key] = {**checkpoint_shards.build_manifest(shards, compressor, replicated, filepath), **fields}
-        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+        try:
+            self._on_every_rank(
+                lambda: _saving(filepath, lambda: self._write_file(checkpoint, filepath, storage_options))
+            )
+        except BaseException:
+            checkpoint_shards.remove_stale_shards(filepath, self.global_rank, keep="", token=token)
+            raise
         if self._distributed():
             self.barrier(f"{self._name_in_messages}.save_checkpoint")  # the new file is in place: older shards go
         checkpoint_shards.remove_stale_shards(filepath, self.global_rank, keep=entry["file"])
+
+    def _write_file(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any]) -> None:
+        """Rank 0 writes the checkpoint file: atomically (:func:`~.atomic_files.atomic_save`) through Lightning's
+        default ``TorchCheckpointIO``, otherwise through the ``CheckpointIO`` plugin given (its own guarantees)."""
+        io = getattr(self, "checkpoint_io", None)
+        if type(io) is not TorchCheckpointIO or storage_options is not None:
+            super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+        elif self.global_rank == 0:
+            atomic_save(checkpoint, filepath)
 
     def _load_own_shard(
         self,
@@ -133,3 +154,15 @@ class ShardedCheckpoints:
             if message is not None:
                 raise RuntimeError(f"{self._name_in_messages}: rank {rank} failed: {message}")
         return result  # type: ignore[return-value]
+
+
+def _saving(filepath: Any, write: Callable[[], _T]) -> _T:
+    """``write()``; an ``OSError`` (a full disk, a lost mount) raised with the file named and what was kept."""
+    try:
+        return write()
+    except OSError as err:
+        raise OSError(
+            err.errno,
+            f"cannot save checkpoint '{filepath}': {err.strerror or err}. The checkpoint saved before at this path, "
+            f"if any, and its shards are unchanged",
+        ) from err

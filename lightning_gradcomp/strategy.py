@@ -23,7 +23,8 @@ from lightning_gradcomp.checks import ArgumentTypeError, check_bool, check_int, 
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.registry import as_compressor
-from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, is_collective_failure, release_group
+from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, release_group
+from lightning_gradcomp.failures import failure_hint, is_collective_failure
 from lightning_gradcomp.functional.realview import real_view_numel
 from lightning_gradcomp.functional.selection import prepare_native
 from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, HierarchySpec, check_hierarchy, group_size_for
@@ -478,20 +479,17 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Say what a failed collective most likely means (a rank died or hung) in front of its message."""
+        """Say what a failed collective most likely means (a rank died or hung) in front of its message
+        (:func:`~lightning_gradcomp.failures.failure_hint`)."""
         super().on_exception(exception)
         if not is_collective_failure(exception) or not exception.args or not isinstance(exception.args[0], str):
             return
         if exception.args[0].startswith("GradCompStrategy"):
             return
-        timeout = getattr(self, "_timeout", None)
-        hint = (
-            f"GradCompStrategy (rank {self.global_rank} of {self.world_size}): a collective failed. Another "
-            f"rank has most likely died (its connection closed) or stopped responding for longer than the "
-            f"process-group timeout ({timeout}, `timeout=`). Check the other ranks' logs, then restart "
-            f"every rank from the last checkpoint (`trainer.fit(..., ckpt_path=...)`). Original error: "
+        hint = failure_hint(
+            "GradCompStrategy", self.global_rank, self.world_size, getattr(self, "_timeout", None), exception
         )
-        exception.args = (hint + exception.args[0], *exception.args[1:])
+        exception.args = (hint, *exception.args[1:])
 
     @classmethod
     @override

@@ -37,21 +37,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 torch.set_num_threads(1)
 
 from helpers.distributed import free_port  # noqa: E402
+from helpers.isolation import restored_global_state  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def own_environment() -> Iterator[None]:
-    """Undo what a test left in ``os.environ`` (Lightning's ``seed_everything`` sets ``PL_GLOBAL_SEED``, its launchers
-    rank variables), so that no test depends on which ran before it on its worker."""
-    saved = dict(os.environ)
-    yield
-    if os.environ != saved:
-        os.environ.clear()
-        os.environ.update(saved)
+def own_global_state() -> Iterator[None]:
+    """Undo what a test left in process-global state (``helpers.isolation``): Lightning's ``rank_zero_only.rank``
+    (``LightningEnvironment.set_global_rank``), the strategy/preset/compressor registries, ``os.environ``
+    (``seed_everything`` sets ``PL_GLOBAL_SEED``, the launchers rank variables), the warning filters, torch's
+    default dtype, thread count and determinism; so that no test depends on which ran before it on its worker."""
+    with restored_global_state():
+        yield
 
 
 @pytest.fixture(autouse=True)
-def fresh_master_port(own_environment: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def fresh_master_port(own_global_state: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Lightning's launchers read MASTER_PORT and never clear it: give every test its own."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         monkeypatch.setenv("MASTER_PORT", str(free_port()))

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_gradcomp import GradCompStrategy, LocalSGDStrategy, SwarmStrategy, checks, distributed
+from lightning_gradcomp import GradCompStrategy, LocalSGDStrategy, SwarmStrategy, checks, distributed, failures
 from lightning_gradcomp.callbacks import LowPassMemoryFilter
 from lightning_gradcomp.checks import (ArgumentTypeError, check_bool, check_bucket_size, check_dtype, check_int,
                                        check_number, check_timeout, is_int, is_number)
@@ -161,7 +161,7 @@ def _package_imports(path: Path) -> set[str]:
     return {name for name in found if name.split(".")[0] == "lightning_gradcomp"}
 
 
-@pytest.mark.parametrize("module", ["checks.py", "distributed.py"])
+@pytest.mark.parametrize("module", ["checks.py", "distributed.py", "failures.py", "atomic_files.py"])
 def test_the_bottom_modules_import_nothing_from_the_package(module: str) -> None:
     assert _package_imports(PACKAGE / module) == set()
 
@@ -183,11 +183,11 @@ def test_old_import_paths_give_the_same_objects() -> None:
 
 
 def test_collective_failures_are_recognised() -> None:
-    assert distributed.is_collective_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:598] Connection closed "
+    assert failures.is_collective_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:598] Connection closed "
                                                           "by peer [127.0.0.1]:4242"))
-    assert distributed.is_collective_failure(RuntimeError("Application timeout caused pair closure"))
-    assert not distributed.is_collective_failure(RuntimeError("CUDA out of memory"))
-    assert not distributed.is_collective_failure(ValueError("gloo"))
+    assert failures.is_collective_failure(RuntimeError("Application timeout caused pair closure"))
+    assert not failures.is_collective_failure(RuntimeError("CUDA out of memory"))
+    assert not failures.is_collective_failure(ValueError("gloo"))
 
 
 # ---------------------------------------------------------------------------------------------- the timeout default

@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_gradcomp.failures import CollectiveTimeoutError, group_ranks, reraised, timeout_message
 from lightning_gradcomp.swarm.exchange import PairwiseGossip, with_progress
 from lightning_gradcomp.swarm.pairing import round_generator
 
@@ -383,18 +384,18 @@ class AsyncGossip:
 
     def _wait(self, job: _Job) -> None:
         if not job.done.wait(self.timeout):
-            raise RuntimeError(
-                f"SwarmSGD rank {self.engine.comm.rank}: the exchange with rank {job.peer} "
-                f"(ticket {job.ticket}) did not finish within {self.timeout:.0f} s; the partner "
-                f"is presumed dead"
-            )
+            what = f"exchange (send and receive) with rank {job.peer} (ticket {job.ticket})"
+            waited = timedelta(seconds=self.timeout)
+            message = timeout_message(what, group_ranks(self.engine.comm.group), waited, EXCHANGE_TIMEOUT_SETTING)
+            raise CollectiveTimeoutError(f"SwarmSGD rank {self.engine.comm.rank}: {message}")
 
     def _apply(self, job: _Job, step: int, x_now: Tensor, drained: bool = False) -> Tensor:
         self._job = None
         if job.error is not None:
-            raise RuntimeError(
+            raise reraised(
+                job.error,
                 f"SwarmSGD rank {self.engine.comm.rank}: exchange with rank {job.peer} (ticket "
-                f"{job.ticket}) failed; the partner is presumed dead or stopped"
+                f"{job.ticket}) failed; the partner is presumed dead or stopped",
             ) from job.error
         assert job.average is not None
         self.engine.stats.exchanges += 1
@@ -474,6 +475,10 @@ class AsyncGossip:
         self.log = [cast(PairingRecord, tuple(int(v) for v in r)) for r in state.get("log", [])]
         self.attempts = int(state.get("attempts", 0))
         self.next_attempt = int(state.get("next_attempt", self.next_attempt))
+
+
+EXCHANGE_TIMEOUT_SETTING = "`exchange_timeout=` of SwarmStrategy"
+"""What sets the timeout of the exchanges' group, as a timed-out exchange names it."""
 
 
 def exchange_group(timeout: float) -> dist.ProcessGroup:

@@ -54,7 +54,13 @@ from lightning_gradcomp.functional.realview import from_real, real_shape, real_v
 from lightning_gradcomp.presets import register_preset, register_presets
 from lightning_gradcomp.replicas import DivergentReplicas
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
-from lightning_gradcomp.swarm.asynchronous import AsyncGossip, PairingRecord, StoreMatchmaker, exchange_group
+from lightning_gradcomp.swarm.asynchronous import (
+    EXCHANGE_TIMEOUT_SETTING,
+    AsyncGossip,
+    PairingRecord,
+    StoreMatchmaker,
+    exchange_group,
+)
 from lightning_gradcomp.swarm.exchange import (
     ROUNDINGS,
     LatticeCodec,
@@ -323,7 +329,9 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         numel = sum(real_view_numel(p) for p in self._params)
         comm = self._comm
         if self.mode == "async" and self.world_size > 1:
-            comm = Comm(exchange_group(self.exchange_timeout), self._comm_stats)
+            comm = Comm(
+                exchange_group(self.exchange_timeout), self._comm_stats, timeout_setting=EXCHANGE_TIMEOUT_SETTING
+            )
         self._engine = PairwiseGossip(comm, numel, self.codec, self._swarm_stats, seed=self.seed)
         restored = self._restored
         if restored is None:

@@ -108,12 +108,13 @@ def _fit(config: dict[str, Any], rank: int, out: Path) -> None:
 
     strategy = build_case(config["case"], timeout=config.get("timeout"), nonfinite=config.get("nonfinite", "dense"))
     callbacks: list[pl.Callback] = [Probe(out, rank, config)]
-    if config.get("ckpt_dir"):
+    saving = bool(config.get("ckpt_dir")) and not config.get("last_only")  # last_only: Probe saves last.ckpt
+    if saving:
         callbacks.append(ModelCheckpoint(dirpath=config["ckpt_dir"], save_top_k=-1, every_n_epochs=1,
                                          save_last=True))
     trainer = pl.Trainer(accelerator="cpu", devices=config["world"], num_nodes=1, strategy=strategy,
                          max_epochs=config["max_epochs"], logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=bool(config.get("ckpt_dir")),
+                         enable_model_summary=False, enable_checkpointing=saving,
                          callbacks=callbacks, default_root_dir=str(out))
     trainer.fit(TinyNet(), ckpt_path=config.get("ckpt_path"))
 
@@ -133,14 +134,41 @@ class Probe(pl.Callback):
         if inject and inject["rank"] == self.rank:
             _install_injection(trainer, pl_module, inject)
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        fill = self.config.get("fill")
+        if fill and trainer.global_step == fill["step"]:
+            self.filled = True
+            if fill["rank"] == self.rank:
+                fill_disk(Path(self.config["ckpt_dir"]))
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        if getattr(self, "filled", False):  # the checkpoint grew (a callback's state, say) since the last save
+            checkpoint["ballast"] = torch.zeros(64 * 1024)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         finite = bool(_flat_params(pl_module).isfinite().all())
         self.losses.write(json.dumps({"step": trainer.global_step, "loss": float(outputs["loss"]),
                                       "finite": finite}) + "\n")
 
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.config.get("last_only"):  # every epoch over the same file, as save_last does
+            trainer.save_checkpoint(Path(self.config["ckpt_dir"]) / "last.ckpt")
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         torch.save(_snapshot(trainer, pl_module), self.out / f"end{self.rank}.pt")
+
+
+def fill_disk(ckpt_dir: Path, page: int = 4096) -> None:
+    """Fill ``ckpt_dir``'s file system so that the next save of ``last.ckpt`` finds room for its shards (a new file
+    each, whole pages) and a quarter of the checkpoint file, not for the file (grown by 256 KiB of ballast)."""
+    pages = [-(-f.stat().st_size // page) + 1 for f in (ckpt_dir / "last.ckpt.gradcomp").iterdir()]
+    keep = sum(pages) * page + (ckpt_dir / "last.ckpt").stat().st_size // 4
+    disk = os.statvfs(ckpt_dir)
+    with open(ckpt_dir / "filler", "wb") as file:
+        file.write(bytes(max(0, disk.f_bavail * disk.f_frsize - keep)))
 
 
 def _flat_params(module: Any) -> torch.Tensor:
@@ -168,7 +196,7 @@ def _install_pause(trainer: Any, module: Any, pause: dict[str, Any], marker: Pat
         time.sleep(pause.get("seconds", 600))
 
     hook = getattr(trainer.strategy, "hook", None)
-    if hook is not None:  # inside the compression hook, after the compressor issued its collectives
+    if hook is not None and not pause.get("backward"):  # inside the compression hook, after the compressor issued its collectives
 
         class Stall:
             def wants(self, step: int) -> bool:

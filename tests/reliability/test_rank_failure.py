@@ -6,6 +6,7 @@ Commands: ``python -m pytest tests/reliability/test_rank_failure.py -q`` (all of
 from __future__ import annotations
 
 import math
+import re
 import signal
 import time
 from pathlib import Path
@@ -64,9 +65,36 @@ def test_hung_rank_fails_the_others_after_the_configured_timeout(tmp_path: Path)
         assert ranks.wait(1, 10.0) == -signal.SIGKILL
         assert ranks.leftovers() == []
     error = text(out, "error", 0)
-    assert f"{GRADCOMP_HINT}" in error and "(0:00:06, `timeout=`)" in error
-    assert "timeout" in error.split("Original error:")[1].lower()  # gloo's own words: a timeout, not a crash
+    assert "GradCompStrategy (rank 0 of 2): collective " in error and " timed out after 0:00:06: " in error
+    assert "hung or dead" in error and "`timeout=` of the strategy" in error
+    assert "timeout" in error.split("Backend error:")[1].lower()  # gloo's own words: a timeout, not a crash
     assert waited > 0.5 * timeout  # it really waited for the configured timeout, not the 10 minute default
+
+
+HUNG_COLLECTIVE = re.compile(r"collective (all_reduce|all_gather|exchange \(send and receive\) with rank 1) on "
+                             r"the group of ranks 0, 1, 2 timed out after 0:00:03: a rank is probably hung or dead")
+"""What the others report about the hung rank 1 (which collective depends on where each was waiting)."""
+
+
+@pytest.mark.parametrize("case", ["topk", "localsgd", "swarm"])  # the DDP hook, Local SGD, SwarmSGD
+def test_a_hung_rank_is_reported_as_a_timeout_by_every_front_end(tmp_path: Path, case: str) -> None:
+    """Issue 50: one of 3 ranks sleeps mid-step; the others fail after ``timeout=`` with a message saying which
+    collective on which group timed out after how long, that a rank is probably hung or dead, and what to set."""
+    timeout, out = 3.0, tmp_path / "run"
+    with launch(config(out, case, world=3, timeout=timeout, pause={"rank": 1, "step": 4, "backward": True})) as ranks:
+        assert ranks.wait_for_file(out / "paused1", STARTUP_SECONDS), errors(out, 3)
+        paused_at = time.monotonic()
+        codes = [ranks.wait(r, SURFACE_SECONDS) for r in (0, 2)]
+        waited = time.monotonic() - paused_at
+        assert codes == [1, 1], f"the others did not give up on the hung rank: {codes}\n{errors(out, 3)}"
+    reports = [text(out, "error", r).split("\n\nTraceback")[0] for r in (0, 2)]
+    timed_out = [r for r in reports if "timed out after" in r]
+    assert timed_out, "\n".join(reports)
+    for report in timed_out:
+        assert HUNG_COLLECTIVE.search(report) and "The wait is set by `timeout=` of the strategy" in report, report
+        if case == "topk":
+            assert report.startswith("RuntimeError: GradCompStrategy (rank "), report
+    assert waited < 30
 
 
 # ---------------------------------------------------------------------------------------------- exact restart
