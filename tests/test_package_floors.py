@@ -10,7 +10,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_gradcomp"
 
 FLOORS = {  # docs/design.md, "Map of the package"
-    1: {"checks", "distributed", "checkpoint_shards", "functional", "comm", "gloo_workers"},
+    1: {"checks", "distributed", "failures", "atomic_files", "checkpoint_shards", "functional", "comm", "gloo_workers"},
     2: {"compressors", "presets", "schedule", "memory", "plan"},
     3: {"hook", "commthread", "hierarchy", "sharded_checkpoints", "replicas"},
     4: {"strategy", "swarm", "localsgd", "callbacks", "bench", "report", "cli", "__init__"},

@@ -767,7 +767,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             "round_length": self._round_length,
         }
         checkpoint[CHECKPOINT_KEY] = {"bits": self.bits, "counters": counters, "replica": 0}
-        DDPStrategy.save_checkpoint(self, checkpoint, filepath, storage_options)
+        self._write_file(checkpoint, filepath, storage_options)  # atomically, as the sharded saves
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
