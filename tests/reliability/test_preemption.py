@@ -13,8 +13,11 @@ Commands: ``python -m pytest tests/reliability/test_preemption.py -q`` (marked `
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,7 @@ from reliability.launch import SLURM_JOB_ID, load, losses, run, text
 from reliability.scenarios import MAX_EPOCHS, STEPS_PER_EPOCH, config, errors
 from reliability.test_rank_failure import _assert_same_state
 
-from lightning_gradcomp.checkpoint_shards import read_shards
+from lightning_gradcomp.checkpoint_shards import read_shards, write_shard
 from lightning_gradcomp.strategy import verify_checkpoint_file
 
 pytestmark = pytest.mark.slow
@@ -156,3 +159,34 @@ def test_a_mid_epoch_slurm_requeue_differs_from_the_uninterrupted_run_only_by_li
     ddp, ours = preemption("ddp", MID_EPOCH), preemption(case, MID_EPOCH)
     assert [_batches(ddp, rank) for rank in range(2)] == [_batches(ours, rank) for rank in range(2)]
 
+
+KILLED_SAVE = """
+import os, sys
+import lightning_gradcomp.atomic_files as files
+files.os.replace = lambda *args: os._exit(9)  # SIGKILLed after writing the temporary file, before the rename
+files.atomic_save({"global_step": 99}, sys.argv[1])
+"""
+
+
+def test_a_requeue_after_an_interrupted_hpc_save_resumes_from_the_save_before(preemption: Any, tmp_path: Path) -> None:
+    """A second preemption's save is killed before its file is in place (SLURM's SIGKILL after the grace time): both
+    shards of ``hpc_ckpt_2.ckpt`` and rank 0's temporary file are written, ``hpc_ckpt_2.ckpt`` is not. Lightning then
+    picks a file that does not exist (its number larger still when the temporary file's name holds digits). Plain
+    DDP's killed save leaves no such name, and Lightning resumes from ``hpc_ckpt_1.ckpt``; so must the compressed run,
+    with a warning, and repeat the uninterrupted run."""
+    runs = preemption("topk", END_OF_EPOCH)
+    root = tmp_path / "root"
+    shutil.copytree(runs.root, root)
+    second = root / "hpc_ckpt_2.ckpt"
+    for rank in range(2):
+        write_shard({"step": 99}, second, rank, token="killed")
+    killed = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(second)], capture_output=True, text=True)
+    assert killed.returncode == 9, killed.stderr
+    left = sorted(p.name for p in root.iterdir())
+    assert len(left) == 4 and left[:3] == [HPC, f"{HPC}.gradcomp", "hpc_ckpt_2.ckpt.gradcomp"], left
+    resumed = tmp_path / "resumed"
+    assert run(config(resumed, "topk", slurm=True, root_dir=str(root))) == [0, 0], errors(resumed, 2)
+    warning = text(resumed, "warnings", 0)
+    assert "does not exist: its save was interrupted" in warning and f"{root / HPC}', the newest complete" in warning
+    assert load(resumed, "start", 0)["global_step"] == END_OF_EPOCH
+    _assert_resumed_like(replace(runs, resumed=resumed), runs.reference)
