@@ -50,6 +50,7 @@ from typing import Any, Optional
 import torch
 from fsspec import AbstractFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_gradcomp.atomic_files import atomic_write
 
@@ -64,6 +65,7 @@ __all__ = [
     "load_verified",
     "new_token",
     "read_shards",
+    "resumable_hpc_checkpoint",
     "remove_shards",
     "remove_stale_shards",
     "shard_dir",
@@ -82,6 +84,7 @@ SUFFIX = ".gradcomp"
 _NAME = re.compile(r"rank-(\d{5,})-([0-9A-Za-z_]+)\.pt")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _MANIFEST_KEYS = ("version", "compressor", "world_size", "dir", "replicated", "shards")
+_HPC_CHECKPOINT = re.compile(r"hpc_ckpt_(\d+)\.ckpt")
 
 
 # ---------------------------------------------------------------------------------------------- paths
@@ -299,6 +302,38 @@ def read_shards(checkpoint_path: Any, weights_only: bool = True, key: str = "gra
     if not is_sharded(manifest):
         raise ValueError(f"checkpoint '{checkpoint_path}' holds no sharded {key!r} entry")
     return [load_shard(checkpoint_path, manifest, rank, weights_only) for rank in range(manifest["world_size"])]
+
+
+def resumable_hpc_checkpoint(checkpoint_path: Any) -> Any:
+    """``checkpoint_path``, or, when it is a missing ``hpc_ckpt_<n>.ckpt``, the newest HPC checkpoint file beside it.
+
+    On SLURM, ``fit(ckpt_path=None)`` resumes from ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, ``n`` being the
+    largest number Lightning finds in any name there that contains ``hpc_ckpt_``, files and folders alike. A save
+    killed before its file was in place (SLURM's SIGKILL after the grace time) leaves the shard folder
+    ``hpc_ckpt_<n>.ckpt.gradcomp`` or a temporary file ``hpc_ckpt_<n>.ckpt.tmp-<random>`` (whose digits Lightning
+    appends to ``n``) without ``hpc_ckpt_<n>.ckpt``. Plain DDP's killed save leaves no such name, so Lightning
+    resumes from the save before; this returns that one too, with a warning. Any other path is returned as given.
+    """
+    if not isinstance(checkpoint_path, (str, os.PathLike)):
+        return checkpoint_path
+    path = os.fspath(checkpoint_path)
+    fs = get_filesystem(path)
+    if not _HPC_CHECKPOINT.fullmatch(_base(path)) or fs.exists(path):
+        return checkpoint_path
+    folder = _parent(path)
+    try:
+        names = [_base(name) for name in fs.ls(folder, detail=False)]
+    except FileNotFoundError:
+        return checkpoint_path
+    numbers = [int(match.group(1)) for name in names if (match := _HPC_CHECKPOINT.fullmatch(name))]
+    if not numbers:
+        return checkpoint_path
+    found = _join(folder, f"hpc_ckpt_{max(numbers)}.ckpt")
+    rank_zero_warn(
+        f"HPC checkpoint '{path}' does not exist: its save was interrupted (what is left of it, a shard folder "
+        f"or a temporary file, made Lightning pick it). Resuming from '{found}', the newest complete one"
+    )
+    return found
 
 
 def _locate(checkpoint_path: str, folder: str, name: str) -> str:

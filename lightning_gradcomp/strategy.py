@@ -402,6 +402,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             ValueError: the checkpoint was written with another compressor, or its ``"gradcomp"`` entry is
                 malformed.
         """
+        checkpoint_path = checkpoint_shards.resumable_hpc_checkpoint(checkpoint_path)
         checkpoint = load_verified(
             lambda: super(GradCompStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
             checkpoint_path,

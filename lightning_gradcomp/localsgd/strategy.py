@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp import checkpoint_shards
-from lightning_gradcomp.checkpoint_shards import load_verified
+from lightning_gradcomp.checkpoint_shards import load_verified, resumable_hpc_checkpoint
 from lightning_gradcomp.checks import check_bool, check_int, check_number, check_timeout
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors.base import Compressor
@@ -433,6 +433,7 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
                 manifest (every rank raises; the message names the file).
             ValueError: the entry is malformed, or the settings differ from this strategy's.
         """
+        checkpoint_path = resumable_hpc_checkpoint(checkpoint_path)
         checkpoint = load_verified(
             lambda: super(LocalSGDStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
             checkpoint_path,

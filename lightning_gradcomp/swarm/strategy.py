@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp import checkpoint_shards
-from lightning_gradcomp.checkpoint_shards import load_verified
+from lightning_gradcomp.checkpoint_shards import load_verified, resumable_hpc_checkpoint
 from lightning_gradcomp.checks import (
     MAX_TIMEOUT_SECONDS,
     ArgumentTypeError,
@@ -780,6 +780,7 @@ class SwarmStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
                 manifest (every rank raises; the message names the file).
             ValueError: the entry is malformed, or ``bits`` differs from this strategy's.
         """
+        checkpoint_path = resumable_hpc_checkpoint(checkpoint_path)
         checkpoint = load_verified(
             lambda: super(SwarmStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
             checkpoint_path,

@@ -27,12 +27,14 @@ import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from lightning_gradcomp import GradCompStrategy, LocalSGDStrategy, SwarmStrategy
 from lightning_gradcomp.bench.runner import free_port
@@ -44,6 +46,7 @@ TESTS_DIR = Path(__file__).resolve().parents[1]
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
+from helpers.models import TinyNet  # noqa: E402
 from helpers.trees import tensors  # noqa: E402 - re-exported for the reliability tests
 
 MARKER_ENV = "GRADCOMP_RELIABILITY_RUN"
@@ -95,6 +98,9 @@ def rank_main(config: dict[str, Any], rank: int) -> None:
                 _fit(config, rank, out)
             finally:
                 caught = [str(w.message) for w in records]
+    except SIGTERMException:  # Lightning ends training on SIGTERM: the script exits as a bare SystemExit would
+        (out / f"sigterm{rank}").write_text(str(os.getpid()))
+        raise SystemExit(0) from None
     except BaseException as err:  # noqa: BLE001 - record why this rank stopped, then exit non-zero
         (out / f"error{rank}.txt").write_text(f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
         traceback.print_exc()  # what a user would see on this rank's stderr
@@ -104,10 +110,9 @@ def rank_main(config: dict[str, Any], rank: int) -> None:
 
 
 def _fit(config: dict[str, Any], rank: int, out: Path) -> None:
-    from helpers.models import TinyNet
-
     strategy = build_case(config["case"], timeout=config.get("timeout"), nonfinite=config.get("nonfinite", "dense"))
     callbacks: list[pl.Callback] = [Probe(out, rank, config)]
+    script = config.get("batches")  # the samples of every batch of this rank, instead of Lightning's sampler
     saving = bool(config.get("ckpt_dir")) and not config.get("last_only")  # last_only: Probe saves last.ckpt
     if saving:
         callbacks.append(ModelCheckpoint(dirpath=config["ckpt_dir"], save_top_k=-1, every_n_epochs=1,
@@ -115,8 +120,42 @@ def _fit(config: dict[str, Any], rank: int, out: Path) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=config["world"], num_nodes=1, strategy=strategy,
                          max_epochs=config["max_epochs"], logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=saving,
-                         callbacks=callbacks, default_root_dir=str(out))
-    trainer.fit(TinyNet(), ckpt_path=config.get("ckpt_path"))
+                         callbacks=callbacks, default_root_dir=config.get("root_dir", str(out)),
+                         use_distributed_sampler=script is None)
+    model = TinyNet() if script is None else ScriptedNet(script[rank], config["steps_per_epoch"])
+    trainer.fit(model, ckpt_path=config.get("ckpt_path"))
+
+
+class ScriptedSampler(Sampler[int]):
+    """Yields, in epoch ``e`` (``set_epoch``, as Lightning calls it), the samples of steps ``e * per_epoch`` to
+    ``(e + 1) * per_epoch - 1`` of ``batches``, one step's samples after the other."""
+
+    def __init__(self, batches: list[list[int]], per_epoch: int) -> None:
+        self.batches, self.per_epoch, self.epoch = batches, per_epoch, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _epoch(self) -> list[list[int]]:
+        return self.batches[self.epoch * self.per_epoch:(self.epoch + 1) * self.per_epoch]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter([i for batch in self._epoch() for i in batch])
+
+    def __len__(self) -> int:
+        return sum(len(batch) for batch in self._epoch())
+
+
+class ScriptedNet(TinyNet):
+    """``TinyNet`` trained on the batches given (``batches``: every step's sample ids, ``per_epoch`` steps an
+    epoch), in place of those of Lightning's distributed sampler."""
+
+    def __init__(self, batches: list[list[int]], per_epoch: int) -> None:
+        super().__init__()
+        self.script = ScriptedSampler(batches, per_epoch)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=self.hparams.batch_size, sampler=self.script)
 
 
 class Probe(pl.Callback):
@@ -151,7 +190,11 @@ class Probe(pl.Callback):
                            batch_idx: int) -> None:
         finite = bool(_flat_params(pl_module).isfinite().all())
         self.losses.write(json.dumps({"step": trainer.global_step, "loss": float(outputs["loss"]),
-                                      "finite": finite}) + "\n")
+                                      "finite": finite, "samples": _sample_ids(pl_module, batch)}) + "\n")
+        preempt = self.config.get("preempt")
+        if preempt and trainer.global_step == preempt["step"]:
+            torch.save(_snapshot(trainer, pl_module), self.out / f"preempted{self.rank}.pt")
+            preempted(trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.config.get("last_only"):  # every epoch over the same file, as save_last does
@@ -159,6 +202,15 @@ class Probe(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         torch.save(_snapshot(trainer, pl_module), self.out / f"end{self.rank}.pt")
+
+
+def preempted(trainer: pl.Trainer) -> None:
+    """What SLURM does to this rank near the time limit (``--signal=SIGUSR1@90``), then after ``scontrol requeue``:
+    the requeue signal (Lightning saves ``hpc_ckpt_<n>.ckpt``, rank 0 requeues), then SIGTERM (Lightning stops).
+    Both are handled before ``os.kill`` returns (Python runs the handler at once in the main thread)."""
+    env = trainer._accelerator_connector.cluster_environment
+    os.kill(os.getpid(), getattr(env, "requeue_signal", None) or signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def fill_disk(ckpt_dir: Path, page: int = 4096) -> None:
@@ -169,6 +221,14 @@ def fill_disk(ckpt_dir: Path, page: int = 4096) -> None:
     disk = os.statvfs(ckpt_dir)
     with open(ckpt_dir / "filler", "wb") as file:
         file.write(bytes(max(0, disk.f_bavail * disk.f_frsize - keep)))
+
+
+def _sample_ids(module: Any, batch: Any) -> list[int]:
+    """Which samples of ``TinyNet``'s data a batch holds, in order (its inputs are distinct random rows)."""
+    x = getattr(module, "x", None)
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not isinstance(batch, (list, tuple)):
+        return []
+    return (batch[0][:, None, :] == x[None]).all(-1).int().argmax(1).tolist()
 
 
 def _flat_params(module: Any) -> torch.Tensor:
@@ -231,8 +291,49 @@ def _install_injection(trainer: Any, module: Any, inject: dict[str, Any]) -> Non
 # ---------------------------------------------------------------------------------------------- launching
 
 
-def _fork_entry(config: dict[str, Any], rank: int, env: dict[str, str]) -> None:
-    os.environ.update(env)
+SLURM_JOB_ID = "4242"
+
+TORCHRUN_VARIABLES = ("MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "GROUP_RANK",
+                      "LOCAL_WORLD_SIZE")
+
+
+def _rank_env(config: dict[str, Any], rank: int, port: int) -> dict[str, Optional[str]]:
+    """Rank ``rank``'s variables (``None``: unset): torchrun's, or (``config["slurm"]``) what ``srun`` sets for one
+    task of a one-node job with ``--ntasks-per-node=W``, with ``scontrol`` on ``PATH`` a recorder
+    (:func:`fake_scontrol`) and ``MASTER_ADDR`` left for ``SLURMEnvironment`` to derive from the node list."""
+    world = str(config["world"])
+    if not config.get("slurm"):
+        return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": world, "LOCAL_RANK": str(rank),
+                "NODE_RANK": "0"}
+    env: dict[str, Optional[str]] = dict.fromkeys(TORCHRUN_VARIABLES)
+    bin_dir = fake_scontrol(Path(config["out"]))
+    env.update(SLURM_JOB_ID=SLURM_JOB_ID, SLURM_JOB_NAME="gradcomp-preemption", SLURM_NTASKS=world,
+               SLURM_NTASKS_PER_NODE=world, SLURM_NNODES="1", SLURM_JOB_NUM_NODES="1", SLURM_PROCID=str(rank),
+               SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NODELIST="127.0.0.1", MASTER_PORT=str(port),
+               PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    return env
+
+
+def fake_scontrol(out: Path) -> Path:
+    """A folder holding an ``scontrol`` that appends ``<SLURM_PROCID> <arguments>`` to ``out/scontrol.log``."""
+    bin_dir = out / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    script = bin_dir / "scontrol"
+    script.write_text(f'#!/bin/sh\nprintf \'%s %s\\n\' "$SLURM_PROCID" "$*" >> \'{out / "scontrol.log"}\'\n')
+    script.chmod(0o755)
+    return bin_dir
+
+
+def _apply(environ: Any, env: dict[str, Optional[str]]) -> None:
+    for key, value in env.items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
+
+
+def _fork_entry(config: dict[str, Any], rank: int, env: dict[str, Optional[str]]) -> None:
+    _apply(os.environ, env)
     rank_main(config, rank)
 
 
@@ -331,11 +432,11 @@ def launch(config: dict[str, Any], mode: str = "fork") -> Ranks:
     config_path = out / "config.json"
     config_path.write_text(json.dumps(config))
     for rank in range(config["world"]):
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(config["world"]),
-               "LOCAL_RANK": str(rank), "NODE_RANK": "0", MARKER_ENV: marker}
+        env = {**_rank_env(config, rank, port), MARKER_ENV: marker}
         if mode == "subprocess":
             full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")}
-            full_env.update(env, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS_DIR),
+            _apply(full_env, env)
+            full_env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS_DIR),
                                                                           os.environ.get("PYTHONPATH")])))
             stdout = open(out / f"stdout{rank}.txt", "w")  # noqa: SIM115 - closed in Ranks.cleanup
             stderr = open(out / f"stderr{rank}.txt", "w")  # noqa: SIM115
