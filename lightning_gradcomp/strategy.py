@@ -31,7 +31,7 @@ from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, HierarchySp
 from lightning_gradcomp.hook import PYTHON_REDUCER_REFUSAL, GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta_for
 from lightning_gradcomp.plan import SlotPolicy, size_rule
-from lightning_gradcomp.presets import PRESETS, preset_class, register_presets
+from lightning_gradcomp.presets import PRESETS, UNUSED_SUFFIX, preset_class, register_presets
 from lightning_gradcomp.schedule import CompressionSchedule, as_schedule
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 
@@ -189,6 +189,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         self._hook: Optional[GradCompHook] = None
         self._released = False  # the hook's process groups were destroyed at teardown: a later fit makes new ones
         self._pending: Optional[tuple[dict[str, Any], bool]] = None
+        self._preset_name: Optional[str] = None  # the preset it was built from (presets._Builder sets it)
 
     # ------------------------------------------------------------------ public state
     @property
@@ -504,8 +505,12 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Say what a failed collective most likely means (a rank died or hung) in front of its message
-        (:func:`~lightning_gradcomp.failures.failure_hint`)."""
+        (:func:`~lightning_gradcomp.failures.failure_hint`); for DDP's unused-parameter error, point to
+        ``find_unused_parameters=True`` and the preset's ``_find_unused_parameters_true`` variant (not plain DDP)."""
         super().on_exception(exception)
+        if _is_unused_parameter_error(exception):
+            exception.args = (self._unused_parameters_hint(), *exception.args[1:])
+            return
         if not is_collective_failure(exception) or not exception.args or not isinstance(exception.args[0], str):
             return
         if exception.args[0].startswith("GradCompStrategy"):
@@ -514,6 +519,18 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             "GradCompStrategy", self.global_rank, self.world_size, getattr(self, "_timeout", None), exception
         )
         exception.args = (hint, *exception.args[1:])
+
+    def _unused_parameters_hint(self) -> str:
+        """What to do about DDP's unused-parameter error without leaving compression (Lightning's own hint,
+        ``strategy='ddp_find_unused_parameters_true'``, trains plain DDP)."""
+        preset = f"'{self._preset_name}{UNUSED_SUFFIX}'" if self._preset_name else f"'<preset>{UNUSED_SUFFIX}'"
+        return (
+            "GradCompStrategy: your LightningModule has parameters that were not used in producing the loss "
+            "returned by training_step. If this is intentional, enable DDP's detection of unused parameters and "
+            f"keep compressing: `strategy={preset}` (every preset has this variant) or "
+            "`GradCompStrategy(..., find_unused_parameters=True)`. (Lightning's `strategy='ddp_find_unused_parameters_"
+            "true'` would train without compression.)"
+        )
 
     @classmethod
     @override
@@ -535,6 +552,18 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             register_presets(strategy_registry, cls, declared_for=GradCompStrategy)
             return
         register_presets(strategy_registry, cls)
+
+
+_UNUSED_MESSAGES = (
+    "Expected to have finished reduction in the prior iteration",  # torch's DDP
+    "It looks like your LightningModule has parameters that were not used",  # Lightning's rewrite of it
+)
+
+
+def _is_unused_parameter_error(exception: BaseException) -> bool:
+    """DDP's error for a parameter that got no gradient (``find_unused_parameters=False``), or Lightning's version."""
+    first = exception.args[0] if exception.args else None
+    return isinstance(first, str) and any(text in first for text in _UNUSED_MESSAGES)
 
 
 def _private_group(group: Any, timeout: Optional[timedelta]) -> Any:
