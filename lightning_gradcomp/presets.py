@@ -9,11 +9,12 @@ Declare a preset next to its class::
 The call registers ``name`` (``popen`` launcher), ``name_spawn`` and ``name_fork`` with Lightning's
 ``StrategyRegistry`` at once, and, for a strategy class that wraps the model in DDP (it takes
 ``find_unused_parameters``), each of them also with ``_find_unused_parameters_true`` as Lightning names its DDP
-variants (``scalecom_find_unused_parameters_true``, ``scalecom_fork_find_unused_parameters_true``...), whenever it runs: a preset declared in your own code after ``import lightning_gradcomp``
-works with ``Trainer(strategy="name")`` with no other call. ``factory()`` returns the keyword arguments of the
-strategy class (``GradCompStrategy`` unless ``strategy=`` names another) and runs each time a strategy is built from
-the name, so two Trainers never share a (stateful) compressor. ``PRESETS`` maps each name to
-``(description, factory)``; :func:`preset_class` gives the class it builds.
+variants (``scalecom_find_unused_parameters_true``, ``scalecom_fork_find_unused_parameters_true``...), whenever it
+runs: a preset declared in your own code after ``import lightning_gradcomp`` works with ``Trainer(strategy="name")``
+with no other call. ``factory()`` returns the keyword arguments of the strategy class (``GradCompStrategy`` unless
+``strategy=`` names another) and runs each time a strategy is built from the name, so two Trainers never share a
+(stateful) compressor. ``PRESETS`` maps each name to ``(description, factory)``; :func:`preset_class` gives the
+class it builds.
 
 Compressor names are a separate, smaller name space: :func:`lightning_gradcomp.compressors.register` names a
 compressor *class*, so that ``GradCompStrategy(compressor="topk")`` and ``compressors.create("topk", ratio=0.1)``
@@ -56,7 +57,7 @@ class _Builder:
     def __call__(self, **init_params: Any) -> Strategy:
         built = _resolve(self.strategy)(**{**self.factory(), **init_params})
         if self.name:  # for messages that name a variant of it (GradCompStrategy's unused-parameter hint)
-            suffix = {method: suffix for suffix, method in _VARIANTS}.get(init_params.get("start_method"), "")
+            suffix = {method: suffix for suffix, method in _VARIANTS}.get(str(init_params.get("start_method")), "")
             built._preset_name = self.name + suffix  # type: ignore[attr-defined]
         return built
 

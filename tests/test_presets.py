@@ -123,9 +123,12 @@ def test_unknown_preset_lists_the_names() -> None:
         preset_class("nope")
 
 
-def test_cli_lists_the_presets(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    register_preset(name, "unit test", dict)
+def test_cli_lists_the_presets_with_their_descriptions(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    register_preset(name, "unit test preset", dict)
     assert main(["list"]) == 0
-    listed = capsys.readouterr().out.split("strategies:")[1]
+    strategies, compressors = capsys.readouterr().out.split("Strategy names")[1].split("Compressor names")
+    lines = {line.split()[0]: line.split(None, 1)[1] for line in strategies.splitlines() if line.startswith("  ")}
+    assert set(lines) == set(PRESETS)
     for key in ("gradcomp_topk", "swarmsgd", "diloco", name):
-        assert key in listed
+        assert lines[key] == PRESETS[key][0]
+    assert "GradCompStrategy(beta=) or LowPassMemoryFilter" in compressors  # plain text, no reST
