@@ -73,6 +73,8 @@ def _ours(name: str) -> HookSetup:
     def setup(ddp: DistributedDataParallel, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
         names = {id(p): n for n, p in model.named_parameters()}
         device = next(model.parameters()).device
+        # make_hook compresses at every world size: the one-process pass-through (single_process="dense") is
+        # decided at a fit's hook registration, which this bench does not go through
         hook = GradCompStrategy(compressor=registry.create(name)).make_hook(Comm(None, CommStats()), names, device)
         hook.attach_optimizer(opt)
         ddp.register_comm_hook(hook, gradcomp_comm_hook)

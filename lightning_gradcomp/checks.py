@@ -32,6 +32,7 @@ __all__ = [
     "check_dtype",
     "check_int",
     "check_number",
+    "check_single_process",
     "check_timeout",
     "check_value",
     "is_int",
@@ -120,6 +121,17 @@ def check_int(name: str, value: Any, low: int, high: float = math.inf, *, high_n
         ValueError: ``value`` is outside the range; the message names ``name`` and the range.
     """
     return int(check_number(name, value, low, high, low_open=False, integer=True, high_name=high_name))
+
+
+SINGLE_PROCESS = ("dense", "compress")
+"""The values of the strategies' ``single_process``: what they do when one process trains (world size 1)."""
+
+
+def check_single_process(value: Any) -> str:
+    """``single_process`` checked: ``"dense"`` or ``"compress"`` (``ValueError`` naming the argument otherwise)."""
+    if not isinstance(value, str) or value not in SINGLE_PROCESS:
+        raise ValueError(f"`single_process` must be one of {SINGLE_PROCESS}, got {value!r}")
+    return value
 
 
 def check_bool(name: str, value: Any) -> bool:

@@ -1,4 +1,4 @@
-"""The ``lightning-gradcomp`` command."""
+"""The lightning-gradcomp command: list the strategy and compressor names, plot logged metrics, measure a link."""
 
 from __future__ import annotations
 
@@ -12,9 +12,14 @@ __all__ = ["main"]
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point: ``list`` (compressors and strategy names), ``report LOG_DIR`` (plots), ``bench`` (measure)."""
-    parser = argparse.ArgumentParser(prog="lightning-gradcomp", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="lightning-gradcomp",
+        description=__doc__,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list registered compressors and strategy names")
+    sub.add_parser("list", help="list the strategy names (with what each does) and the compressor names")
     from lightning_gradcomp import report
 
     report.add_arguments(
@@ -33,13 +38,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "report":
         return report.run(args)
     if args.command == "list":
-        import lightning_gradcomp  # noqa: F401 - declares the presets
-        from lightning_gradcomp.compressors import registry
-        from lightning_gradcomp.presets import PRESETS
-
-        print("compressors:", ", ".join(registry.list()))
-        print("strategies: ", ", ".join(sorted(PRESETS)), "(each also with _spawn and _fork)")
+        _list()
     return 0
+
+
+_EPILOG = """\
+GradCompStrategy is a drop-in DDPStrategy with three defaults of its own:
+  timeout                  10 minutes (DDPStrategy: 30): a collective waiting on a hung rank fails sooner
+  gradient_as_bucket_view  True (DDPStrategy: False): gradients are views of DDP's buckets, same numerics
+  single_process           "dense": on one process (devices=1) nothing is compressed, as with DDP;
+                           "compress" runs the compressor anyway
+Pass timeout=timedelta(minutes=30) or gradient_as_bucket_view=False for DDP's behaviour."""
+
+
+def _list() -> None:
+    """Print every strategy name with its description, then the compressor names (also with descriptions)."""
+    import lightning_gradcomp  # noqa: F401 - declares the presets
+    from lightning_gradcomp.compressors import registry
+    from lightning_gradcomp.presets import PRESETS, UNUSED_SUFFIX
+
+    width = max(map(len, [*PRESETS, *registry.list()]))
+    print("Strategy names, Trainer(strategy=NAME); each also as NAME_spawn and NAME_fork (launchers), and the")
+    print(f"GradCompStrategy ones as NAME{UNUSED_SUFFIX} (DDP's find_unused_parameters=True):")
+    for name in sorted(PRESETS):
+        print(f"  {name:<{width}}  {PRESETS[name][0]}")
+    print("\nCompressor names, GradCompStrategy(compressor=NAME) or LocalSGDStrategy(compressor=NAME):")
+    for name in registry.list():
+        print(f"  {name:<{width}}  {registry.describe(name)}")
+    print("\nEither kind runs in examples/quickstart.py: python examples/quickstart.py NAME")
 
 
 if __name__ == "__main__":

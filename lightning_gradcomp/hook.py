@@ -148,6 +148,8 @@ class GradCompHook:
             :class:`~lightning_gradcomp.schedule.CompressionSchedule`), or ``None`` for the compressor's own.
         hierarchy: this rank's node and cross-node groups and the slot owners (``hierarchy=`` of the
             strategy), or ``None`` for the flat protocol over ``comm``. ``comm`` stays the world's (W).
+        dense_only: reduce every bucket densely (DDP's bits), whatever the step: a fit on one process with
+            ``single_process="dense"``. Nothing is compressed and no memory or compressor state changes.
     """
 
     def __init__(
@@ -164,8 +166,10 @@ class GradCompHook:
         nonfinite: str = "dense",
         schedule: Optional[CompressionSchedule] = None,
         hierarchy: Optional[Hierarchy] = None,
+        dense_only: bool = False,
     ) -> None:
         self.compressor = compressor
+        self.dense_only = dense_only
         self.comm = comm
         self.hierarchy = hierarchy
         self.param_names = param_names
@@ -207,7 +211,7 @@ class GradCompHook:
         key = tuple(id(p) for p in params)
         cached = self._plans.get(bucket.index())
         if cached is None or cached[0] != key:
-            accepts = _compresses_nothing if bucket.buffer().is_sparse else self.compressor.accepts
+            accepts = _compresses_nothing if bucket.buffer().is_sparse or self.dense_only else self.compressor.accepts
             plan = build_plan(bucket.index(), params, self.param_names, self.policy, accepts)
             self._plans[bucket.index()] = (key, plan)
             self._small.update(slot.name for slot in plan.slots if slot.small)
@@ -344,7 +348,8 @@ class GradCompHook:
         plan = self.plan_for(bucket)
         step = self.step
         compresses = (
-            step >= self.start_step
+            not self.dense_only
+            and step >= self.start_step
             and not self.compressor.dense
             and (self.hierarchy is None or self.hierarchy.layout.num_nodes > 1)
         )  # one node: no slow hop to spare

@@ -7,11 +7,14 @@ Declare a preset next to its class::
     register_preset("swarmsgd", "SwarmSGD with its defaults", dict, strategy=SwarmStrategy)
 
 The call registers ``name`` (``popen`` launcher), ``name_spawn`` and ``name_fork`` with Lightning's
-``StrategyRegistry`` at once, whenever it runs: a preset declared in your own code after ``import lightning_gradcomp``
-works with ``Trainer(strategy="name")`` with no other call. ``factory()`` returns the keyword arguments of the
-strategy class (``GradCompStrategy`` unless ``strategy=`` names another) and runs each time a strategy is built from
-the name, so two Trainers never share a (stateful) compressor. ``PRESETS`` maps each name to
-``(description, factory)``; :func:`preset_class` gives the class it builds.
+``StrategyRegistry`` at once, and, for a strategy class that wraps the model in DDP (it takes
+``find_unused_parameters``), each of them also with ``_find_unused_parameters_true`` as Lightning names its DDP
+variants (``scalecom_find_unused_parameters_true``, ``scalecom_fork_find_unused_parameters_true``...), whenever it
+runs: a preset declared in your own code after ``import lightning_gradcomp`` works with ``Trainer(strategy="name")``
+with no other call. ``factory()`` returns the keyword arguments of the strategy class (``GradCompStrategy`` unless
+``strategy=`` names another) and runs each time a strategy is built from the name, so two Trainers never share a
+(stateful) compressor. ``PRESETS`` maps each name to ``(description, factory)``; :func:`preset_class` gives the
+class it builds.
 
 Compressor names are a separate, smaller name space: :func:`lightning_gradcomp.compressors.register` names a
 compressor *class*, so that ``GradCompStrategy(compressor="topk")`` and ``compressors.create("topk", ratio=0.1)``
@@ -21,6 +24,7 @@ compressor name only to build the class from a string.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any, Optional
@@ -29,7 +33,7 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_gradcomp.checks import ArgumentTypeError
 
-__all__ = ["PRESETS", "preset_class", "register_preset", "register_presets"]
+__all__ = ["PRESETS", "UNUSED_SUFFIX", "preset_class", "register_preset", "register_presets"]
 
 Factory = Callable[[], dict[str, Any]]
 
@@ -38,17 +42,24 @@ PRESETS: dict[str, tuple[str, Factory]] = {}
 _CLASSES: dict[str, Optional[type[Strategy]]] = {}
 """The ``strategy=`` of each declared preset (``None``: ``GradCompStrategy``)."""
 _VARIANTS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
+UNUSED_SUFFIX = "_find_unused_parameters_true"
+"""Suffix of the variants with ``find_unused_parameters=True`` (Lightning's ``ddp_find_unused_parameters_true``)."""
 
 
 class _Builder:
     """What ``StrategyRegistry`` stores for a preset name: ``StrategyRegistry.get`` calls it for a new strategy."""
 
-    def __init__(self, factory: Factory, strategy: Optional[type[Strategy]]) -> None:
+    def __init__(self, factory: Factory, strategy: Optional[type[Strategy]], name: str = "") -> None:
         self.factory = factory
         self.strategy = strategy
+        self.name = name
 
     def __call__(self, **init_params: Any) -> Strategy:
-        return _resolve(self.strategy)(**{**self.factory(), **init_params})
+        built = _resolve(self.strategy)(**{**self.factory(), **init_params})
+        if self.name:  # for messages that name a variant of it (GradCompStrategy's unused-parameter hint)
+            suffix = {method: suffix for suffix, method in _VARIANTS}.get(str(init_params.get("start_method")), "")
+            built._preset_name = self.name + suffix  # type: ignore[attr-defined]
+        return built
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({_resolve(self.strategy).__name__}, {self.factory!r})"
@@ -73,7 +84,7 @@ def register_preset(
         warnings.warn(f"preset {name!r} re-declared; the previous one is replaced", stacklevel=2)
     PRESETS[key] = (description, factory)
     _CLASSES[key] = strategy
-    _register(StrategyRegistry, key, description, _Builder(factory, strategy))
+    _register(StrategyRegistry, key, description, _Builder(factory, strategy, key))
 
 
 def preset_class(name: str) -> type[Strategy]:
@@ -100,12 +111,30 @@ def register_presets(
     source = declared_for or strategy
     for key, (description, factory) in PRESETS.items():
         if preset_class(key) is source:
-            _register(strategy_registry, key, description, _Builder(factory, strategy))
+            _register(strategy_registry, key, description, _Builder(factory, strategy, key))
 
 
 def _register(strategy_registry: Any, key: str, description: str, builder: _Builder) -> None:
+    unused = _wraps_in_ddp(builder.strategy)
     for suffix, method in _VARIANTS:
         strategy_registry.register(key + suffix, builder, description=description, override=True, start_method=method)
+        if unused:
+            strategy_registry.register(
+                key + suffix + UNUSED_SUFFIX,
+                builder,
+                description=f"{description}; find_unused_parameters=True",
+                override=True,
+                start_method=method,
+                find_unused_parameters=True,
+            )
+
+
+def _wraps_in_ddp(strategy: Optional[type[Strategy]]) -> bool:
+    """Whether the class takes DDP's ``find_unused_parameters`` (by name or through ``**kwargs``)."""
+    if strategy is None:
+        return True  # GradCompStrategy
+    parameters = inspect.signature(strategy.__init__).parameters.values()
+    return any(p.name == "find_unused_parameters" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def _check_declaration(name: str, description: str, factory: Factory, strategy: Optional[type[Strategy]]) -> str:
@@ -118,7 +147,7 @@ def _check_declaration(name: str, description: str, factory: Factory, strategy: 
     if strategy is not None and not (isinstance(strategy, type) and issubclass(strategy, Strategy)):
         raise ArgumentTypeError(f"preset `strategy` must be a Lightning Strategy class or None, got {strategy!r}")
     key = name.lower()
-    for suffix, _ in _VARIANTS:
+    for suffix in (suffix + unused for suffix, _ in _VARIANTS for unused in ("", UNUSED_SUFFIX)):
         entry = dict.get(StrategyRegistry, key + suffix)
         if entry is not None and not isinstance(entry["strategy"], _Builder):
             raise ValueError(f"{key + suffix!r} is already a Lightning strategy name; choose another preset name")

@@ -7,19 +7,19 @@ import logging
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_gradcomp import checkpoint_shards
 from lightning_gradcomp.checkpoint_shards import load_verified, verify_checkpoint_file
-from lightning_gradcomp.checks import ArgumentTypeError, check_bool, check_int, check_timeout
+from lightning_gradcomp.checks import ArgumentTypeError, check_bool, check_int, check_single_process, check_timeout
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.registry import as_compressor
@@ -31,7 +31,7 @@ from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, HierarchySp
 from lightning_gradcomp.hook import PYTHON_REDUCER_REFUSAL, GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta_for
 from lightning_gradcomp.plan import SlotPolicy, size_rule
-from lightning_gradcomp.presets import PRESETS, preset_class, register_presets
+from lightning_gradcomp.presets import PRESETS, UNUSED_SUFFIX, preset_class, register_presets
 from lightning_gradcomp.schedule import CompressionSchedule, as_schedule
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 
@@ -60,6 +60,13 @@ _INCOMPATIBLE = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_a
 
 class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
     """DDP whose gradient all-reduce is replaced by a compressor, on CPU (gloo) and GPU (NCCL) alike.
+
+    A drop-in replacement for :class:`~lightning.pytorch.strategies.DDPStrategy`, with three defaults of its own:
+
+    * ``timeout``: 10 minutes (DDP's is 30): a collective waiting on a hung rank fails sooner.
+    * ``gradient_as_bucket_view=True`` (DDP's is ``False``): gradients are views of DDP's buckets (same numerics).
+    * ``single_process="dense"``: on one process (``devices=1``) nothing is communicated, so nothing is compressed:
+      the fit is DDP's, bit for bit. ``single_process="compress"`` runs the compressor anyway.
 
     Example::
 
@@ -108,6 +115,11 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             ``True``): the parameters' gradients are views of DDP's buckets, into which the hook writes its averaged
             result, so DDP copies nothing between them (a gradient's worth of memory less; one pass over the
             gradient less per step, two with ``zero_grad(set_to_none=False)``). The numerics are the same.
+        single_process: what happens when one process trains (world size 1, e.g. ``devices=1`` while debugging):
+            ``"dense"`` (default) passes every gradient through densely, as DDP does (there is no communication to
+            save; the fit is bit-identical to ``strategy="ddp"``, and an info line says so); ``"compress"`` runs
+            the compressor and its error feedback as on several processes (to test the compression path on one
+            device).
         **kwargs: any :class:`~lightning.pytorch.strategies.DDPStrategy` argument, except the comm-hook
             and model-averaging ones, which this strategy replaces. Without ``bucket_cap_mb`` the compressor's
             preferred DDP bucket size is used (:attr:`Compressor.bucket_cap_mb`: 4 MB for the quantizers, DDP's
@@ -132,6 +144,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         hierarchy: HierarchySpec = None,
         gradient_as_bucket_view: Optional[bool] = True,
+        single_process: Literal["dense", "compress"] = "dense",
         **kwargs: Any,
     ) -> None:
         for name in _INCOMPATIBLE:
@@ -154,6 +167,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         if nonfinite not in ("dense", "zero"):
             raise ValueError(f"`nonfinite` must be 'dense' or 'zero', got {nonfinite!r}")
         self.nonfinite = nonfinite
+        self.single_process = check_single_process(single_process)
         if layerwise is not None and not isinstance(layerwise, Callback):
             raise ArgumentTypeError(f"`layerwise` must be a Lightning Callback such as LGreCo(...), got {layerwise!r}")
         if layerwise is not None and not self.compressor.tunable:  # known now: fail here, not at the fit's start
@@ -175,6 +189,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         self._hook: Optional[GradCompHook] = None
         self._released = False  # the hook's process groups were destroyed at teardown: a later fit makes new ones
         self._pending: Optional[tuple[dict[str, Any], bool]] = None
+        self._preset_name: Optional[str] = None  # the preset it was built from (presets._Builder sets it)
 
     # ------------------------------------------------------------------ public state
     @property
@@ -223,6 +238,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         param_names: dict[int, str],
         device: Optional[torch.device] = None,
         hierarchy: Optional[Hierarchy] = None,
+        dense_only: bool = False,
     ) -> GradCompHook:
         """Build this strategy's hook engine for one rank: the single place a :class:`GradCompHook` is assembled.
 
@@ -235,6 +251,8 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             param_names: ``id(parameter) -> qualified name``.
             device: where restored state tensors go (the gradients' device).
             hierarchy: this rank's node/cross-node groups (:meth:`Hierarchy.create`), or ``None`` (flat).
+            dense_only: reduce every bucket densely, as DDP does (a fit on one process with
+                ``single_process="dense"``); the default compresses at every world size, W = 1 included.
         """
         compressor = self.compressor.clone()
         compressor.prepare()
@@ -251,6 +269,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             nonfinite=self.nonfinite,
             schedule=self.schedule,
             hierarchy=hierarchy,
+            dense_only=dense_only,
         )
         hook.loss_scale = self._loss_scale
         return hook
@@ -353,7 +372,13 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             assert self.lightning_module is not None
             names = {id(p): n for n, p in self.lightning_module.named_parameters()}
             comm, hierarchy = self._new_groups(CommStats())
-            self._hook = self.make_hook(comm, names, self.root_device, hierarchy)
+            dense_only = self.world_size == 1 and self.single_process == "dense"
+            if dense_only:
+                rank_zero_info(
+                    "GradCompStrategy: one process (world size 1) has no gradient communication to compress: "
+                    "gradients pass through densely, as with DDP. single_process='compress' runs the compressor"
+                )
+            self._hook = self.make_hook(comm, names, self.root_device, hierarchy, dense_only=dense_only)
             if self._pending is not None:
                 state, per_rank = self._pending
                 self._hook.load_state_dict(state, per_rank=per_rank)
@@ -481,8 +506,12 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Say what a failed collective most likely means (a rank died or hung) in front of its message
-        (:func:`~lightning_gradcomp.failures.failure_hint`)."""
+        (:func:`~lightning_gradcomp.failures.failure_hint`); for DDP's unused-parameter error, point to
+        ``find_unused_parameters=True`` and the preset's ``_find_unused_parameters_true`` variant (not plain DDP)."""
         super().on_exception(exception)
+        if _is_unused_parameter_error(exception):
+            exception.args = (self._unused_parameters_hint(), *exception.args[1:])
+            return
         if not is_collective_failure(exception) or not exception.args or not isinstance(exception.args[0], str):
             return
         if exception.args[0].startswith("GradCompStrategy"):
@@ -491,6 +520,18 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             "GradCompStrategy", self.global_rank, self.world_size, getattr(self, "_timeout", None), exception
         )
         exception.args = (hint, *exception.args[1:])
+
+    def _unused_parameters_hint(self) -> str:
+        """What to do about DDP's unused-parameter error without leaving compression (Lightning's own hint,
+        ``strategy='ddp_find_unused_parameters_true'``, trains plain DDP)."""
+        preset = f"'{self._preset_name}{UNUSED_SUFFIX}'" if self._preset_name else f"'<preset>{UNUSED_SUFFIX}'"
+        return (
+            "GradCompStrategy: your LightningModule has parameters that were not used in producing the loss "
+            "returned by training_step. If this is intentional, enable DDP's detection of unused parameters and "
+            f"keep compressing: `strategy={preset}` (every preset has this variant) or "
+            "`GradCompStrategy(..., find_unused_parameters=True)`. (Lightning's `strategy='ddp_find_unused_parameters_"
+            "true'` would train without compression.)"
+        )
 
     @classmethod
     @override
@@ -512,6 +553,18 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             register_presets(strategy_registry, cls, declared_for=GradCompStrategy)
             return
         register_presets(strategy_registry, cls)
+
+
+_UNUSED_MESSAGES = (
+    "Expected to have finished reduction in the prior iteration",  # torch's DDP
+    "It looks like your LightningModule has parameters that were not used",  # Lightning's rewrite of it
+)
+
+
+def _is_unused_parameter_error(exception: BaseException) -> bool:
+    """DDP's error for a parameter that got no gradient (``find_unused_parameters=False``), or Lightning's version."""
+    first = exception.args[0] if exception.args else None
+    return isinstance(first, str) and any(text in first for text in _UNUSED_MESSAGES)
 
 
 def _private_group(group: Any, timeout: Optional[timedelta]) -> Any:

@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
+import sys
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-__all__ = ["RecipeCLI", "run_recipe"]
+__all__ = ["RecipeCLI", "run_recipe", "strategy_override"]
+
+
+def strategy_override(argv: Sequence[str]) -> str:
+    """A label for the strategy the command line sets over the config's (``""`` when it sets none).
+
+    ``--trainer.strategy=scalecom`` (or ``--trainer.strategy scalecom``) gives ``scalecom``; any other
+    ``--trainer.strategy...`` option (a nested init argument, a class path) gives ``strategy-`` and a short hash of
+    those options, so that two different overrides never share a folder.
+    """
+    named, nested = [], []
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--trainer.strategy"):
+            continue
+        key, _, value = arg.partition("=")
+        if not value and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value = argv[i + 1]
+        if key == "--trainer.strategy" and re.fullmatch(r"[\w.-]+", value):
+            named.append(value.rsplit(".", 1)[-1])
+        else:
+            nested.append(f"{key}={value}")
+    if nested:
+        named.append("strategy-" + hashlib.sha1("\0".join(nested).encode()).hexdigest()[:8])
+    return "+".join(named)
 
 
 class RecipeCLI(LightningCLI):
@@ -21,7 +49,36 @@ class RecipeCLI(LightningCLI):
 
     def __init__(self, *args: Any, links: Sequence[tuple[str, str]] = (), **kwargs: Any) -> None:
         self._links = tuple(links)
+        given = kwargs.get("args")
+        self._argv = [str(a) for a in given] if isinstance(given, (list, tuple)) else sys.argv[1:]
         super().__init__(*args, **kwargs)
+
+    def before_instantiate_classes(self) -> None:
+        """Key the run's folder by the strategy actually used, and log with a CSVLogger there.
+
+        A config's ``trainer.default_root_dir`` and ``report.path`` name its own strategy
+        (``runs/image/dense_cpu``); a ``--trainer.strategy...`` option on the command line moves both to
+        ``<default_root_dir>+<label>`` (:func:`strategy_override`), unless they are given on the command line too,
+        so a compressed run never overwrites its config's summary. ``trainer.logger`` left unset becomes a
+        ``CSVLogger`` in that folder (``logs/version_N/metrics.csv``), which ``lightning-gradcomp report`` reads.
+        """
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        trainer = config.trainer
+        root = trainer.get("default_root_dir")
+        label = strategy_override(self._argv)
+        given = {arg.partition("=")[0] for arg in self._argv}
+        if label and root and "--trainer.default_root_dir" not in given:
+            moved = f"{str(root).rstrip('/')}+{label}"
+            report = config.get("report")
+            path = report.get("path") if report is not None else None
+            if path and "--report.path" not in given and Path(path).parent == Path(root):
+                report.path = str(Path(moved) / Path(path).name)
+            trainer.default_root_dir = root = moved
+        if trainer.get("logger") in (None, True):
+            trainer.logger = Namespace(
+                class_path="lightning.pytorch.loggers.CSVLogger",
+                init_args=Namespace(save_dir=str(root or "."), name="logs"),
+            )
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         from recipes.report import RecipeReport
@@ -40,6 +97,14 @@ class RecipeCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self.check_data()
+        self._log_compression()
+
+    def _log_compression(self) -> None:
+        """Add a ``CompressionLogger`` (bytes, ratio, error: what ``report`` plots) unless the config has one."""
+        from lightning_gradcomp.callbacks import CompressionLogger
+
+        if self.trainer.logger is not None and not any(isinstance(c, CompressionLogger) for c in self.trainer.callbacks):
+            self.trainer.callbacks.append(CompressionLogger())
 
     def before_validate(self) -> None:
         self.check_data()

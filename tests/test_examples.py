@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import re
 import subprocess
@@ -23,6 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from custom_compressor import AbsmaxInt  # noqa: E402 - also declares the preset "absmax_int4"
+import quickstart  # noqa: E402
+
+from lightning_gradcomp.cli import main as cli_main  # noqa: E402
+from lightning_gradcomp.compressors import registry  # noqa: E402
+from lightning_gradcomp.presets import PRESETS  # noqa: E402
 
 
 def test_docs_show_the_complete_example_verbatim_in_at_most_50_lines() -> None:
@@ -76,11 +83,36 @@ def test_lgreco_tunes_the_example_per_layer(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_quickstart_script_runs_two_processes_with_the_popen_launcher(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py"), "topk"], cwd=tmp_path,
+@pytest.mark.parametrize("name", ["topk", "scalecom"])  # a compressor name and a strategy name (the README's)
+def test_quickstart_script_runs_two_processes_with_the_popen_launcher(tmp_path: Path, name: str) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py"), name], cwd=tmp_path,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = re.findall(r"rank (\d): ([\d,]+) B/step sent vs dense ([\d,]+)", proc.stdout)
     assert sorted(rank for rank, _, _ in lines) == ["0", "1"]
     for _, sent, dense in lines:
         assert int(sent.replace(",", "")) * 3 < int(dense.replace(",", ""))
+    assert not list(tmp_path.iterdir()), "the quickstart left files in the current folder"
+
+
+def _listed_names() -> list[str]:
+    """Every name ``lightning-gradcomp list`` prints (strategy names, then compressor names)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main(["list"]) == 0
+    return [line.split()[0] for line in out.getvalue().splitlines() if line.startswith("  ")]
+
+
+def test_the_names_below_are_what_list_prints() -> None:
+    assert sorted(_listed_names()) == sorted([*PRESETS, *registry.list()])
+
+
+@pytest.mark.parametrize("name", sorted({*PRESETS, *registry.list()}))
+def test_quickstart_trains_with_every_listed_name(name: str, capfd: pytest.CaptureFixture[str],
+                                                   tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    trainer = quickstart.main(name, devices=2, max_epochs=1, start_method="fork")
+    assert trainer.state.finished
+    printed = re.findall(r"rank (\d): ([\d,]+) B/step sent vs dense ([\d,]+)", capfd.readouterr().out)
+    assert sorted(rank for rank, _, _ in printed) == ["0", "1"]
+    assert not list(tmp_path.iterdir())

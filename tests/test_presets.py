@@ -94,7 +94,8 @@ def test_a_subclass_without_presets_keeps_the_old_registration_with_a_deprecatio
     register_preset(name, "unit test", lambda: {"compressor": TopK(0.1)}, strategy=MyStrategy)
     registry = _StrategyRegistry()
     MyStrategy.register_strategies(registry)  # declares its own now: only those, no warning
-    assert set(registry) == {name + suffix for suffix in VARIANTS} and type(registry.get(name)) is MyStrategy
+    unused = {name + suffix + "_find_unused_parameters_true" for suffix in VARIANTS}  # a DDP subclass: DDP's variants
+    assert set(registry) == {name + suffix for suffix in VARIANTS} | unused and type(registry.get(name)) is MyStrategy
 
 
 def test_redeclaring_warns_and_lightning_names_are_refused(name: str) -> None:
@@ -122,9 +123,12 @@ def test_unknown_preset_lists_the_names() -> None:
         preset_class("nope")
 
 
-def test_cli_lists_the_presets(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    register_preset(name, "unit test", dict)
+def test_cli_lists_the_presets_with_their_descriptions(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    register_preset(name, "unit test preset", dict)
     assert main(["list"]) == 0
-    listed = capsys.readouterr().out.split("strategies:")[1]
+    strategies, compressors = capsys.readouterr().out.split("Strategy names")[1].split("Compressor names")
+    lines = {line.split()[0]: line.split(None, 1)[1] for line in strategies.splitlines() if line.startswith("  ")}
+    assert set(lines) == set(PRESETS)
     for key in ("gradcomp_topk", "swarmsgd", "diloco", name):
-        assert key in listed
+        assert lines[key] == PRESETS[key][0]
+    assert "GradCompStrategy(beta=) or LowPassMemoryFilter" in compressors  # plain text, no reST

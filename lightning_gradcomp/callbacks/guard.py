@@ -21,7 +21,14 @@ from lightning_gradcomp.hook import GradCompHook
 from lightning_gradcomp.plan import SlotPolicy
 from lightning_gradcomp.strategy import GradCompStrategy
 
-__all__ = ["CompressionGuard", "CompressionWarning", "diagnose_layout", "diagnose_strategy", "loud"]
+__all__ = [
+    "CompressionGuard",
+    "CompressionWarning",
+    "diagnose_layout",
+    "diagnose_strategy",
+    "loud",
+    "single_process_note",
+]
 
 
 class CompressionWarning(UserWarning):
@@ -48,10 +55,7 @@ def diagnose_strategy(strategy: Any) -> Optional[str]:
             f"`lightning-gradcomp list` for all names; `import lightning_gradcomp` registers them)."
         )
     if strategy.world_size < 2:
-        return (
-            "only one process takes part (world size 1): there is no gradient communication to compress."
-            "\nFix: train on devices>=2 (or num_nodes>=2); compression only pays off across processes."
-        )
+        return single_process_note(strategy)
     if strategy.hook is None:
         return (
             "GradCompStrategy has no communication hook: the model was not wrapped in "
@@ -59,6 +63,21 @@ def diagnose_strategy(strategy: Any) -> Optional[str]:
             "super().\nFix: keep GradCompStrategy._register_ddp_hooks() in the call chain."
         )
     return None
+
+
+def single_process_note(strategy: Any) -> str:
+    """What a strategy does on one process (world size 1), where no gradient is communicated."""
+    if getattr(strategy, "single_process", "dense") == "dense":
+        return (
+            "only one process takes part (world size 1): there is no gradient communication to compress, so "
+            "gradients pass through densely, as with DDP (single_process='dense').\nTo exercise the compressor "
+            "on one device: single_process='compress'; to save bytes: devices>=2 (or num_nodes>=2)."
+        )
+    return (
+        "only one process takes part (world size 1): the compressor runs (single_process='compress'), but there "
+        "is no gradient communication, so no byte is saved.\nCompression only pays off across processes: "
+        "devices>=2 (or num_nodes>=2)."
+    )
 
 
 def diagnose_layout(hook: GradCompHook, policy: SlotPolicy, ratio: float, steps: int) -> str:
@@ -116,7 +135,8 @@ class CompressionGuard(Callback):
     Checks at train start that the strategy can compress (a :class:`GradCompStrategy` over >= 2
     processes with its hook registered), then, ``warmup_steps`` compressed steps after the strategy's
     ``start_step``, that the compression ratio over those steps is at least ``min_ratio``. A dense
-    compressor (``NoCompression``, the reference) only gets an info message.
+    compressor (``NoCompression``, the reference) and a single process (world size 1, where the strategy's
+    ``single_process`` decides) only get an info message.
 
     Args:
         warmup_steps: compressed steps to observe before judging (>= 1).
@@ -135,7 +155,10 @@ class CompressionGuard(Callback):
         self._done, self._baseline = False, None
         strategy = trainer.strategy
         problem = diagnose_strategy(strategy)
-        if problem is not None:
+        if isinstance(strategy, GradCompStrategy) and strategy.world_size < 2:  # by design: say it, quietly
+            self._done = True
+            rank_zero_info(f"GradComp: {single_process_note(strategy)}")
+        elif problem is not None:
             self._warn("NOTHING IS BEING COMPRESSED.", problem)
         elif isinstance(strategy, GradCompStrategy) and strategy.compressor.dense:  # no problem: a GradCompStrategy
             self._done = True

@@ -7,6 +7,7 @@ Names for ``Trainer(strategy=...)`` are presets, declared with :func:`lightning_
 from __future__ import annotations
 
 import builtins
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar, Union
@@ -14,7 +15,7 @@ from typing import Any, TypeVar, Union
 from lightning_gradcomp.checks import ArgumentTypeError
 from lightning_gradcomp.compressors.base import Compressor
 
-__all__ = ["as_compressor", "create", "list", "register"]
+__all__ = ["as_compressor", "create", "describe", "list", "register"]
 
 _FACTORIES: dict[str, Callable[..., Compressor]] = {}
 F = TypeVar("F", bound=Callable[..., Compressor])
@@ -48,6 +49,14 @@ def create(name: str, **kwargs: Any) -> Compressor:
 def list() -> builtins.list[str]:  # noqa: A001 - the registry API is register/create/list
     """Sorted names of the registered compressors."""
     return sorted(_FACTORIES)
+
+
+def describe(name: str) -> str:
+    """One line about the compressor registered as ``name``: the first paragraph of its class's (factory's)
+    docstring, as plain text (reST's double backticks dropped)."""
+    paragraph = (_FACTORIES[name.lower()].__doc__ or "").strip().split("\n\n")[0]
+    paragraph = re.sub(r":\w+:`~?(?:[\w.]+\.)?(\w+)`", r"\1", paragraph)  # :class:`~a.b.C` -> C
+    return " ".join(paragraph.replace("``", "").split())
 
 
 class _UnknownCompressorError(KeyError, ValueError):

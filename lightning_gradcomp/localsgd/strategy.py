@@ -25,14 +25,14 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp import checkpoint_shards
 from lightning_gradcomp.checkpoint_shards import load_verified, resumable_hpc_checkpoint
-from lightning_gradcomp.checks import check_bool, check_int, check_number, check_timeout
+from lightning_gradcomp.checks import check_bool, check_int, check_number, check_single_process, check_timeout
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.cltk import CLTK
@@ -124,6 +124,11 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         timeout: process-group timeout, a ``timedelta`` or seconds (> 0); ``None`` uses PyTorch's backend
             default. Default :data:`~lightning_gradcomp.distributed.DEFAULT_TIMEOUT` (10 minutes), as for
             :class:`~lightning_gradcomp.GradCompStrategy`.
+        single_process: on one process (world size 1) nothing is communicated: ``"dense"`` (default) reduces the
+            pseudo-gradients without the compressor (exactly; the outer step still runs, so ``outer="average"``
+            trains as plain local training and ``"nesterov"`` as DiLoCo with one worker), ``"compress"`` runs the
+            compressor and its error feedback as on several processes. As for
+            :class:`~lightning_gradcomp.GradCompStrategy`.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
@@ -145,6 +150,7 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         seed: int = 0,
         sync_at_end: bool = True,
         overlap: int = 0,
+        single_process: Literal["dense", "compress"] = "dense",
         accelerator: Optional[pl.accelerators.Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -188,6 +194,7 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         self.beta = validate_beta_for(beta, self.compressor)
         self.seed = check_int("seed", seed, 0, 2**63 - 1)
         self.sync_at_end = check_bool("sync_at_end", sync_at_end)
+        self.single_process = check_single_process(single_process)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -261,6 +268,12 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         persistent = set(module.state_dict())  # non-persistent buffers (e.g. position tables) are constants
         buffers = [(n, b) for n, b in module.named_buffers() if b.is_floating_point() and n in persistent]
         compressor = self.compressor.clone()
+        if self.world_size == 1 and self.single_process == "dense" and not compressor.dense:
+            rank_zero_info(
+                "LocalSGDStrategy: one process (world size 1) has nothing to communicate: pseudo-gradients are "
+                "not compressed. single_process='compress' runs the compressor"
+            )
+            compressor = NoCompression()
         compressor.prepare()
         self._comm_stats = CommStats()
         comm = Comm(None, self._comm_stats)

@@ -2,13 +2,16 @@
 
 Run as a script (``python tests/cuda/fit_one.py PRESET``) by ``test_cuda_fit.py``, one process per preset, so that
 the pytest process never initialises CUDA. At one device Lightning's DDP family still builds a process group (NCCL
-on a GPU, world size 1), wraps the model in DDP and runs the strategy's reduction path. The last line printed is a
+on a GPU, world size 1), wraps the model in DDP and runs the strategy's reduction path: the preset's strategy is built
+with ``single_process="compress"`` where its class takes it (by default one process passes gradients through densely,
+as DDP does; ``SwarmStrategy`` has no partner on one process and no such argument). The last line printed is a
 JSON object: steps, compressed steps, collectives, bytes, whether the weights stayed finite and on the GPU, and the
 hook state's tensors that live on the host (name and element count).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 import time
@@ -20,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_gradcomp  # noqa: F401  (registers the presets)
+from lightning_gradcomp.presets import PRESETS, preset_class
 
 STEPS = 24
 
@@ -72,11 +76,21 @@ class _HostState(pl.Callback):
             self._walk(name, vars(value), depth - 1)
 
 
+def build(preset: str) -> pl.strategies.Strategy:
+    """The preset's strategy, compressing on this one process where its class offers ``single_process``."""
+    cls = preset_class(preset)
+    kwargs = PRESETS[preset][1]()
+    if "single_process" in inspect.signature(cls).parameters:
+        kwargs["single_process"] = "compress"
+    return cls(**kwargs)
+
+
 def fit(preset: str) -> dict[str, Any]:
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(STEPS * 32, 96), torch.randint(0, 10, (STEPS * 32,)))
     model, probe = _Net(), _HostState()
-    trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", strategy=preset, max_steps=STEPS,
+    trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", strategy=build(preset),
+                         max_steps=STEPS,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[probe])
     start = time.perf_counter()
