@@ -109,7 +109,7 @@ LAYER_METRICS: dict[str, str] = {
     LAYER_WIRE_BYTES: "bytes per step attributed to the layer (``per_layer=True``)",
     LAYER_RATIO: "the layer's compression ratio since the previous log (``per_layer=True``)",
     LAYER_ERROR: "the layer's relative compression error at a sampled step (``per_layer=True``)",
-    LAYER_PARAM: "the layer's compression parameter (ratio/rank/bits); the name for any per-layer tuner",
+    LAYER_PARAM: "the layer's compression parameter (density/rank/bits); the name for any per-layer tuner",
 }
 """Per-layer metric prefixes; the full name appends the parameter name (``body.0.weight``)."""
 

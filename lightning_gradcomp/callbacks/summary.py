@@ -118,7 +118,7 @@ def print_summary(
         stats: the rank's cumulative figures (bytes per step average over every step, warm-up included).
         errors: per-layer relative error pooled over the sampled steps, ``sqrt(sum ||r||^2 / sum ||p||^2)``.
         total_error: the same, pooled over all compressed layers.
-        param_name: header of the parameter column (``ratio``, ``rank``, ``bits``).
+        param_name: header of the parameter column (``density``, ``rank``, ``bits``).
         title: table title.
         console: where to print (a new stdout console by default); when it is not a terminal the
             table is printed at its natural width.
