@@ -357,6 +357,15 @@ class CompressionLogger(Callback):
         self._last = self._epoch_start = _Snapshot.of(self._hook.stats, self.per_layer)
         self._warmup = None
         self._seen_steps = self._hook.stats.steps
+        if trainer.is_global_zero:  # names the run in `lightning-gradcomp report` (a CSVLogger's hparams.yaml)
+            run = {
+                "gradcomp_strategy": type(trainer.strategy).__name__,
+                "gradcomp_compressor": repr(self._hook.compressor),
+                "gradcomp_world_size": int(trainer.world_size),
+                "gradcomp_error_every_n_steps": self.error_period,
+            }
+            for logger in trainer.loggers:
+                logger.log_hyperparams(run)
 
     def _due(self, trainer: pl.Trainer) -> bool:
         """Whether the figures are logged after this batch: with Lightning's step metrics, or every ``_every``."""
