@@ -479,8 +479,8 @@ def print_report(result: dict[str, Any], console: Any = None, recommendation: bo
 def print_recommendation(result: dict[str, Any], console: Any = None, link: Optional[str] = None) -> None:
     """The recommendation line (``link``: name it, for a ladder)."""
     console = console or _console()
-    where = f" ({link})" if link else ""
-    console.print(f"[bold]recommendation{where}:[/bold] {result['recommendation']}")
+    where = f"{link}: " if link else ""
+    console.print(f"[bold]recommendation:[/bold] {where}{result['recommendation']}")
 
 
 def run_ladder(links: Sequence[str], **kwargs: Any) -> dict[str, dict[str, Any]]:
