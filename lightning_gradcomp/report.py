@@ -191,6 +191,7 @@ def run_name(source: Path) -> str:
     """The run: its log folder (``name/version``, as Lightning's loggers lay it out) and, when recorded, its
     strategy, compressor and world size."""
     folder = source if source.is_dir() else source.parent
+    folder = folder.resolve()
     name = f"{folder.parent.name}/{folder.name}" if folder.parent.name else folder.name
     info = run_info(source)
     what = ", ".join(
