@@ -64,7 +64,7 @@ CONFIGS: dict[str, tuple[str, bool]] = {  # name: (compressor, hierarchical)
 
 
 def _compressor(name: str, ratio: float) -> Compressor:
-    return CLTK(ratio=ratio) if name == "cltk" else NoCompression()
+    return CLTK(density=ratio) if name == "cltk" else NoCompression()
 
 
 # ---------------------------------------------------------------------------------------------- worker

@@ -69,10 +69,10 @@ def make_strategy(kind: str, opts: dict[str, float], task: lg.Task, seed: int) -
     compressor: Any = NoCompression()
     values = torch.float16 if opts.get("f16") else torch.float32
     if "cltk" in opts:
-        compressor = CLTK(ratio=opts["cltk"], value_dtype=values,
+        compressor = CLTK(density=opts["cltk"], value_dtype=values,
                           index_coding="delta16" if opts.get("d16") else "int32")
     elif "topk" in opts:
-        compressor = TopK(ratio=opts["topk"], value_dtype=values)
+        compressor = TopK(density=opts["topk"], value_dtype=values)
     elif "sign" in opts:
         compressor = SignSGD(bucket_size=int(opts["sign"]))
     elif "psgd" in opts:

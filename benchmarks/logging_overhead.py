@@ -136,7 +136,7 @@ def run(options: dict[str, Any], blocks: int, block: int, hidden: int, workdir: 
     out = workdir / f"times_{time.monotonic_ns()}.json"
     steps = blocks * block
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=steps + 1, logger=CSVLogger(workdir),
-                         strategy=GradCompStrategy(compressor=TopK(ratio=0.01), start_method="fork"),
+                         strategy=GradCompStrategy(compressor=TopK(density=0.01), start_method="fork"),
                          enable_checkpointing=False, enable_model_summary=False,
                          callbacks=[ToggledLogger(block, out, summary=False, **options)])
     trainer.fit(MLP(hidden, steps + 1))

@@ -70,7 +70,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         callbacks.append(LGreCo(period=60, warmup_steps=30, accumulate_steps=10))
     with tempfile.TemporaryDirectory() as tmp:
         trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=args.steps, logger=CSVLogger(tmp),
-                             strategy=GradCompStrategy(compressor=TopK(ratio=args.ratio), start_method="fork"),
+                             strategy=GradCompStrategy(compressor=TopK(density=args.ratio), start_method="fork"),
                              enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
                              log_every_n_steps=5, callbacks=callbacks)
         trainer.fit(Teacher())

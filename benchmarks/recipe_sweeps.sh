@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 A=--trainer.strategy.init_args
 wire="$A.compressor.init_args.value_dtype=float16 $A.compressor.init_args.index_coding=delta16"
 wire32="$A.compressor.init_args.value_dtype=float32 $A.compressor.init_args.index_coding=int32"
-ratio() { echo "$A.compressor.init_args.ratio=$1"; }
+ratio() { echo "$A.compressor.init_args.density=$1"; }
 small() { echo "$A.small_param=$1 $A.min_numel=1024 $A.compress_1d=false"; }
 all1d="$A.small_param=null $A.min_numel=1 $A.compress_1d=true"      # every tensor at the target density
 dense_small="$A.small_param=null $A.min_numel=1024 $A.compress_1d=false"

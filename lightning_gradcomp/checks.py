@@ -2,11 +2,11 @@
 
 The bottom floor of the package: it imports only the standard library and torch, so every module (compressors,
 callbacks, strategies, ``functional``) can use it. ``bool`` is never accepted as a number: ``True`` is an ``int``
-to Python, but ``ratio=True`` or ``bits=True`` is a mistake.
+to Python, but ``density=True`` or ``bits=True`` is a mistake.
 
 Example::
 
-    >>> check_number("ratio", 0.01, 0.0, 1.0)
+    >>> check_number("density", 0.01, 0.0, 1.0)
     0.01
     >>> check_int("min_numel", 0, 1)
     Traceback (most recent call last):

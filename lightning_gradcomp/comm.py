@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, TypeVar, Union, overload
@@ -91,12 +92,12 @@ def p2p_bytes(payload_bytes: int, world_size: int) -> float:
 
 
 def compression_ratio(dense_bytes: float, wire_bytes: float) -> float:
-    """How many times fewer bytes were sent than dense DDP would have sent: the package's one ratio rule.
+    """The compression, dense / wire bytes: how many times fewer bytes were sent than dense DDP would have sent.
 
     ``dense_bytes / wire_bytes`` when something was sent; ``1.0`` when nothing was due and nothing was sent (no
     traffic yet: nothing saved); ``inf`` when bytes were due but none were sent (a layer that another rank owns
     under ``hierarchy=``, a one-node hierarchy, LocalSGD's local steps before the first synchronization).
-    :attr:`CommStats.compression_ratio`, :attr:`LayerStats.ratio`, ``CompressionLogger``, ``CompressionGuard``
+    :attr:`CommStats.compression_ratio`, :attr:`LayerStats.compression`, ``CompressionLogger``, ``CompressionGuard``
     and ``lightning-gradcomp report`` all use it.
 
     Example::
@@ -187,9 +188,15 @@ class LayerStats:
     dense_bytes: float = 0.0
 
     @property
-    def ratio(self) -> float:
+    def compression(self) -> float:
         """Dense-equivalent bytes divided by wire bytes (:func:`compression_ratio`)."""
         return compression_ratio(self.dense_bytes, self.wire_bytes)
+
+    @property
+    def ratio(self) -> float:
+        """Deprecated name of :attr:`compression` (warns)."""
+        warnings.warn("`LayerStats.ratio` is deprecated: use `.compression`", DeprecationWarning, stacklevel=2)
+        return self.compression
 
 
 _CALLBACK_LOCK = threading.Lock()

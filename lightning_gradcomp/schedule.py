@@ -1,12 +1,12 @@
 """Compression schedules: the compression parameter (density, rank, bits) as a function of the optimizer step.
 
 A schedule maps ``(step, target)`` to the uniform parameter used at that step, where ``target`` is the
-compressor's own parameter (``CLTK(ratio=0.01)`` -> 0.01). The usual one is a **warm-up**: start lightly
+compressor's own parameter (``CLTK(density=0.01)`` -> 0.01). The usual one is a **warm-up**: start lightly
 compressed and ramp to the target in a few geometric stages (DGC's 25 % -> 6.25 % -> 1.56 % -> target), instead
 of a dense phase that costs full bytes. ::
 
-    GradCompStrategy(compressor=CLTK(ratio=0.01), schedule=WarmupSchedule(steps=300, start=0.25))
-    GradCompStrategy(compressor=CLTK(ratio=0.01), schedule={0: 0.25, 100: 0.05, 200: 0.02})   # {step: value}
+    GradCompStrategy(compressor=CLTK(density=0.01), schedule=WarmupSchedule(steps=300, start=0.25))
+    GradCompStrategy(compressor=CLTK(density=0.01), schedule={0: 0.25, 100: 0.05, 200: 0.02})   # {step: value}
     GradCompStrategy(compressor=PowerSGD(rank=4), schedule=WarmupSchedule(steps=200, start=32))
 
 Per-layer parameters (L-GreCo's choices, ``set_layer_params``) follow the schedule *relative to the target*:
@@ -164,7 +164,7 @@ def as_schedule(spec: ScheduleSpec, compressor: Compressor) -> Optional[Compress
 def follow_schedule(choice: Any, target: Any, scheduled: Any, family: str) -> float:
     """A per-layer parameter ``choice`` (made for the uniform ``target``) moved along with the schedule.
 
-    ``ratio`` and ``rank`` scale by ``scheduled / target``; ``bits`` shift by ``scheduled - target``. So a layer
+    ``density`` and ``rank`` scale by ``scheduled / target``; ``bits`` shift by ``scheduled - target``. So a layer
     L-GreCo gave twice the target density keeps twice the scheduled density during a warm-up.
     """
     if family == "bits":
@@ -181,7 +181,7 @@ def scheduled_param(compressor: Compressor, base: Any, scheduled: Any) -> Any:
     target = compressor.default_param
     family = compressor.param_name or ""
     moved = scheduled if base == target else follow_schedule(base, target, scheduled, family)
-    if family == "ratio":
+    if family in ("density", "ratio"):  # "ratio": a compressor declared before the rename
         moved = min(1.0, float(moved))
     try:
         return compressor.check_param(_as_param(compressor, moved))

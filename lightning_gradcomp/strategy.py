@@ -71,7 +71,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
     Example::
 
         trainer = Trainer(accelerator="cpu", devices=2,
-                          strategy=GradCompStrategy(compressor=TopK(ratio=0.01)))
+                          strategy=GradCompStrategy(compressor=TopK(density=0.01)))
         trainer.fit(model)
         trainer.strategy.comm_stats.compression_ratio   # on each rank
 
@@ -214,7 +214,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             self._hook.memory.beta = self.beta
 
     def set_layer_params(self, params: dict[str, Any]) -> None:
-        """Override the compression parameter (ratio / rank / bits) of named layers on this rank.
+        """Override the compression parameter (density / rank / bits) of named layers on this rank.
 
         Every rank must receive the same dictionary (callbacks decide on one rank and broadcast). Raises ``ValueError``
         for a value outside the compressor's range, or a name that is no parameter of the model (a typo would

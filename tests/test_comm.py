@@ -77,12 +77,12 @@ def test_one_ratio_rule_everywhere(dense: float, wire: float, expected: float) -
     assert compression_ratio(dense, wire) == expected
     stats = CommStats(wire_bytes=wire, dense_bytes=dense, steps=1)
     stats.layers["w"] = LayerStats(numel=4, wire_bytes=wire, dense_bytes=dense)
-    assert stats.compression_ratio == stats.layers["w"].ratio == expected
+    assert stats.compression_ratio == stats.layers["w"].compression == expected
     rows, total = summary_rows(stats, {})
-    assert rows[0].ratio == total.ratio == expected
+    assert rows[0].compression == total.compression == expected
     assert logger.compression_ratio is guard.compression_ratio is compression_ratio  # no private copies
     series = {logger.WIRE_BYTES_TOTAL: ([5], [wire]), logger.DENSE_BYTES_TOTAL: ([5], [dense])}
-    assert f"-> ratio {expected:.2f}" in text_summary(series, Path("metrics.csv"))
+    assert f"-> compression {expected:.2f}x" in text_summary(series, Path("metrics.csv"))
 
 
 def _collectives(rank: int, world: int) -> dict:

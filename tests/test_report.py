@@ -17,7 +17,8 @@ from lightning_gradcomp.callbacks import CompressionLogger
 from lightning_gradcomp.callbacks import logger as names
 from lightning_gradcomp.cli import main
 from lightning_gradcomp.compressors import TopK
-from lightning_gradcomp.report import ReportError, load_metrics, make_report, read_csv_metrics, text_summary
+from lightning_gradcomp.report import (ReportError, load_metrics, loss_series, make_report, read_csv_metrics,
+                                       run_name, text_summary)
 
 pytest.importorskip("matplotlib")
 from matplotlib import image  # noqa: E402
@@ -28,7 +29,7 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Logs of a real 2-rank run (TopK 10%, per-layer metrics, error every 2 steps)."""
     out = tmp_path_factory.mktemp("run")
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=3, logger=CSVLogger(out / "logs"),
-                         strategy=GradCompStrategy(compressor=TopK(ratio=0.1), start_method="fork"),
+                         strategy=GradCompStrategy(compressor=TopK(density=0.1), start_method="fork"),
                          enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
                          callbacks=[CompressionLogger(log_every_n_steps=1, error_every_n_steps=2, per_layer=True)])
     trainer.fit(TinyNet())
@@ -73,9 +74,10 @@ def test_plots_differ_with_the_data(log_dir: Path, tmp_path: Path) -> None:
 def test_summary_reports_the_logged_figures(log_dir: Path) -> None:
     series, source = load_metrics(log_dir)
     text = text_summary(series, source)
-    ratio = series[names.RATIO][1][-1]
+    compression = series[names.COMPRESSION_STEP][1][-1]
     errors = series[names.ERROR][1]
-    assert f"-> ratio {ratio:.2f}" in text and ratio > 3
+    assert f"(rank 0, steps since the previous log)" in text and f"-> compression {compression:.2f}x" in text
+    assert compression > 3 and "whole run (rank 0, dense warm-up included)" in text
     assert f"last {errors[-1]:.4g}" in text and f"({len(errors)} samples)" in text
     assert "body.0.weight: 0.1 -> 0.1" in text  # per-layer parameters (gradcomp/layer_param/*)
 
@@ -83,7 +85,7 @@ def test_summary_reports_the_logged_figures(log_dir: Path) -> None:
 def test_layer_params_from_other_callbacks_are_plotted(tmp_path: Path) -> None:
     """L-GreCo writes gradcomp/layer_param/<layer>: the report plots whatever carries that prefix."""
     path = tmp_path / "metrics.csv"
-    rows = [{"step": s, names.WIRE_BYTES: 100.0, names.DENSE_BYTES: 400.0, names.RATIO: 4.0,
+    rows = [{"step": s, names.WIRE_BYTES: 100.0, names.DENSE_BYTES: 400.0, names.COMPRESSION_STEP: 4.0,
              names.LAYER_PARAM + "enc.weight": 0.1 / (1 + s), names.LAYER_PARAM + "dec.weight": 0.01 * (1 + s)}
             for s in range(10)]
     with open(path, "w", newline="") as fh:
@@ -103,17 +105,55 @@ def test_read_csv_keeps_sparse_columns_apart(tmp_path: Path) -> None:
     assert series["gradcomp/error"] == ([5], [0.5])
 
 
+def test_a_short_run_shows_its_loss_beside_bytes_and_error_and_is_named(tmp_path: Path) -> None:
+    """The first hour: 32 steps logged every 5. Before, the error panel held one dot (measured every 50 steps),
+    nothing showed whether compression hurt the loss, and the title named metrics.csv."""
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=32, log_every_n_steps=5,
+                         logger=CSVLogger(tmp_path / "logs", name="quick"),
+                         strategy=GradCompStrategy(compressor=TopK(density=0.01), start_method="fork"),
+                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+                         callbacks=[CompressionLogger(summary=False)])
+    trainer.fit(TinyNet())
+    series, source = load_metrics(tmp_path / "logs")
+    assert list(loss_series(series)) == ["train_loss"]
+    assert len(series[names.ERROR][0]) >= 5  # one measurement per logged step after the dense warm-up
+    assert series[names.ERROR][0] == series["train_loss"][0]  # in the loss's rows, from the first compressed one
+    assert run_name(source) == "quick/version_0 (GradCompStrategy, TopK(density=0.01), W=2)"
+    report = make_report(tmp_path / "logs", tmp_path / "out")
+    assert report.summary.startswith("GradComp report: quick/version_0 (GradCompStrategy, TopK(density=0.01), W=2)")
+    assert "training loss (train_loss): first" in report.summary
+    for name in ("report_bytes.png", "report_error.png", "report_overview.png"):
+        assert_real_image(tmp_path / "out" / name)
+    without = tmp_path / "no_loss.csv"  # the same run without its loss: the loss panel really draws it
+    with open(source) as fh, open(without, "w") as out:
+        rows = list(csv.DictReader(fh))
+        writer = csv.DictWriter(out, fieldnames=[k for k in rows[0] if k != "train_loss"], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    make_report(without, tmp_path / "out2")
+    a, b = image.imread(tmp_path / "out" / "report_error.png"), image.imread(tmp_path / "out2" / "report_error.png")
+    assert a.shape != b.shape or not np.array_equal(a, b)
+
+
+def test_logs_with_the_former_metric_names_still_read(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.csv"
+    path.write_text("epoch,gradcomp/ratio,gradcomp/ratio_total,gradcomp/layer_ratio/w,step\n0,4.0,2.0,3.0,4\n")
+    series, _ = load_metrics(path)
+    assert series[names.COMPRESSION_STEP] == ([4], [4.0]) and series[names.COMPRESSION_WHOLE_RUN] == ([4], [2.0])
+    assert series[names.LAYER_COMPRESSION + "w"] == ([4], [3.0])
+
+
 def test_tensorboard_logs_are_read(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     from lightning.pytorch.loggers import TensorBoardLogger
 
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=8, logger=TensorBoardLogger(tmp_path / "tb"),
-                         strategy=GradCompStrategy(compressor=TopK(ratio=0.1), start_method="fork"),
+                         strategy=GradCompStrategy(compressor=TopK(density=0.1), start_method="fork"),
                          enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
                          callbacks=[CompressionLogger(log_every_n_steps=2, error_every_n_steps=2, summary=False)])
     trainer.fit(TinyNet())
     series, _ = load_metrics(tmp_path / "tb")
-    assert series[names.WIRE_BYTES_TOTAL][0] == [2, 4, 6, 8]
+    assert series[names.WIRE_BYTES_TOTAL][0] == [1, 3, 5, 7]  # Lightning's steps
     assert series[names.ERROR][0] == [3, 5, 7]
     report = make_report(tmp_path / "tb", tmp_path / "out")
     assert_real_image(tmp_path / "out" / "report_overview.png")

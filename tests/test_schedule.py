@@ -77,7 +77,7 @@ def test_hook_applies_the_schedule_to_layer_params() -> None:
 
 # ---------------------------------------------------------------------------------------------- validation
 @pytest.mark.parametrize("spec, match", [
-    (WarmupSchedule(10, start=2.0), "ratio"),          # a density above 1
+    (WarmupSchedule(10, start=2.0), "density"),        # a density above 1
     ({0: 0.5, 10: 1.5}, "step 10"),
     ({-1: 0.5}, "schedule step"),
     ({}, "non-empty"),

@@ -390,7 +390,7 @@ def test_set_layer_params_rejects_unknown_names_and_bad_values() -> None:
     applied, errors = run_workers(_layer_params_on_one_rank, 1)[0]
     assert applied == {"body.0.weight": 0.2}
     assert len(errors) == 2 and "['body.0.wieght'] name no parameter of the model" in errors[0]
-    assert "ratio" in errors[1]
+    assert "density" in errors[1]
 
 
 def test_compiled_ddps_python_reducer_is_refused_at_setup(tmp_path: Path) -> None:

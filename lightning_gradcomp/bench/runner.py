@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -18,7 +19,17 @@ from lightning_gradcomp.bench.models import check_model
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, parse_rate, rank_address
 from lightning_gradcomp.gloo_workers import free_port  # re-exported (in __all__)
 
-__all__ = ["free_port", "plot_ladder", "print_ladder", "recommend", "run_bench", "run_ladder", "summarise"]
+__all__ = [
+    "free_port",
+    "plot_ladder",
+    "print_ladder",
+    "print_recommendation",
+    "print_report",
+    "recommend",
+    "run_bench",
+    "run_ladder",
+    "summarise",
+]
 
 DEFAULT_CONFIGS = ("ddp", "torch_fp16", "torch_powersgd", "gradcomp_fp16", "gradcomp_topk", "gradcomp_randomk")
 
@@ -309,53 +320,92 @@ def check_links(links: Sequence[str]) -> None:
             parse_rate(link)
 
 
-def print_report(result: dict[str, Any]) -> None:
-    """A rich table of the summary plus the recommendation line."""
+WIDTH = 100
+"""Characters per line of the printed report (its tables fit; longer notes wrap)."""
+
+
+def _console(file: Any = None) -> Any:
     from rich.console import Console
+
+    return Console(file=file, width=WIDTH, soft_wrap=False)
+
+
+def _print_table(console: Any, title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A blank line, ``title`` on its own line (never folded to the table's width), then :func:`_table`."""
+    console.print()
+    console.print(title)
+    console.print(_table(columns, rows))
+
+
+def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> Any:
+    """A compact rich table of ``rows``: columns whose every cell is ``-`` are left out, headers never cut (the
+    first column, the configuration, folds instead)."""
+    from rich import box
     from rich.table import Table
 
+    keep = [i for i, _ in enumerate(columns) if i == 0 or any(row[i] != "-" for row in rows)]
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for i in keep:
+        name = columns[i]
+        if i == 0:
+            table.add_column(name, overflow="fold")
+        else:
+            table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
+    for row in rows:
+        table.add_row(*(row[i] for i in keep))
+    return table
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def print_report(result: dict[str, Any], console: Any = None, recommendation: bool = True) -> None:
+    """Two compact tables (at most :data:`WIDTH` characters: columns that hold nothing on this link, such as the
+    interface counters on loopback, are left out), their notes, then the recommendation (last, unless
+    ``recommendation`` is False: a ladder prints every link's recommendation after its own table)."""
+    console = console or _console()
     summary = result["summary"]
-    table = Table(
-        title=f"{result['model']} ({summary['params']:,} params), W={summary['world_size']}, {result['link']}"
-    )
-    for col in (
-        "config",
-        "step ms (p25-p75)",
-        "samples/s",
-        "scaling eff.",
-        "wire KB/step",
-        "iface KB/step",
-        "iface payload KB",
-        "payload/wire",
-        "hook ms",
-        "thread ms",
-        "peak RSS MB",
-        "vs ddp",
-    ):
-        table.add_column(col, justify="left" if col == "config" else "right")
-    for name, row in summary["configs"].items():
+    summary_rows = summary["configs"]
+    main_rows, detail_rows = [], []
+    for name, row in summary_rows.items():
         iface, payload, agree = (
             row["iface_tx_bytes_per_step"],
             row["iface_tx_payload_bytes_per_step"],
             row["iface_payload_vs_ours"],
         )
-        table.add_row(
-            name,
-            f"{row['step_time_median_s'] * 1e3:.1f} ({row['step_time_p25_s'] * 1e3:.1f}-"
-            f"{row['step_time_p75_s'] * 1e3:.1f})",
-            f"{row['throughput_samples_per_s']:.0f}",
-            f"{row['scaling_efficiency']:.0%}",
-            f"{row['wire_bytes_per_step'] / 1e3:,.1f}",
-            "-" if iface is None else f"{iface / 1e3:,.1f}",
-            "-" if payload is None else f"{payload / 1e3:,.1f}",
-            "-" if agree is None else f"{agree:.3f}",
-            f"{row['hook_ms_per_step']:.1f}",
-            f"{row.get('thread_ms_per_step', 0.0):.1f}",
-            "-" if row["peak_rss_mb"] is None else f"{row['peak_rss_mb']:.0f}",
-            f"{row.get('speedup_vs_ddp', float('nan')):.2f}x",
+        fewer = row.get("bytes_ratio_vs_ddp")
+        speedup = row.get("speedup_vs_ddp")
+        main_rows.append(
+            (
+                name,
+                _ms(row["step_time_median_s"]),
+                f"{_ms(row['step_time_p25_s'])}-{_ms(row['step_time_p75_s'])}",
+                f"{row['throughput_samples_per_s']:.0f}",
+                f"{row['scaling_efficiency']:.0%}",
+                f"{row['wire_bytes_per_step'] / 1e3:,.1f}",
+                "-" if fewer is None else f"{fewer:.1f}x",
+                "-" if speedup is None else f"{speedup:.2f}x",
+            )
         )
-    console = Console(width=max(Console().width, 150))
-    console.print(table)
+        detail_rows.append(
+            (
+                name,
+                f"{row['hook_ms_per_step']:.1f}",
+                f"{row.get('thread_ms_per_step', 0.0):.1f}",
+                "-" if iface is None else f"{iface / 1e3:,.1f}",
+                "-" if payload is None else f"{payload / 1e3:,.1f}",
+                "-" if agree is None else f"{agree:.3f}",
+                "-" if row["peak_rss_mb"] is None else f"{row['peak_rss_mb']:.0f}",
+            )
+        )
+    title = f"{result['model']} ({summary['params']:,} params), W={summary['world_size']}, {result['link']}"
+    _print_table(
+        console,
+        title,
+        ("config", "ms/step", "p25-p75 ms", "samples/s", "scaling", "wire KB/step", "compression", "vs ddp"),
+        main_rows,
+    )
     rounds = summary.get("rounds", 1)
     where = (
         "median of runs before and after the configurations"
@@ -363,38 +413,56 @@ def print_report(result: dict[str, Any]) -> None:
         else f"median of its {rounds} blocks, interleaved with the configurations'"
     )
     console.print(
-        f"compute-only step: {summary['compute_only_step_s'] * 1e3:.1f} ms ({where}); iface payload = the veth's tx "
-        "bytes minus one Ethernet/IPv4/TCP header per packet (the TCP payload gloo sent); hook ms = time "
-        "the hook blocks the autograd thread; thread ms = our communication thread's time per step "
-        "(compression plus its in-line waits; it overlaps backward)"
+        f"scaling = compute-only step ({summary['compute_only_step_s'] * 1e3:.1f} ms, {where}) / step; "
+        "compression = dense DDP's wire bytes / this configuration's; vs ddp = speed-up over dense DDP"
+    )
+    _print_table(
+        console,
+        "where the time goes (per rank and step)",
+        ("config", "hook ms", "thread ms", "iface KB/step", "iface payload KB", "payload/wire", "peak RSS MB"),
+        detail_rows,
+    )
+    iface_note = (
+        "; iface payload = the veth's tx bytes minus one Ethernet/IPv4/TCP header per packet (the TCP payload "
+        "gloo sent)"
+        if any(row[3] != "-" for row in detail_rows)
+        else ""
+    )
+    console.print(
+        "hook ms = time the hook blocks the autograd thread; thread ms = our communication thread's time "
+        f"(compression plus its in-line waits; it overlaps backward){iface_note}"
     )
     caps: dict[str, list[str]] = {}
-    for name, row in summary["configs"].items():
+    for name, row in summary_rows.items():
         if row.get("bucket_cap_mb") is not None:
             caps.setdefault(f"{row['bucket_cap_mb']:g} MB", []).append(name)
     if caps:
         console.print("DDP buckets: " + "; ".join(f"{cap}: {', '.join(names)}" for cap, names in caps.items()))
     refs = summary.get("references")
     if refs:
-        overhead = Table(title="compression work per step against one pass over the gradient (same run, per rank)")
-        columns = ("config", "work ms", "/ clone", "/ (clone + rand_like)", "/ torch fp16 hook", "state MB (copies)")
-        for col in columns:
-            overhead.add_column(col, justify="left" if col == "config" else "right")
-        fp16 = summary["configs"].get("torch_fp16")
-        for name, row in summary["configs"].items():
+        fp16 = summary_rows.get("torch_fp16")
+        rows = []
+        for name, row in summary_rows.items():
             work = row["work_ms_per_step"]
             vs_fp16 = f"{work / fp16['work_ms_per_step']:.1f}x" if fp16 and fp16["work_ms_per_step"] > 0 else "-"
             state, copies = row.get("state_mb"), row.get("state_gradient_copies")
             memory = "-" if state is None or copies is None else f"{state:.1f} ({copies:.1f})"
-            overhead.add_row(
-                name,
-                f"{work:.1f}",
-                f"{row['work_vs_clone']:.1f}x",
-                f"{row['work_vs_clone_rand']:.2f}x",
-                vs_fp16,
-                memory,
+            rows.append(
+                (
+                    name,
+                    f"{work:.1f}",
+                    f"{row['work_vs_clone']:.1f}x",
+                    f"{row['work_vs_clone_rand']:.2f}x",
+                    vs_fp16,
+                    memory,
+                )
             )
-        console.print(overhead)
+        _print_table(
+            console,
+            "compression work per step against one pass over the gradient (same run, per rank)",
+            ("config", "work ms", "/ clone", "/ (clone + rand)", "/ torch fp16", "state MB (copies)"),
+            rows,
+        )
         console.print(
             f"references: clone {refs['clone_ms']:.2f} ms, rand_like {refs['rand_like_ms']:.2f} ms, "
             f"fp16 cast {refs['half_ms']:.2f} ms, each into a buffer allocated once; work = our "
@@ -404,7 +472,15 @@ def print_report(result: dict[str, Any]) -> None:
             "tensors a configuration keeps between steps beyond DDP's (memories, compressor state), "
             "in MiB and in fp32 copies of the model's gradient"
         )
-    console.print(f"[bold]recommendation:[/bold] {result['recommendation']}")
+    if recommendation:
+        print_recommendation(result, console)
+
+
+def print_recommendation(result: dict[str, Any], console: Any = None, link: Optional[str] = None) -> None:
+    """The recommendation line (``link``: name it, for a ladder)."""
+    console = console or _console()
+    where = f"{link}: " if link else ""
+    console.print(f"[bold]recommendation:[/bold] {where}{result['recommendation']}")
 
 
 def run_ladder(links: Sequence[str], **kwargs: Any) -> dict[str, dict[str, Any]]:
@@ -414,9 +490,8 @@ def run_ladder(links: Sequence[str], **kwargs: Any) -> dict[str, dict[str, Any]]
     return {link: run_bench(link=None if link == "loopback" else link, **kwargs) for link in links}
 
 
-def print_ladder(results: dict[str, dict[str, Any]]) -> None:
+def print_ladder(results: dict[str, dict[str, Any]], console: Any = None) -> None:
     """Scaling efficiency of every configuration on every link (one column per link)."""
-    from rich.console import Console
     from rich.table import Table
 
     table = Table()
@@ -426,7 +501,7 @@ def print_ladder(results: dict[str, dict[str, Any]]) -> None:
     names = list(next(iter(results.values()))["summary"]["configs"])
     for name in names:
         table.add_row(name, *(f"{r['summary']['configs'][name]['scaling_efficiency']:.0%}" for r in results.values()))
-    console = Console(width=max(Console().width, 120))
+    console = console or _console()
     console.print("scaling efficiency (compute-only step / step) per link:")
     console.print(table)
 
@@ -456,14 +531,24 @@ def plot_ladder(results: dict[str, dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default, except the ``None`` ones (their help says what they mean)."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_arguments(parser: Any) -> None:
-    """The ``bench`` subcommand's options."""
+    """The ``bench`` subcommand's options (``--help`` shows their defaults)."""
+    parser.formatter_class = _DefaultsHelp
     parser.add_argument(
         "--model",
         default="mlp",
         help="built-in: mlp, mlp-small, mlp-large, cnn, transformer; or module.path:LightningModuleClass",
     )
-    parser.add_argument("--world-size", "-w", type=int, default=2, help="number of local ranks (default 2)")
+    parser.add_argument("--world-size", "-w", type=int, default=2, help="number of local ranks")
     parser.add_argument("--steps", type=int, default=20, help="measured steps per configuration")
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps first (>= 3)")
     parser.add_argument(
@@ -503,10 +588,16 @@ def add_arguments(parser: Any) -> None:
         default=1,
         help="cut each configuration's measured steps into this many blocks, run round-robin with the compute-only "
         "step's (every configuration resident at once), so that the machine's drift falls on all alike "
-        "(default 1: each configuration's steps in one go)",
+        "(1: each configuration's steps in one go)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--json", default=None, help="also write the result (with raw per-rank data) to this file")
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="write the result as JSON (with the raw per-rank data) to this file; '-': to stdout, with the "
+        "tables on stderr. Without it no JSON is printed",
+    )
 
 
 def _as_flags(message: str) -> str:
@@ -517,8 +608,18 @@ def _as_flags(message: str) -> str:
     return message
 
 
+def _emit_json(data: Any, path: str) -> None:
+    """``data`` as JSON into ``path`` (``-``: stdout)."""
+    text = json.dumps(data, indent=1)
+    if path == "-":
+        print(text)
+    else:
+        Path(path).write_text(text)
+
+
 def run_command(args: Any) -> int:
-    """Run ``bench`` from parsed arguments; prints the table, the recommendation and the JSON summary."""
+    """Run ``bench`` from parsed arguments; prints the tables and, last, the recommendation (JSON only with
+    ``--json``: into its file, or to stdout with ``--json -``, the tables then going to stderr)."""
     import lightning_gradcomp  # noqa: F401 - declares every preset
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -537,11 +638,12 @@ def run_command(args: Any) -> int:
             links,
         )
         for flag, path in (("--json", args.json), ("--chart", getattr(args, "chart", None))):
-            if path and not Path(path).resolve().parent.is_dir():
+            if path and path != "-" and not Path(path).resolve().parent.is_dir():
                 raise ValueError(f"`{flag}`: the folder of {path} does not exist")
     except ValueError as err:
         print(f"lightning-gradcomp bench: error: {_as_flags(str(err))}", file=sys.stderr)
         return 2
+    console = _console(sys.stderr if args.json == "-" else None)
     if len(links) > 1 or getattr(args, "chart", None):
         ladder = run_ladder(
             links or ["loopback"],
@@ -556,14 +658,15 @@ def run_command(args: Any) -> int:
             rounds=args.rounds,
         )
         for result in ladder.values():
-            print_report(result)
-        print_ladder(ladder)
+            print_report(result, console, recommendation=False)
+        print_ladder(ladder, console)
         if args.chart:
             plot_ladder(ladder, args.chart)
-        public = {link: {k: v for k, v in r.items() if k != "raw"} for link, r in ladder.items()}
-        print(json.dumps(public, indent=1))
+            console.print(f"chart: {args.chart}")
         if args.json:
-            Path(args.json).write_text(json.dumps(ladder, indent=1))
+            _emit_json(ladder, args.json)
+        for link, result in ladder.items():
+            print_recommendation(result, console, link)
         return 0
     result = run_bench(
         args.model,
@@ -577,9 +680,7 @@ def run_command(args: Any) -> int:
         batch_size=args.batch_size,
         rounds=args.rounds,
     )
-    print_report(result)
-    public = {k: v for k, v in result.items() if k != "raw"}
-    print(json.dumps(public, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        _emit_json(result, args.json)
+    print_report(result, console)
     return 0

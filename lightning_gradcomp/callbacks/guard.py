@@ -3,12 +3,13 @@
 Compressed training that "pretends to run" is the most common complaint about gradient compression
 (a missing backend, a wrong strategy name, every layer below the size threshold): the run succeeds,
 but no byte is saved. :class:`CompressionGuard` checks, after the dense warm-up plus a few compressed
-steps, that the compression ratio measured over those steps is clearly above 1, and otherwise
+steps, that the compression (dense / wire bytes) measured over those steps is clearly above 1, and otherwise
 explains why and how to fix it. The diagnosis functions are pure so they can be tested without a run.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -81,15 +82,15 @@ def single_process_note(strategy: Any) -> str:
 
 
 def diagnose_layout(hook: GradCompHook, policy: SlotPolicy, ratio: float, steps: int) -> str:
-    """Explain why ``ratio`` (dense / wire bytes over ``steps`` compressed steps) stayed near 1.
+    """Explain why the compression ``ratio`` (dense / wire bytes over ``steps`` compressed steps) stayed near 1.
 
     Args:
         hook: the rank's engine (its layer plans and compressor).
         policy: the strategy's size policy.
-        ratio: the measured compression ratio.
-        steps: number of steps the ratio was measured over.
+        ratio: the measured compression (dense / wire bytes).
+        steps: number of steps the compression was measured over.
     """
-    head = f"compression ratio {ratio:.3f} over {steps} step(s) after the dense warm-up."
+    head = f"compression (dense / wire bytes) {ratio:.3f}x over {steps} step(s) after the dense warm-up."
     compressor = type(hook.compressor).__name__
     slots = [slot for plan in hook.plans() for slot in plan.slots]
     if hook.stats.steps == 0 or not slots:
@@ -134,18 +135,29 @@ class CompressionGuard(Callback):
 
     Checks at train start that the strategy can compress (a :class:`GradCompStrategy` over >= 2
     processes with its hook registered), then, ``warmup_steps`` compressed steps after the strategy's
-    ``start_step``, that the compression ratio over those steps is at least ``min_ratio``. A dense
-    compressor (``NoCompression``, the reference) and a single process (world size 1, where the strategy's
-    ``single_process`` decides) only get an info message.
+    ``start_step``, that the compression (dense / wire bytes) over those compressed steps is at least
+    ``min_compression``. A dense compressor (``NoCompression``, the reference) and a single process (world size 1,
+    where the strategy's ``single_process`` decides) only get an info message.
 
     Args:
         warmup_steps: compressed steps to observe before judging (>= 1).
-        min_ratio: ratios below this count as "nothing compressed" (> 1).
+        min_compression: a compression below this counts as "nothing compressed" (> 1).
+        min_ratio: deprecated name of ``min_compression`` (warns with a ``DeprecationWarning``).
     """
 
-    def __init__(self, warmup_steps: int = 3, min_ratio: float = 1.05) -> None:
+    def __init__(
+        self, warmup_steps: int = 3, min_compression: float = 1.05, *, min_ratio: Optional[float] = None
+    ) -> None:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 1, 10**9)
-        self.min_ratio = float(check_number("min_ratio", min_ratio, 1.0, float("inf"), high_open=True))
+        name = "min_compression"
+        if min_ratio is not None:
+            warnings.warn(
+                f"CompressionGuard(min_ratio=...) is deprecated: use CompressionGuard(min_compression={min_ratio!r})",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            name, min_compression = "min_ratio", min_ratio
+        self.min_compression = float(check_number(name, min_compression, 1.0, float("inf"), high_open=True))
         self.message: Optional[str] = None
         self._done = False
         self._baseline: Optional[tuple[int, float, float]] = None
@@ -164,7 +176,7 @@ class CompressionGuard(Callback):
             self._done = True
             rank_zero_info(
                 f"GradComp: {type(strategy.compressor).__name__} sends dense gradients "
-                f"(reference configuration): compression ratio 1 by design."
+                f"(reference configuration): compression 1x by design."
             )
 
     def on_train_batch_end(
@@ -178,7 +190,7 @@ class CompressionGuard(Callback):
         self.check(trainer, final=True)
 
     def check(self, trainer: pl.Trainer, final: bool) -> None:
-        """Measure the ratio since the warm-up and warn (once) when it stays below ``min_ratio``."""
+        """Measure the compression since the warm-up and warn (once) when it stays below ``min_compression``."""
         if self._done:
             return
         strategy: Any = trainer.strategy  # duck-typed: anything with hook, start_step and policy
@@ -202,7 +214,7 @@ class CompressionGuard(Callback):
         wire, dense = stats.wire_bytes - wire0, stats.dense_bytes - dense0
         ratio = compression_ratio(dense, wire)
         self._done = True
-        if ratio < self.min_ratio:
+        if ratio < self.min_compression:
             self._warn("NOTHING IS BEING COMPRESSED.", diagnose_layout(hook, strategy.policy, ratio, steps))
 
     def _warn(self, headline: str, why: str) -> None:

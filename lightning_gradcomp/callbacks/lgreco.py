@@ -138,11 +138,11 @@ class _Collector:
 # ---------------------------------------------------------------------------------------------- callback
 class LGreCo(Callback):
     """Layer-wise adaptive compression (L-GreCo) for any tunable compressor (``Compressor.tunable``: a per-layer
-    parameter such as PowerSGD's ``rank``, the sparsifiers' ``ratio`` or QSGD's ``bits``, and ``layer_costs``).
+    parameter such as PowerSGD's ``rank``, the sparsifiers' ``density`` or QSGD's ``bits``, and ``layer_costs``).
 
     Candidates per layer default to the compressor's ``candidate_grid(min_factor, max_factor, num_candidates)``:
     the integers in ``[floor(min_factor d), ceil(max_factor d)]`` around the default ``d`` for ranks and bits,
-    ``num_candidates`` geometrically spaced densities in ``[min_factor d, max_factor d]`` for ratios; they are
+    ``num_candidates`` geometrically spaced densities in ``[min_factor d, max_factor d]`` for densities; they are
     then clipped to what the compressor and the layer allow (``layer_candidates``). The official code used
     factors 0.5-2 (ResNet) and 0.25-4 (Transformer-XL) for PowerSGD ranks.
 
@@ -156,7 +156,7 @@ class LGreCo(Callback):
         candidates: explicit candidate values for every layer (overrides the factor grid).
         min_factor: lower end of the grid as a multiple of the default (in (0, 1]).
         max_factor: upper end of the grid as a multiple of the default (>= 1).
-        num_candidates: number of densities in the ratio grid (>= 1).
+        num_candidates: number of densities in the density grid (>= 1).
         resolution: error units of the DP solver (>= 1; keep it >= 100 x the number of layers).
         error: ``"norm"`` (default, as in the paper's code): the budget bounds the sum of the layers'
             un-squared errors ``sum_l ||A_l - C(A_l)||``; ``"squared"``: it bounds the model's total squared

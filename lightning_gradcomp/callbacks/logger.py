@@ -1,9 +1,10 @@
 """CompressionLogger: what the compression does on the wire, logged through the Trainer's loggers.
 
-Every ``log_every_n_steps`` optimizer steps, rank 0 writes the figures of its own
-:class:`~lightning_gradcomp.comm.CommStats` (bytes sent, dense-equivalent bytes, ratio, hook time,
-error-feedback memory norm) to every logger of the Trainer (CSV, TensorBoard, ...). Every
-``error_every_n_steps`` compressed steps it also measures the relative compression error
+At the steps Lightning writes its own step metrics (the Trainer's ``log_every_n_steps``), rank 0 logs the figures
+of its own :class:`~lightning_gradcomp.comm.CommStats` (bytes sent, dense-equivalent bytes, the compression
+``dense / wire``, hook time, error-feedback memory norm) with ``pl_module.log``, so they share Lightning's rows and
+steps with the loss (CSV, TensorBoard, ...). Every logging period (or ``error_every_n_steps``) compressed steps it
+also measures the relative compression error
 
 .. math::  e = \\lVert p - C(p) \\rVert_2 \\,/\\, \\lVert p \\rVert_2
 
@@ -40,11 +41,15 @@ __all__ = [
     "EPOCH_ERROR",
     "EPOCH_HOOK_MS",
     "EPOCH_HOOK_MS_MAX",
+    "COMPRESSION_STEP",
+    "COMPRESSION_WHOLE_RUN",
+    "EPOCH_COMPRESSION",
     "EPOCH_RATIO",
     "EPOCH_WIRE_BYTES",
     "ERROR",
     "ErrorProbe",
     "HOOK_MS",
+    "LAYER_COMPRESSION",
     "LAYER_ERROR",
     "LAYER_METRICS",
     "LAYER_PARAM",
@@ -65,40 +70,47 @@ WIRE_BYTES = "gradcomp/wire_bytes"
 DENSE_BYTES = "gradcomp/dense_bytes"
 WIRE_BYTES_TOTAL = "gradcomp/wire_bytes_total"
 DENSE_BYTES_TOTAL = "gradcomp/dense_bytes_total"
-RATIO = "gradcomp/ratio"
-RATIO_TOTAL = "gradcomp/ratio_total"
+COMPRESSION_STEP = "gradcomp/compression_step"
+COMPRESSION_WHOLE_RUN = "gradcomp/compression_whole_run"
 HOOK_MS = "gradcomp/hook_ms"
 MEMORY_NORM = "gradcomp/memory_norm"
 NONFINITE_BUCKETS = "gradcomp/nonfinite_buckets"
 ERROR = "gradcomp/error"
 EPOCH_WIRE_BYTES = "gradcomp/epoch/wire_bytes"
 EPOCH_DENSE_BYTES = "gradcomp/epoch/dense_bytes"
-EPOCH_RATIO = "gradcomp/epoch/ratio"
+EPOCH_COMPRESSION = "gradcomp/epoch/compression"
 EPOCH_HOOK_MS = "gradcomp/epoch/hook_ms"
 EPOCH_HOOK_MS_MAX = "gradcomp/epoch/hook_ms_max"
 EPOCH_ERROR = "gradcomp/epoch/error"
 LAYER_WIRE_BYTES = "gradcomp/layer_wire_bytes/"
-LAYER_RATIO = "gradcomp/layer_ratio/"
+LAYER_COMPRESSION = "gradcomp/layer_compression/"
 LAYER_ERROR = "gradcomp/layer_error/"
 LAYER_PARAM = "gradcomp/layer_param/"
 
+# names of the release before the compression got one word (the metric strings changed with them)
+RATIO = COMPRESSION_STEP
+RATIO_TOTAL = COMPRESSION_WHOLE_RUN
+EPOCH_RATIO = EPOCH_COMPRESSION
+LAYER_RATIO = LAYER_COMPRESSION
+
 PROG_BAR_EVERY_N_STEPS = 10
-"""Period (in reductions) of the progress-bar update of ``gradcomp/ratio``."""
+"""Period (in reductions) of the progress-bar update of ``gradcomp/compression_step``."""
 
 METRICS: dict[str, str] = {
     WIRE_BYTES: "bytes rank 0 sent per step (mean over the steps since the previous log)",
     DENSE_BYTES: "bytes a dense fp32 ring all-reduce would have sent per step (same steps)",
     WIRE_BYTES_TOTAL: "cumulative bytes rank 0 sent since the start of training",
     DENSE_BYTES_TOTAL: "cumulative dense-equivalent bytes",
-    RATIO: "compression ratio dense / wire over the steps since the previous log (progress bar)",
-    RATIO_TOTAL: "cumulative compression ratio (includes the dense warm-up)",
+    COMPRESSION_STEP: "compression dense / wire of the recent steps, those since the previous log: the rate per "
+    "compressed step once the dense warm-up is over (progress bar)",
+    COMPRESSION_WHOLE_RUN: "compression dense / wire over the whole run so far, the dense warm-up included",
     HOOK_MS: "wall time of the communication hook per step, milliseconds (rank 0)",
     MEMORY_NORM: "L2 norm of rank 0's error-feedback memory (compressors with error feedback)",
     NONFINITE_BUCKETS: "cumulative buckets reduced densely because some rank saw NaN/Inf",
     ERROR: "relative compression error ||p - C(p)|| / ||p|| of rank 0 at a sampled step",
     EPOCH_WIRE_BYTES: "bytes sent by all ranks together during the epoch (torchmetrics SumMetric)",
     EPOCH_DENSE_BYTES: "dense-equivalent bytes of all ranks during the epoch (SumMetric)",
-    EPOCH_RATIO: "epoch compression ratio over all ranks",
+    EPOCH_COMPRESSION: "compression dense / wire of the whole epoch over all ranks (its dense warm-up included)",
     EPOCH_HOOK_MS: "hook milliseconds per step, mean over steps and ranks (MeanMetric)",
     EPOCH_HOOK_MS_MAX: "hook milliseconds per step of the slowest rank (MaxMetric)",
     EPOCH_ERROR: "mean relative compression error over the epoch's samples on all ranks (MeanMetric)",
@@ -107,9 +119,9 @@ METRICS: dict[str, str] = {
 
 LAYER_METRICS: dict[str, str] = {
     LAYER_WIRE_BYTES: "bytes per step attributed to the layer (``per_layer=True``)",
-    LAYER_RATIO: "the layer's compression ratio since the previous log (``per_layer=True``)",
+    LAYER_COMPRESSION: "the layer's compression dense / wire since the previous log (``per_layer=True``)",
     LAYER_ERROR: "the layer's relative compression error at a sampled step (``per_layer=True``)",
-    LAYER_PARAM: "the layer's compression parameter (ratio/rank/bits); the name for any per-layer tuner",
+    LAYER_PARAM: "the layer's compression parameter (density/rank/bits); the name for any per-layer tuner",
 }
 """Per-layer metric prefixes; the full name appends the parameter name (``body.0.weight``)."""
 
@@ -225,30 +237,53 @@ def memory_norm(memory: Optional[ErrorFeedback]) -> Optional[float]:
     return float(torch.linalg.vector_norm(norms))
 
 
+def lightning_step(trainer: pl.Trainer) -> int:
+    """The ``step`` Lightning writes the current training batch's metrics at (the batches that stepped before it)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    stepped = getattr(loop, "_batches_that_stepped", None)
+    return int(stepped) if stepped is not None else max(trainer.global_step - 1, 0)
+
+
+def lightning_writes(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes its step metrics (the loss) to the loggers after this training batch."""
+    connector = getattr(trainer, "_logger_connector", None)
+    due = getattr(connector, "should_update_logs", None)
+    if isinstance(due, bool):
+        return due
+    every = int(getattr(trainer, "log_every_n_steps", 50) or 0)
+    return every > 0 and (lightning_step(trainer) + 1) % every == 0
+
+
 class CompressionLogger(Callback):
-    """Log wire bytes, compression ratio, hook time, memory norm and compression error.
+    """Log wire bytes, the compression (dense / wire bytes), hook time, memory norm and compression error.
 
     Add it to the Trainer of a :class:`~lightning_gradcomp.GradCompStrategy` run::
 
         trainer = Trainer(strategy="gradcomp_topk", devices=4, callbacks=[CompressionLogger()])
 
-    Rank 0 writes its figures to every Trainer logger every ``log_every_n_steps`` optimizer steps
-    (``step`` = ``trainer.global_step``), the progress bar shows ``gradcomp/ratio`` (refreshed every
-    :data:`PROG_BAR_EVERY_N_STEPS` steps), all ranks aggregate epoch figures with torchmetrics, a
-    rich per-layer table is printed at the end of fit, and a
-    :class:`~lightning_gradcomp.callbacks.guard.CompressionGuard` warns when nothing is compressed.
-    Metric names: :data:`METRICS` and :data:`LAYER_METRICS` (``docs/monitoring.md``). Costs: a few float
-    operations per step and a ``pl_module.log`` every :data:`PROG_BAR_EVERY_N_STEPS` steps; the memory norm
-    (one pass over the memory) at log steps; one copy of the compressor input plus two norms per layer at
-    error-sampled steps; a few small collectives at epoch ends.
+    Rank 0 logs its figures with ``pl_module.log`` from ``on_train_batch_end`` at the steps Lightning writes its
+    own step metrics (the Trainer's ``log_every_n_steps``): in a ``metrics.csv`` they sit in the loss's rows, at
+    its ``step`` and with its ``epoch``. Each figure says what it covers: ``gradcomp/compression_step`` is
+    dense / wire of the steps since the previous log (the rate per compressed step once the dense warm-up is
+    over, also in the progress bar, refreshed every :data:`PROG_BAR_EVERY_N_STEPS` steps),
+    ``gradcomp/compression_whole_run`` that of the whole run, warm-up included. All ranks aggregate epoch
+    figures with torchmetrics (logged at epoch end, in Lightning's epoch rows), a rich per-layer table is
+    printed at the end of fit, and a :class:`~lightning_gradcomp.callbacks.guard.CompressionGuard` warns when
+    nothing is compressed. Metric names: :data:`METRICS` and :data:`LAYER_METRICS` (``docs/monitoring.md``).
+    Costs: a few float operations per step and a ``pl_module.log`` every :data:`PROG_BAR_EVERY_N_STEPS` steps;
+    the memory norm (one pass over the memory) at log steps; one copy of the compressor input plus two norms
+    per layer at error-sampled steps; a few small collectives at epoch ends.
 
     Args:
-        log_every_n_steps: logging period in optimizer steps (``None``: the Trainer's
-            ``log_every_n_steps``).
-        error_every_n_steps: measure the compression error at the first compressed step and every
-            this many compressed steps after it (0 disables).
-        per_layer: also log per-layer bytes, ratio, error and parameter.
-        prog_bar: show the running compression ratio in the progress bar.
+        log_every_n_steps: logging period in optimizer steps (``None``: the Trainer's ``log_every_n_steps``,
+            whose rows the figures then share). Another period writes the figures in rows of their own, still
+            at Lightning's ``step`` and with its ``epoch``.
+        error_every_n_steps: measure the compression error at the first compressed step and every this many
+            compressed steps after it (0 disables; ``None``: the logging period, so that every logged row of a
+            run, a short one included, carries a fresh measurement). Lightning writes the latest value of a step
+            metric at each logging step, so a period longer than the logging period repeats a measurement.
+        per_layer: also log per-layer bytes, compression, error and parameter.
+        prog_bar: show the compression of the recent steps in the progress bar.
         summary: print the per-layer table on rank 0 at the end of fit.
         guard: warn loudly when nothing is being compressed.
     """
@@ -256,7 +291,7 @@ class CompressionLogger(Callback):
     def __init__(
         self,
         log_every_n_steps: Optional[int] = None,
-        error_every_n_steps: int = 50,
+        error_every_n_steps: Optional[int] = None,
         per_layer: bool = False,
         prog_bar: bool = True,
         summary: bool = True,
@@ -264,7 +299,8 @@ class CompressionLogger(Callback):
     ) -> None:
         if log_every_n_steps is not None:
             check_int("log_every_n_steps", log_every_n_steps, 1, 10**12)
-        check_int("error_every_n_steps", error_every_n_steps, 0, 10**12)
+        if error_every_n_steps is not None:
+            check_int("error_every_n_steps", error_every_n_steps, 0, 10**12)
         self.log_every_n_steps = log_every_n_steps
         self.error_every_n_steps = error_every_n_steps
         self.per_layer = check_bool("per_layer", per_layer)
@@ -273,11 +309,13 @@ class CompressionLogger(Callback):
         self.guard: Optional[CompressionGuard] = CompressionGuard() if check_bool("guard", guard) else None
         self.probe: Optional[ErrorProbe] = None
         self._every = log_every_n_steps or 50
+        self._shared = True
         self._hook: Optional[GradCompHook] = None
         self._last: Optional[_Snapshot] = None
+        self._warmup: Optional[_Snapshot] = None
         self._epoch_start: Optional[_Snapshot] = None
         self._epoch_errors: list[float] = []
-        self._last_bin = 0
+        self._pending: dict[str, float] = {}
         self._seen_steps = -1
         self._show_bar = False
         self._epoch_metrics: dict[str, Any] = {}
@@ -286,7 +324,9 @@ class CompressionLogger(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve the logging period and create the epoch aggregators."""
         # Trainer.log_every_n_steps is set by Lightning's logger connector at run time, not declared on Trainer
-        self._every = self.log_every_n_steps or max(int(trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]
+        lightning_every = max(int(trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]
+        self._every = self.log_every_n_steps or lightning_every
+        self._shared = self._every == lightning_every
         self._epoch_metrics = {
             EPOCH_WIRE_BYTES: SumMetric(),
             EPOCH_DENSE_BYTES: SumMetric(),
@@ -294,6 +334,12 @@ class CompressionLogger(Callback):
             EPOCH_HOOK_MS_MAX: MaxMetric(),
             EPOCH_ERROR: MeanMetric(),
         }
+
+    @property
+    def error_period(self) -> int:
+        """The compressed steps between two error measurements (0: none): ``error_every_n_steps``, or the logging
+        period when that is ``None``."""
+        return self._every if self.error_every_n_steps is None else self.error_every_n_steps
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Attach the error probe to the engine and take the first snapshots."""
@@ -305,12 +351,27 @@ class CompressionLogger(Callback):
             return
         for metric in self._epoch_metrics.values():
             metric.to(pl_module.device)
-        if self.error_every_n_steps > 0:
-            self.probe = ErrorProbe(self.error_every_n_steps, self._hook.start_step)
+        if self.error_period > 0:
+            self.probe = ErrorProbe(self.error_period, self._hook.start_step)
             self._hook.observers.append(self.probe)
         self._last = self._epoch_start = _Snapshot.of(self._hook.stats, self.per_layer)
+        self._warmup = None
         self._seen_steps = self._hook.stats.steps
-        self._last_bin = trainer.global_step // self._every
+        if trainer.is_global_zero:  # names the run in `lightning-gradcomp report` (a CSVLogger's hparams.yaml)
+            run = {
+                "gradcomp_strategy": type(trainer.strategy).__name__,
+                "gradcomp_compressor": repr(self._hook.compressor),
+                "gradcomp_world_size": int(trainer.world_size),
+                "gradcomp_error_every_n_steps": self.error_period,
+            }
+            for logger in trainer.loggers:
+                logger.log_hyperparams(run)
+
+    def _due(self, trainer: pl.Trainer) -> bool:
+        """Whether the figures are logged after this batch: with Lightning's step metrics, or every ``_every``."""
+        if self._shared:
+            return lightning_writes(trainer)
+        return (lightning_step(trainer) + 1) % self._every == 0
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -322,19 +383,19 @@ class CompressionLogger(Callback):
         if hook is None or hook.stats.steps == self._seen_steps:
             return  # no reduction in this batch (gradient accumulation)
         self._seen_steps = hook.stats.steps
-        if self._show_bar and self._last is not None and hook.stats.steps % PROG_BAR_EVERY_N_STEPS == 0:
-            ratio = compression_ratio(
+        if hook.stats.compressed_steps == 0:
+            self._warmup = _Snapshot.of(hook.stats, False)  # the dense warm-up so far
+        if self.probe is not None and self.probe.pending:
+            self._pending.update(self._error_metrics(self.probe.drain()))
+        if self._due(trainer):
+            metrics, self._pending = {**self._interval_metrics(trainer, hook), **self._pending}, {}
+            self._log(trainer, pl_module, metrics)
+        elif self._show_bar and self._last is not None and hook.stats.steps % PROG_BAR_EVERY_N_STEPS == 0:
+            compression = compression_ratio(
                 hook.stats.dense_bytes - self._last.dense, hook.stats.wire_bytes - self._last.wire
             )
-            if math.isfinite(ratio):  # pl_module.log costs ~0.1-0.5 ms: not on every step
-                pl_module.log(RATIO, ratio, prog_bar=True, logger=False, on_step=True, on_epoch=False)
-        metrics: dict[str, float] = {}
-        if self.probe is not None and self.probe.pending:
-            metrics.update(self._error_metrics(self.probe.drain()))
-        if trainer.global_step // self._every > self._last_bin:
-            self._last_bin = trainer.global_step // self._every
-            metrics.update(self._interval_metrics(trainer, hook))
-        self._write(trainer, metrics)
+            if math.isfinite(compression):  # pl_module.log costs ~0.1-0.5 ms: not on every step
+                self._log(trainer, pl_module, {COMPRESSION_STEP: compression}, bar_only=True)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Aggregate the epoch over all ranks (collective: every rank takes part)."""
@@ -342,7 +403,7 @@ class CompressionLogger(Callback):
         if hook is None or self._epoch_start is None:
             return
         if self.probe is not None and self.probe.pending:
-            self._write(trainer, self._error_metrics(self.probe.drain()))
+            self._pending.update(self._error_metrics(self.probe.drain()))
         now = _Snapshot.of(hook.stats, False)
         start, self._epoch_start = self._epoch_start, now
         steps = now.steps - start.steps
@@ -360,19 +421,21 @@ class CompressionLogger(Callback):
         values = {name: float(metric.compute()) for name, metric in m.items()}
         for metric in m.values():
             metric.reset()
-        values[EPOCH_RATIO] = compression_ratio(values[EPOCH_DENSE_BYTES], values[EPOCH_WIRE_BYTES])
-        self._write(trainer, {k: v for k, v in values.items() if math.isfinite(v)})
+        values[EPOCH_COMPRESSION] = compression_ratio(values[EPOCH_DENSE_BYTES], values[EPOCH_WIRE_BYTES])
+        finite = {k: v for k, v in values.items() if math.isfinite(v)}
+        if finite:  # every rank holds the same all-rank figures; Lightning writes them in its epoch-end row
+            pl_module.log_dict(finite, on_step=False, on_epoch=True, prog_bar=False, logger=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Flush the last partial interval, detach the probe, print the summary."""
+        """Write the last partial interval, detach the probe, print the summary."""
         hook = self._hook
         if hook is not None and self._last is not None:
-            metrics: dict[str, float] = {}
             if self.probe is not None and self.probe.pending:
-                metrics.update(self._error_metrics(self.probe.drain()))
-            if hook.stats.steps > self._last.steps:
-                metrics.update(self._interval_metrics(trainer, hook))
-            self._write(trainer, metrics)
+                self._pending.update(self._error_metrics(self.probe.drain()))
+            metrics = self._interval_metrics(trainer, hook) if hook.stats.steps > self._last.steps else {}
+            metrics, self._pending = {**metrics, **self._pending}, {}
+            # pl_module.log is refused here: a row of its own at the last batch's step and epoch
+            self._write(trainer, metrics, max(lightning_step(trainer) - 1, 0))
         if self.guard is not None:
             self.guard.on_train_end(trainer, pl_module)
         self._detach()
@@ -384,7 +447,16 @@ class CompressionLogger(Callback):
                 total_error=probe.total_error() if probe is not None else float("nan"),
                 param_name=hook.compressor.param_name,
                 title=f"GradComp summary: {hook.compressor!r}, world size {hook.comm.world_size} (rank 0)",
+                compressed_steps_compression=self.compressed_steps_compression(),
             )
+
+    def compressed_steps_compression(self) -> float:
+        """Dense / wire bytes of the compressed steps alone (the run less its dense warm-up), ``nan`` before any."""
+        hook = self._hook
+        if hook is None or hook.stats.compressed_steps == 0:
+            return float("nan")
+        warm = self._warmup or _Snapshot(0, 0.0, 0.0, 0.0, {})
+        return compression_ratio(hook.stats.dense_bytes - warm.dense, hook.stats.wire_bytes - warm.wire)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Never leave the probe attached (e.g. after an exception)."""
@@ -403,8 +475,8 @@ class CompressionLogger(Callback):
             DENSE_BYTES: (now.dense - last.dense) / steps,
             WIRE_BYTES_TOTAL: now.wire,
             DENSE_BYTES_TOTAL: now.dense,
-            RATIO: compression_ratio(now.dense - last.dense, now.wire - last.wire),
-            RATIO_TOTAL: compression_ratio(now.dense, now.wire),
+            COMPRESSION_STEP: compression_ratio(now.dense - last.dense, now.wire - last.wire),
+            COMPRESSION_WHOLE_RUN: compression_ratio(now.dense, now.wire),
             HOOK_MS: 1e3 * (now.hook_s - last.hook_s) / steps,
             NONFINITE_BUCKETS: float(stats.nonfinite_steps),
         }
@@ -417,7 +489,7 @@ class CompressionLogger(Callback):
                 wire0, dense0 = last.layers.get(name, (0.0, 0.0))
                 wire, dense = now.layers[name]
                 out[LAYER_WIRE_BYTES + name] = (wire - wire0) / steps
-                out[LAYER_RATIO + name] = compression_ratio(dense - dense0, wire - wire0)
+                out[LAYER_COMPRESSION + name] = compression_ratio(dense - dense0, wire - wire0)
                 if layer.compressed and isinstance(layer.param, (int, float)):
                     out[LAYER_PARAM + name] = float(layer.param)
         return {k: v for k, v in out.items() if math.isfinite(v)}
@@ -433,12 +505,32 @@ class CompressionLogger(Callback):
             out.update({LAYER_ERROR + name: _relative_error(r2, p2) for name, (r2, p2) in latest.layers.items()})
         return {k: v for k, v in out.items() if math.isfinite(v)}
 
+    def _log(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float], bar_only: bool = False
+    ) -> None:
+        """Rank 0's step figures: into Lightning's row (``pl_module.log``) when the periods agree, else a row of
+        their own at Lightning's step; the compression of the recent steps also goes to the progress bar."""
+        if not metrics or not trainer.is_global_zero:
+            return
+        if self._shared:  # one set of arguments per name: Lightning refuses a name logged two ways in one hook
+            for name, value in metrics.items():
+                bar = self._show_bar and name == COMPRESSION_STEP
+                pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=bar, rank_zero_only=True)
+            return
+        if self._show_bar and COMPRESSION_STEP in metrics:
+            pl_module.log(
+                COMPRESSION_STEP, metrics[COMPRESSION_STEP], on_step=True, on_epoch=False, prog_bar=True, logger=False
+            )
+        if not bar_only:
+            self._write(trainer, metrics, lightning_step(trainer))
+
     @staticmethod
-    def _write(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+    def _write(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+        """Write ``metrics`` straight to the loggers at Lightning's ``step`` (with ``epoch``, as Lightning does)."""
         if not metrics or not trainer.is_global_zero:
             return
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics({**metrics, "epoch": float(trainer.current_epoch)}, step=step)
 
     def _detach(self) -> None:
         if self._hook is not None and self.probe is not None and self.probe in self._hook.observers:

@@ -1,8 +1,13 @@
-"""End-of-fit summary: a rich table of every layer's traffic, parameter and compression error."""
+"""End-of-fit summary: a rich table of every layer's traffic, parameter, compression and compression error.
+
+Its figures cover the whole run, the dense warm-up (``start_step``) included: bytes per step average over every
+step, and the compression is dense / wire bytes of the whole run; the caption also gives the compression of the
+compressed steps alone (the rate the progress bar's ``gradcomp/compression_step`` shows)."""
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
@@ -17,15 +22,22 @@ __all__ = ["SummaryRow", "format_bytes", "print_summary", "summary_rows", "summa
 
 @dataclass(frozen=True)
 class SummaryRow:
-    """One line of the summary (``error`` is ``nan`` when it was not measured)."""
+    """One line of the summary (``error`` is ``nan`` when it was not measured; ``compression`` is dense / wire
+    bytes over the whole run)."""
 
     name: str
     numel: int
     compressed: bool
     param: Optional[float]
     bytes_per_step: float
-    ratio: float
+    compression: float
     error: float
+
+    @property
+    def ratio(self) -> float:
+        """Deprecated name of :attr:`compression` (warns)."""
+        warnings.warn("`SummaryRow.ratio` is deprecated: use `.compression`", DeprecationWarning, stacklevel=2)
+        return self.compression
 
 
 def format_bytes(nbytes: float) -> str:
@@ -44,6 +56,12 @@ def _fmt(value: Optional[float], spec: str = ".3g") -> str:
     return "inf" if math.isinf(value) else format(value, spec)
 
 
+def _times(compression: float) -> str:
+    """A compression (dense / wire bytes) as ``12.15x``."""
+    text = _fmt(compression, ".2f")
+    return text if text == "-" else f"{text}x"
+
+
 def summary_rows(
     stats: CommStats, errors: Mapping[str, float], total_error: float = float("nan")
 ) -> tuple[list[SummaryRow], SummaryRow]:
@@ -56,7 +74,9 @@ def summary_rows(
     """
     steps = max(stats.steps, 1)
     rows = [
-        SummaryRow(name, s.numel, s.compressed, s.param, s.wire_bytes / steps, s.ratio, errors.get(name, float("nan")))
+        SummaryRow(
+            name, s.numel, s.compressed, s.param, s.wire_bytes / steps, s.compression, errors.get(name, float("nan"))
+        )
         for name, s in stats.layers.items()
     ]
     total = SummaryRow(
@@ -79,7 +99,8 @@ def summary_table(
     title: str = "GradComp summary",
     caption: Optional[str] = None,
 ) -> Table:
-    """A rich table: layer, numel, compressed?, parameter, bytes/step, ratio, error, plus totals."""
+    """A rich table: layer, numel, compressed?, parameter, bytes/step and compression (whole run), error, plus
+    totals."""
     table = Table(title=title, caption=caption, show_footer=True)
     n_comp = sum(r.compressed for r in rows)
     longest = max((len(r.name) for r in rows), default=5)
@@ -87,8 +108,8 @@ def summary_table(
     table.add_column("numel", justify="right", footer=f"{total.numel:,}")
     table.add_column("compressed", justify="center", footer=f"{n_comp}/{len(rows)}")
     table.add_column(f"param ({param_name})" if param_name else "param", justify="right", footer="")
-    table.add_column("bytes/step", justify="right", footer=format_bytes(total.bytes_per_step))
-    table.add_column("dense/wire", justify="right", footer=_fmt(total.ratio, ".2f"))
+    table.add_column("bytes/step (whole run)", justify="right", footer=format_bytes(total.bytes_per_step))
+    table.add_column("compression (whole run)", justify="right", footer=_times(total.compression))
     table.add_column("error", justify="right", footer=_fmt(total.error))
     for r in rows:
         table.add_row(
@@ -97,7 +118,7 @@ def summary_table(
             "yes" if r.compressed else "no",
             _fmt(r.param),
             format_bytes(r.bytes_per_step),
-            _fmt(r.ratio, ".2f"),
+            _times(r.compression),
             _fmt(r.error),
         )
     return table
@@ -111,6 +132,7 @@ def print_summary(
     param_name: Optional[str] = None,
     title: str = "GradComp summary",
     console: Optional[Console] = None,
+    compressed_steps_compression: Optional[float] = None,
 ) -> Table:
     """Print the summary table of ``stats`` (call on rank 0 only) and return it.
 
@@ -118,14 +140,22 @@ def print_summary(
         stats: the rank's cumulative figures (bytes per step average over every step, warm-up included).
         errors: per-layer relative error pooled over the sampled steps, ``sqrt(sum ||r||^2 / sum ||p||^2)``.
         total_error: the same, pooled over all compressed layers.
-        param_name: header of the parameter column (``ratio``, ``rank``, ``bits``).
+        param_name: header of the parameter column (``density``, ``rank``, ``bits``).
         title: table title.
         console: where to print (a new stdout console by default); when it is not a terminal the
             table is printed at its natural width.
+        compressed_steps_compression: dense / wire bytes of the compressed steps alone, for the caption
+            (``None``: not given).
     """
     rows, total = summary_rows(stats, errors, total_error)
+    dense_steps = stats.steps - stats.compressed_steps
+    whole = f"compression {_times(total.compression)} over the whole run"
+    if dense_steps:
+        whole += f" ({dense_steps} dense warm-up steps included)"
+    if compressed_steps_compression is not None and math.isfinite(compressed_steps_compression):
+        whole += f", {_times(compressed_steps_compression)} over the compressed steps alone"
     caption = (
-        f"{stats.steps} steps ({stats.compressed_steps} compressed), "
+        f"{whole}; {stats.steps} steps ({stats.compressed_steps} compressed), "
         f"hook {1e3 * stats.hook_seconds / max(stats.steps, 1):.2f} ms/step, "
         f"{stats.nonfinite_steps} non-finite buckets"
     )

@@ -144,7 +144,7 @@ class Compressor(ABC):
     """
 
     param_name: ClassVar[Optional[str]] = None
-    """Name of the per-layer parameter (``"ratio"``, ``"rank"``, ``"bits"``), or ``None``."""
+    """Name of the per-layer parameter (``"density"``, ``"rank"``, ``"bits"``), or ``None``."""
 
     dense: ClassVar[bool] = False
     """True when the compressor is a plain dense all-reduce (the engine takes its fast path)."""
@@ -208,7 +208,8 @@ class Compressor(ABC):
         when this compressor has no per-layer parameter."""
         if self.param_name is None:
             raise ValueError(
-                f"`{argument}` needs a compressor with a compression parameter (ratio, rank or bits); {self!r} has none"
+                f"`{argument}` needs a compressor with a compression parameter (density, rank or bits); "
+                f"{self!r} has none"
             )
 
     # ------------------------------------------------------------------ costs (L-GreCo)

@@ -46,6 +46,7 @@ from lightning_gradcomp.compressors.sparse import (
     SparseCompressor,
     check_index_coding,
     pack_bytes,
+    resolve_density,
     saturated_wire_values,
     slot_positions,
     unpack_bytes,
@@ -80,24 +81,27 @@ class CLTK(SparseCompressor):
     or :class:`~lightning_gradcomp.callbacks.LowPassMemoryFilter`).
 
     Args:
-        ratio: fraction of each layer's elements kept, in (0, 1] (per layer via ``set_layer_params``).
+        density: fraction of each layer's elements kept, in (0, 1] (per layer via ``set_layer_params``).
         selection: ``"exact"`` (``torch.topk``) or ``"approx"`` (sampled threshold, 0.9k..k kept).
         value_dtype: wire dtype of the values (fp32, fp16 or bf16).
         index_coding: ``"int32"`` (two words per index in a layer of more than ``2**31`` elements) or ``"delta16"``
             (uint16 gaps, about half the index bytes).
         spread_leaders: offset the leader by the bucket index (spreads top-k work over ranks; not
             resume-exact with several buckets). Default: the paper's ``step mod W``.
+        ratio: deprecated name of ``density`` (warns with a ``DeprecationWarning``).
     """
 
     def __init__(
         self,
-        ratio: float = 0.01,
+        density: float = 0.01,
         selection: Literal["exact", "approx"] = "exact",
         value_dtype: torch.dtype | str = torch.float32,
         index_coding: Literal["int32", "delta16"] = "int32",
         spread_leaders: bool = False,
+        *,
+        ratio: Optional[float] = None,
     ) -> None:
-        super().__init__(ratio, value_dtype)
+        super().__init__(resolve_density("CLTK", density, ratio, 0.01), value_dtype)
         if selection not in ("exact", "approx"):
             raise ValueError(f"`selection` must be 'exact' or 'approx', got {selection!r}")
         self.selection = selection
@@ -224,10 +228,10 @@ class CLTK(SparseCompressor):
 register_preset(
     "scalecom",
     "DDP + ScaleCom CLT-k 1% with error feedback (leader broadcast + all-reduce)",
-    lambda: {"compressor": CLTK(ratio=0.01)},
+    lambda: {"compressor": CLTK(density=0.01)},
 )
 register_preset(
     "scalecom_compact",
     "DDP + CLT-k 1%, approximate selection, fp16 values, delta16 indices (133x fewer bytes than dense)",
-    lambda: {"compressor": CLTK(ratio=0.01, selection="approx", value_dtype=torch.float16, index_coding="delta16")},
+    lambda: {"compressor": CLTK(density=0.01, selection="approx", value_dtype=torch.float16, index_coding="delta16")},
 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -12,7 +12,12 @@ from lightning_gradcomp.checks import check_bool
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
 from lightning_gradcomp.compressors.registry import register
-from lightning_gradcomp.compressors.sparse import SparseCompressor, saturated_wire_values, slot_positions
+from lightning_gradcomp.compressors.sparse import (
+    SparseCompressor,
+    resolve_density,
+    saturated_wire_values,
+    slot_positions,
+)
 from lightning_gradcomp.functional.layerwise import randomk_errors, sparse_sizes
 from lightning_gradcomp.functional.sparsify import kept_count, scatter_dense, stratified_layers
 from lightning_gradcomp.presets import register_preset
@@ -32,18 +37,24 @@ class RandomK(SparseCompressor):
     ``2 (W-1)/W * sum_l k_l * value bytes``, independent of W. No indices travel.
 
     Args:
-        ratio: fraction of each layer's elements kept, in (0, 1].
+        density: fraction of each layer's elements kept, in (0, 1].
         unbiased: scale kept values by their block size (``n / k``) and skip error feedback (unbiased, high
             variance);
             the default keeps values unscaled and relies on error feedback.
         value_dtype: wire dtype of the values (fp32, fp16 or bf16; 16-bit values are divided by W and saturated
             before the cast: :func:`~.sparse.saturated_wire_values`).
+        ratio: deprecated name of ``density`` (warns with a ``DeprecationWarning``).
     """
 
     def __init__(
-        self, ratio: float = 0.01, unbiased: bool = False, value_dtype: torch.dtype | str = torch.float32
+        self,
+        density: float = 0.01,
+        unbiased: bool = False,
+        value_dtype: torch.dtype | str = torch.float32,
+        *,
+        ratio: Optional[float] = None,
     ) -> None:
-        super().__init__(ratio, value_dtype)
+        super().__init__(resolve_density("RandomK", density, ratio, 0.01), value_dtype)
         self.unbiased = check_bool("unbiased", unbiased)
 
     @property
@@ -111,5 +122,5 @@ class RandomK(SparseCompressor):
 
 
 register_preset(
-    "gradcomp_randomk", "DDP + shared random-1% with error feedback", lambda: {"compressor": RandomK(ratio=0.01)}
+    "gradcomp_randomk", "DDP + shared random-1% with error feedback", lambda: {"compressor": RandomK(density=0.01)}
 )

@@ -1,6 +1,6 @@
 """Name -> compressor factory registry (``register`` / ``create`` / ``list``).
 
-These names build a compressor from a string (``GradCompStrategy(compressor="topk")``, ``create("topk", ratio=0.1)``).
+These names build a compressor from a string (``GradCompStrategy(compressor="topk")``, ``create("topk", density=0.1)``).
 Names for ``Trainer(strategy=...)`` are presets, declared with :func:`lightning_gradcomp.presets.register_preset`.
 """
 

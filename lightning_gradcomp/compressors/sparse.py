@@ -1,8 +1,9 @@
-"""Shared pieces of the sparsifying compressors (TopK, RandomK, CLTK): ``ratio``, its L-GreCo costs and wire
-packing."""
+"""Shared pieces of the sparsifying compressors (TopK, RandomK, CLTK): ``density`` (the fraction of each layer's
+elements kept; the deprecated ``ratio=`` still accepted), its L-GreCo costs and wire packing."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -18,6 +19,7 @@ __all__ = [
     "INDEX_CODINGS",
     "SparseCompressor",
     "check_index_coding",
+    "resolve_density",
     "check_value_dtype",
     "pack_bytes",
     "saturated_wire_values",
@@ -118,38 +120,88 @@ def slot_positions(tensors: Sequence[Tensor], local: Tensor, ks: Sequence[int]) 
     return None if found is None else (found[0], local + found[1])
 
 
+def resolve_density(owner: str, density: Any, ratio: Any, default: float) -> float:
+    """The validated kept fraction from a sparsifier's ``density=`` and its deprecated alias ``ratio=``.
+
+    ``ratio`` (when not ``None``) warns with a :class:`DeprecationWarning` naming ``density`` and wins over a
+    ``density`` left at its ``default``; both set to different values raise ``TypeError``. The value is checked
+    under the name the caller used.
+
+    Example::
+
+        >>> resolve_density("TopK", 0.05, None, 0.01)
+        0.05
+    """
+    if ratio is None:
+        return float(check_number("density", density, 0.0, 1.0))
+    warnings.warn(
+        f"{owner}(ratio=...) is deprecated: use {owner}(density={ratio!r}), the fraction of each layer's elements "
+        f"kept (dense / wire bytes are the 'compression')",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if density != default and density != ratio:
+        raise TypeError(
+            f"{owner}: pass `density` only (`ratio` is its deprecated name), got both {density} and {ratio}"
+        )
+    return float(check_number("ratio", ratio, 0.0, 1.0))
+
+
 class SparseCompressor(Compressor):
-    """A compressor keeping a fraction ``ratio`` of each layer's elements (per-layer settable).
+    """A compressor keeping a fraction ``density`` of each layer's elements (per-layer settable).
 
     Its L-GreCo costs are those of keeping the ``k`` largest entries with a 4-byte index each; subclasses that
     select or send otherwise (RandomK) override :meth:`layer_costs`.
+
+    ``ratio`` (argument and attribute) is the deprecated name of ``density``: it warns with a
+    :class:`DeprecationWarning`, and a compressor pickled with a ``ratio`` attribute loads as ``density``.
     """
 
-    param_name = "ratio"
+    param_name = "density"
     sparse_outputs = True
 
-    def __init__(self, ratio: float, value_dtype: torch.dtype | str = torch.float32) -> None:
-        self.ratio: float = float(check_number("ratio", ratio, 0.0, 1.0))
+    def __init__(
+        self, density: float = 0.01, value_dtype: torch.dtype | str = torch.float32, *, ratio: Optional[float] = None
+    ) -> None:
+        self.density: float = resolve_density(type(self).__name__, density, ratio, 0.01)
         self.value_dtype: torch.dtype = check_value_dtype(value_dtype)
+
+    @property
+    def ratio(self) -> float:
+        """Deprecated name of :attr:`density` (warns)."""
+        warnings.warn("`.ratio` is deprecated: use `.density`", DeprecationWarning, stacklevel=2)
+        return self.density
+
+    @ratio.setter
+    def ratio(self, value: float) -> None:
+        warnings.warn("`.ratio` is deprecated: use `.density`", DeprecationWarning, stacklevel=2)
+        self.density = self.check_param(value)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickled compressor, one saved before ``ratio`` became ``density`` included."""
+        state = dict(state)
+        if "ratio" in state:
+            state.setdefault("density", state.pop("ratio"))
+        self.__dict__.update(state)
 
     @property
     def uses_error_feedback(self) -> bool:
         return True
 
     def check_param(self, value: Any) -> float:
-        return float(check_number("ratio", value, 0.0, 1.0))
+        return float(check_number("density", value, 0.0, 1.0))
 
     def candidate_grid(self, min_factor: float, max_factor: float, num: int) -> list[Any]:
         """``num`` densities spaced geometrically from ``min_factor d`` to ``max_factor d`` (``[d]`` when ``num``
-        is 1), ``d`` the default ratio."""
-        d, low, high = self.ratio, min_factor, max_factor
+        is 1), ``d`` the default density."""
+        d, low, high = self.density, min_factor, max_factor
         return [d * (low * (high / low) ** (i / (num - 1))) if num > 1 else d for i in range(num)]
 
     def layer_costs(
         self, stat: Tensor, shape: Sequence[int], candidates: Sequence[Any]
     ) -> tuple[list[float], list[float]]:
         """Bytes ``k (value bytes + 4)`` (``+ 8`` above ``2**31`` elements: int64 positions) and top-``k`` errors (the
-        norm outside the ``k`` largest ``|A_i|``), ``k`` the kept count of each ratio (see
+        norm outside the ``k`` largest ``|A_i|``), ``k`` the kept count of each density (see
         :meth:`Compressor.layer_costs`)."""
         ks = [kept_count(stat.numel(), r) for r in candidates]
         index_bytes = 4 * int32_index_words(stat.numel())
@@ -157,4 +209,4 @@ class SparseCompressor(Compressor):
 
     def extra_repr(self) -> str:
         extra = "" if self.value_dtype == torch.float32 else f", value_dtype={self.value_dtype}"
-        return f"ratio={self.ratio}{extra}"
+        return f"density={self.density}{extra}"

@@ -8,7 +8,7 @@ This is the honest baseline that CLT-k (ScaleCom) improves on.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -21,6 +21,7 @@ from lightning_gradcomp.compressors.sparse import (
     SparseCompressor,
     check_index_coding,
     pack_bytes,
+    resolve_density,
     saturated_wire_values,
     slot_positions,
     slot_shift,
@@ -51,7 +52,7 @@ class TopK(SparseCompressor):
     ``2 * (k_l + (n_l - 1) // 65535)`` (delta16).
 
     Args:
-        ratio: fraction of each layer's elements kept, in (0, 1].
+        density: fraction of each layer's elements kept, in (0, 1].
         value_dtype: wire dtype of the kept values (fp32, fp16 or bf16; 16-bit values saturate just below the
             dtype's largest finite value instead of overflowing, the rest kept in the residual:
             :func:`~.sparse.saturated_wire_values`).
@@ -60,15 +61,18 @@ class TopK(SparseCompressor):
             indices as uint16 gaps
             (:func:`~lightning_gradcomp.functional.sparsify.encode_delta16`), about half the index bytes, a fixed size
             every rank knows (the all-gather's payloads stay equal).
+        ratio: deprecated name of ``density`` (warns with a ``DeprecationWarning``).
     """
 
     def __init__(
         self,
-        ratio: float = 0.01,
+        density: float = 0.01,
         value_dtype: torch.dtype | str = torch.float32,
         index_coding: Literal["int32", "delta16"] = "int32",
+        *,
+        ratio: Optional[float] = None,
     ) -> None:
-        super().__init__(ratio, value_dtype)
+        super().__init__(resolve_density("TopK", density, ratio, 0.01), value_dtype)
         self.index_coding = check_index_coding(index_coding)
 
     def index_slots(self, numel: int, k: int) -> int:
@@ -92,7 +96,7 @@ class TopK(SparseCompressor):
         prepare_native()
 
     def precompute(self, index: int, tensor: Tensor, ctx: ReduceContext) -> Tensor:
-        """The sorted indices of ``tensor``'s ``k`` largest magnitudes (``k`` from slot ``index``'s ratio): what
+        """The sorted indices of ``tensor``'s ``k`` largest magnitudes (``k`` from slot ``index``'s density): what
         :meth:`reduce` keeps of that slot on this rank."""
         return self._select(index, tensor, ctx)
 
@@ -172,5 +176,5 @@ class TopK(SparseCompressor):
 register_preset(
     "gradcomp_topk",
     "DDP + local top-1% with error feedback (all-gather, delta16 indices)",
-    lambda: {"compressor": TopK(ratio=0.01, index_coding="delta16")},
+    lambda: {"compressor": TopK(density=0.01, index_coding="delta16")},
 )

@@ -33,15 +33,15 @@ __all__ = [
 ]
 
 
-def kept_count(numel: int, ratio: float) -> int:
-    """Elements kept at ``ratio`` of ``numel``: ``round(ratio * numel)`` clipped to ``[1, numel]``.
+def kept_count(numel: int, density: float) -> int:
+    """Elements kept at ``density`` of ``numel``: ``round(density * numel)`` clipped to ``[1, numel]``.
 
     Example::
 
         >>> kept_count(1000, 0.01), kept_count(10, 0.001), kept_count(10, 2.0)
         (10, 1, 10)
     """
-    return max(1, min(numel, int(round(ratio * numel))))
+    return max(1, min(numel, int(round(density * numel))))
 
 
 @functools.lru_cache(maxsize=256)

@@ -81,7 +81,7 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
     Example::
 
         trainer = Trainer(accelerator="cpu", devices=4,
-                          strategy=LocalSGDStrategy(local_steps=50, outer="nesterov", compressor=CLTK(ratio=0.01)))
+                          strategy=LocalSGDStrategy(local_steps=50, outer="nesterov", compressor=CLTK(density=0.01)))
         trainer.fit(model)
         trainer.strategy.comm_stats.compression_ratio   # amortized bytes of per-step DDP / bytes sent
 
@@ -92,7 +92,7 @@ class LocalSGDStrategy(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
 
     Tuning (DiLoCo paper): ``outer_lr=0.7``, ``outer_momentum=0.9`` with AdamW inner steps and ``local_steps``
     in the tens to hundreds; Local SGD (``"average"``) tolerates smaller H only. With a sparsifying compressor
-    keep error feedback on (it is, for biased compressors) and expect to need a somewhat larger ratio than for
+    keep error feedback on (it is, for biased compressors) and expect to need a somewhat larger density than for
     per-step gradients: pseudo-gradients are denser. With few outer steps, a 1-bit compressor that delivers every
     coordinate beats sparsification at the same bytes: on the Transformer LM of docs/localsgd.md,
     ``local_steps=24, outer_lr=1.0, outer_momentum=0.5, compressor=SignSGD(bucket_size=256)`` sent 600x fewer
@@ -516,6 +516,6 @@ register_preset(
 register_preset(
     "diloco_cltk",
     "DiLoCo with CLT-k 1% pseudo-gradients and error feedback",
-    lambda: {"outer": "nesterov", "compressor": CLTK(ratio=0.01)},
+    lambda: {"outer": "nesterov", "compressor": CLTK(density=0.01)},
     strategy=LocalSGDStrategy,
 )

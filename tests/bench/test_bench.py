@@ -269,3 +269,58 @@ def test_rounds_interleave_blocks_and_count_each_configurations_own_bytes(ladder
             # the same payload per step in one go and in blocks, within 1 KB (runs differ by up to ~150 B: ACK
             # options); packets of the step before a block, still queued on its link, once took 2-18 KB per step off
             assert abs(b["iface_tx_payload_bytes_per_step"] - a["iface_tx_payload_bytes_per_step"]) <= 1024
+
+
+def _fake_result() -> dict[str, Any]:
+    """What a loopback run of three configurations returns (no interface counters: loopback)."""
+    times = {"ddp": [0.10, 0.12, 0.11], "torch_powersgd": [0.09, 0.10, 0.095], "gradcomp_topk": [0.05, 0.06, 0.05]}
+    ranks = [_rank(times, [0.01, 0.012, 0.011]) for _ in range(2)]
+    for rank in ranks:
+        rank["compute_only"]["references"] = {"clone": 0.001, "rand_like": 0.002, "half": 0.001}
+    summary = summarise(ranks)
+    summary["rounds"] = 1
+    return {"link": "loopback (no link emulation requested)", "model": "mlp", "summary": summary,
+            "recommendation": recommend(summary), "raw": ranks}
+
+
+def test_bench_prints_compact_tables_no_json_and_the_recommendation_last(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Before: ~80 lines of JSON on stdout after the recommendation, a 12-column table about 150 characters wide
+    with '-' columns on loopback and cut headers ('payload/wi…')."""
+    from lightning_gradcomp.bench import runner
+    from lightning_gradcomp.cli import main
+
+    monkeypatch.setattr(runner, "run_bench", lambda *args, **kwargs: _fake_result())
+    argv = ["bench", "--configs", "ddp,torch_powersgd,gradcomp_topk"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    lines = out.rstrip().splitlines()
+    last = out[out.rindex("recommendation:"):]  # the last line(s): the recommendation, wrapped at 100 characters
+    assert " ".join(last.split()) == "recommendation: " + _fake_result()["recommendation"]
+    assert "{" not in out and '"summary"' not in out  # no JSON
+    assert max(len(line) for line in lines) <= 100 and "…" not in out  # compact, no cut header
+    assert "iface" not in out and "payload/wire" not in out  # all '-' on loopback: left out
+    header = next(line for line in lines if "ms/step" in line)
+    for column in ("config", "ms/step", "p25-p75 ms", "samples/s", "scaling", "wire KB/step", "compression", "vs ddp"):
+        assert column in header
+    # --json FILE writes the file and still no JSON on stdout; --json - puts the JSON alone on stdout
+    assert main([*argv, "--json", str(tmp_path / "b.json")]) == 0
+    assert "{" not in capsys.readouterr().out and json.loads((tmp_path / "b.json").read_text())["summary"]
+    assert main([*argv, "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["recommendation"].startswith("use gradcomp_topk")
+    assert " ".join(captured.err[captured.err.rindex("recommendation:"):].split()).startswith(
+        "recommendation: use gradcomp_topk")
+
+
+def test_bench_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_gradcomp.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, default in (("--steps", "20"), ("--warmup", "5"), ("--world-size", "2"), ("--rounds", "1"),
+                          ("--threads", "1"), ("--model", "mlp")):
+        assert re.search(rf"{flag} .*?\(default: {default}\)", text), flag
+    assert "(default: None)" not in text

@@ -27,7 +27,7 @@ class FakeHook:
         params = [torch.zeros(shape) for shape in SHAPES.values()]
         names = {id(p): n for p, n in zip(params, SHAPES)}
         self.plan = build_plan(0, params, names, policy)
-        self.compressor = TopK(ratio=0.05)
+        self.compressor = TopK(density=0.05)
         self.stats = CommStats()
         self.step = 0
         self.start_step = start_step
@@ -36,7 +36,7 @@ class FakeHook:
         return [self.plan] if self.stats.steps else []
 
     def param_of(self, name: str) -> Any:
-        return self.compressor.ratio
+        return self.compressor.density
 
     def advance(self, dense: float, wire: float) -> None:
         self.stats.dense_bytes += dense
@@ -65,7 +65,7 @@ def test_partial_compression_is_explained() -> None:
     hook = FakeHook(policy)
     hook.advance(100.0, 99.0)
     text = diagnose_layout(hook, policy, 1.01, 3)
-    assert "Only 1 of 3 tensors" in text and "TopK" in text and "ratio: 0.05" in text
+    assert "Only 1 of 3 tensors" in text and "TopK" in text and "density: 0.05" in text
 
 
 def test_hook_that_never_ran_is_explained() -> None:

@@ -74,14 +74,41 @@ def compression_warnings(catch: dict[str, Any]) -> list[str]:
 @pytest.fixture(scope="module")
 def topk_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("topk")
-    strategy = GradCompStrategy(compressor=TopK(ratio=0.1), start_method="fork")
-    return run(tmp, strategy, CompressionLogger(log_every_n_steps=2, error_every_n_steps=3, per_layer=True),
-               max_epochs=3)  # 4 batches per epoch per rank -> 12 steps
+    strategy = GradCompStrategy(compressor=TopK(density=0.1), start_method="fork")
+    return run(tmp, strategy, CompressionLogger(per_layer=True), max_epochs=3,
+               log_every_n_steps=2)  # 4 batches per epoch per rank -> 12 steps; the logger follows the Trainer
 
 
 def test_documented_names_match_the_code() -> None:
     documented = set(re.findall(r"^\| `(gradcomp/[^`<]*)(?:<layer>)?` \|", DOCS.read_text(), flags=re.MULTILINE))
     assert documented == set(names.METRICS) | set(names.LAYER_METRICS)
+
+
+def test_metrics_share_the_loss_rows_steps_and_epochs(topk_run: dict[str, Any]) -> None:
+    """Each gradcomp/* step figure sits in the row of the loss Lightning logged at that step, with its epoch; the
+    epoch aggregates sit in Lightning's epoch-end rows (before, they were rows of their own at step + 1, no epoch)."""
+    rows = topk_run["rows"]
+    ours = [r for r in rows if r.get(names.WIRE_BYTES)]
+    assert [int(r["step"]) for r in ours] == [1, 3, 5, 7, 9, 11]
+    for row in ours:
+        assert row["train_loss"] and row["epoch"] and row[names.COMPRESSION_STEP]
+        assert bool(row[names.ERROR]) == (int(row["step"]) >= 2)  # measured from the first compressed step on
+    assert [int(r["epoch"]) for r in ours] == [0, 0, 1, 1, 2, 2]
+    loss_steps = [int(r["step"]) for r in rows if r.get("train_loss")]
+    assert loss_steps == [int(r["step"]) for r in ours]  # no row of the loss without ours, nor the reverse
+    assert all(r["epoch"] for r in rows)
+    assert {int(r["step"]) for r in rows if r.get(names.EPOCH_WIRE_BYTES)} <= set(loss_steps)
+
+
+def test_another_period_writes_own_rows_at_lightnings_steps(tmp_path: Path) -> None:
+    strategy = GradCompStrategy(compressor=TopK(density=0.1), start_method="fork")
+    result = run(tmp_path, strategy, CompressionLogger(log_every_n_steps=3, summary=False), max_steps=8,
+                 log_every_n_steps=2)
+    rows = result["rows"]
+    assert [int(r["step"]) for r in rows if r.get(names.WIRE_BYTES)] == [2, 5, 7]  # 7: the last partial interval
+    assert [int(r["step"]) for r in rows if r.get("train_loss")] == [1, 3, 5, 7]
+    assert all(r["epoch"] for r in rows)
+    assert [s for s, _ in series(rows, names.ERROR)] == [2, 5]  # sampled every 3 compressed steps from step 2
 
 
 def test_every_documented_metric_is_logged(topk_run: dict[str, Any]) -> None:
@@ -98,10 +125,11 @@ def test_every_documented_metric_is_logged(topk_run: dict[str, Any]) -> None:
 def test_logged_values_match_comm_stats(topk_run: dict[str, Any]) -> None:
     rows, stats = topk_run["rows"], [rec["stats"] for rec in topk_run["records"]]
     wire_total = series(rows, names.WIRE_BYTES_TOTAL)
-    assert [s for s, _ in wire_total] == [2, 4, 6, 8, 10, 12]
+    assert [s for s, _ in wire_total] == [1, 3, 5, 7, 9, 11]  # Lightning's steps (those of the loss)
     assert wire_total[-1][1] == stats[0]["wire_bytes"]
     assert series(rows, names.DENSE_BYTES_TOTAL)[-1][1] == stats[0]["dense_bytes"]
-    assert series(rows, names.RATIO_TOTAL)[-1][1] == pytest.approx(stats[0]["dense_bytes"] / stats[0]["wire_bytes"])
+    whole_run = stats[0]["dense_bytes"] / stats[0]["wire_bytes"]
+    assert series(rows, names.COMPRESSION_WHOLE_RUN)[-1][1] == pytest.approx(whole_run)
     # after the dense warm-up (steps 0, 1) every interval has the same, compressed, traffic
     per_step = series(rows, names.WIRE_BYTES)
     assert per_step[0][1] == series(rows, names.DENSE_BYTES)[0][1]  # interval (0, 2]: the two dense steps
@@ -109,9 +137,9 @@ def test_logged_values_match_comm_stats(topk_run: dict[str, Any]) -> None:
     # per-layer attribution: the top-k layer sends (W-1) * k * (4 B value + 4 B index) against a dense ring all-reduce
     for name, numel in (("body.0.weight", 2048), ("body.2.weight", 4096)):
         expected = all_reduce_bytes(4 * numel, 2) / all_gather_bytes(8 * kept_count(numel, 0.1), 2)
-        assert series(rows, names.LAYER_RATIO + name)[-1][1] == pytest.approx(expected)
+        assert series(rows, names.LAYER_COMPRESSION + name)[-1][1] == pytest.approx(expected)
         assert series(rows, names.LAYER_PARAM + name)[-1][1] == pytest.approx(0.1)
-    assert series(rows, names.LAYER_RATIO + "head.weight")[-1][1] == pytest.approx(1.0, abs=0.01)
+    assert series(rows, names.LAYER_COMPRESSION + "head.weight")[-1][1] == pytest.approx(1.0, abs=0.01)
     assert all(v > 0 for _, v in series(rows, names.MEMORY_NORM))
     assert all(v > 0 for _, v in series(rows, names.HOOK_MS))
 
@@ -119,7 +147,7 @@ def test_logged_values_match_comm_stats(topk_run: dict[str, Any]) -> None:
 def test_epoch_metrics_aggregate_all_ranks(topk_run: dict[str, Any]) -> None:
     rows, stats = topk_run["rows"], [rec["stats"] for rec in topk_run["records"]]
     epoch_wire = series(rows, names.EPOCH_WIRE_BYTES)
-    assert [s for s, _ in epoch_wire] == [4, 8, 12]
+    assert [s for s, _ in epoch_wire] == [3, 7, 11]  # Lightning's epoch-end rows
     assert sum(v for _, v in epoch_wire) == pytest.approx(sum(s["wire_bytes"] for s in stats))
     epoch_dense = series(rows, names.EPOCH_DENSE_BYTES)
     assert sum(v for _, v in epoch_dense) == pytest.approx(sum(s["dense_bytes"] for s in stats))
@@ -130,11 +158,11 @@ def test_epoch_metrics_aggregate_all_ranks(topk_run: dict[str, Any]) -> None:
 def test_error_is_sampled_and_in_range(topk_run: dict[str, Any]) -> None:
     rows = topk_run["rows"]
     errors = series(rows, names.ERROR)
-    # compressed steps 2..11 are sampled at 2, 5, 8, 11 and logged after the optimizer step
-    assert [s for s, _ in errors] == [3, 6, 9, 12]
+    # by default the error is measured at the compressed steps that are logged: a fresh value in every logged row
+    assert [s for s, _ in errors] == [3, 5, 7, 9, 11]
     assert all(0.0 < v < 1.0 for _, v in errors)
     for name in ("body.0.weight", "body.2.weight"):
-        assert [s for s, _ in series(rows, names.LAYER_ERROR + name)] == [3, 6, 9, 12]
+        assert [s for s, _ in series(rows, names.LAYER_ERROR + name)] == [3, 5, 7, 9, 11]
     layer = [v for n in ("body.0.weight", "body.2.weight") for _, v in series(rows, names.LAYER_ERROR + n)[-1:]]
     assert min(layer) <= errors[-1][1] <= max(layer)  # the total is a weighted mean of the layers' errors
     epoch_errors = [v for _, v in series(rows, names.EPOCH_ERROR)]
@@ -142,9 +170,9 @@ def test_error_is_sampled_and_in_range(topk_run: dict[str, Any]) -> None:
 
 
 def test_progress_bar_guard_summary_and_cleanup(topk_run: dict[str, Any]) -> None:
-    ratio = float(topk_run["callback_metrics"][names.RATIO])
-    assert ratio == pytest.approx(series(topk_run["rows"], names.RATIO)[-1][1])
-    assert ratio > 3
+    compression = float(topk_run["callback_metrics"][names.COMPRESSION_STEP])
+    assert compression == pytest.approx(series(topk_run["rows"], names.COMPRESSION_STEP)[-1][1])
+    assert compression > 3
     for catch in topk_run["catch"]:
         assert not compression_warnings(catch)
         assert catch["observers"] == 0  # the probe is detached at the end of fit
@@ -158,19 +186,19 @@ def test_summary_is_printed_on_rank_zero_only(tmp_path: Path, capfd: pytest.Capt
     assert re.search(r"body\.2\.weight\s*│\s*4,096\s*│\s*yes", out)
     # Cast reports no local contribution: the error cannot be measured and is skipped, not faked
     assert names.ERROR not in result["columns"]
-    assert series(result["rows"], names.RATIO)[-1][1] > 1.5
+    assert series(result["rows"], names.COMPRESSION_STEP)[-1][1] > 1.5
     assert not compression_warnings(result["catch"][0])
 
 
 def test_guard_fires_once_when_every_layer_is_below_min_numel(tmp_path: Path) -> None:
-    strategy = GradCompStrategy(compressor=TopK(ratio=0.1), min_numel=10**9, start_method="fork")
+    strategy = GradCompStrategy(compressor=TopK(density=0.1), min_numel=10**9, start_method="fork")
     result = run(tmp_path, strategy, CompressionLogger(log_every_n_steps=1), max_steps=8)
     fired = compression_warnings(result["catch"][0])
     assert len(fired) == 1
     assert "NOTHING IS BEING COMPRESSED" in fired[0] and "min_numel=1000000000" in fired[0]
     assert "body.2.weight" in fired[0] and "4096" in fired[0]
     assert not compression_warnings(result["catch"][1])  # rank 0 only
-    assert series(result["rows"], names.RATIO_TOTAL)[-1][1] == pytest.approx(1.0)
+    assert series(result["rows"], names.COMPRESSION_WHOLE_RUN)[-1][1] == pytest.approx(1.0)
 
 
 def test_guard_fires_without_gradcomp_strategy(tmp_path: Path) -> None:

@@ -141,7 +141,7 @@ def test_cast_and_randomk_validation() -> None:
     assert Cast("bfloat16").dtype == torch.bfloat16
     with pytest.raises(TypeError, match="`unbiased` must be a bool"):
         RandomK(0.1, unbiased="yes")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="ratio"):
+    with pytest.raises(ValueError, match="density"):
         TopK().check_param(0.0)
 
 

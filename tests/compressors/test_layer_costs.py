@@ -26,7 +26,7 @@ def _old_table(compressor: Any, stat: Tensor, shape: Sequence[int], candidates: 
     family, numel = compressor.param_name, stat.numel()
     if family == "rank":
         return lowrank_sizes(shape, candidates), lowrank_errors(stat.reshape(matrix_shape(shape)), candidates)
-    if family == "ratio":
+    if family == "density":
         ks = [kept_count(numel, r) for r in candidates]
         value_bytes = torch.empty((), dtype=getattr(compressor, "value_dtype", torch.float32)).element_size()
         if isinstance(compressor, RandomK):
@@ -52,7 +52,7 @@ def _old_candidates(compressor: Any, shape: Sequence[int], candidates: Sequence[
 
 
 def _old_grid(default: Any, family: str, low: float, high: float, num: int) -> list:
-    if family == "ratio":
+    if family == "density":
         return [default * (low * (high / low) ** (i / (num - 1))) if num > 1 else default for i in range(num)]
     return list(range(max(1, math.floor(low * default)), math.ceil(high * default) + 1))
 
@@ -71,7 +71,7 @@ COMPRESSORS = {
     "qsgd_odd_bucket": lambda: QSGD(bits=8, bucket_size=7),
 }
 SHAPES = [(16, 24), (64, 3, 3, 3), (7,), (5, 300), (1, 1)]
-RAW: dict[Any, list[Any]] = {"rank": [1, 2, 3, 4, 8, 16, 40], "ratio": [0.001, 0.01, 0.05, 0.1, 0.5, 1.0],
+RAW: dict[Any, list[Any]] = {"rank": [1, 2, 3, 4, 8, 16, 40], "density": [0.001, 0.01, 0.05, 0.1, 0.5, 1.0],
                              "bits": [2, 3, 4, 5, 6, 7, 8]}
 
 

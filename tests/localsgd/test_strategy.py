@@ -352,7 +352,7 @@ def test_accumulation_clipping_bf16_scheduler_and_logger(tmp_path: Path):
     assert probes[0]["syncs"] == 2
     assert torch.equal(probes[0]["final"], probes[1]["final"])
     text = next(tmp_path.glob("csv/*/metrics.csv")).read_text()
-    for name in ("gradcomp/ratio_total", "gradcomp/wire_bytes", "gradcomp/error"):
+    for name in ("gradcomp/compression_whole_run", "gradcomp/wire_bytes", "gradcomp/error"):
         assert name in text
 
 
