@@ -33,7 +33,8 @@ class PrintBytes(pl.Callback):
     def on_train_end(self, trainer, pl_module):  # on every rank, in the process that trained
         s = trainer.strategy.comm_stats
         steps = max(s.steps, 1)
-        print(f"rank {trainer.global_rank}: {s.wire_bytes / steps:,.0f} B/step sent vs dense {s.dense_bytes / steps:,.0f}")
+        print(f"rank {trainer.global_rank}: {s.wire_bytes / steps:,.0f} B/step sent vs dense {s.dense_bytes / steps:,.0f}"
+              f" (averaged over the whole run, {s.steps - s.compressed_steps} dense warm-up steps included)")
 
 
 def strategy_for(name, start_method="popen"):

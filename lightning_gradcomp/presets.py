@@ -3,7 +3,7 @@
 Declare a preset next to its class::
 
     register_preset("scalecom", "DDP + ScaleCom CLT-k 1% with error feedback",
-                    lambda: {"compressor": CLTK(ratio=0.01)})
+                    lambda: {"compressor": CLTK(density=0.01)})
     register_preset("swarmsgd", "SwarmSGD with its defaults", dict, strategy=SwarmStrategy)
 
 The call registers ``name`` (``popen`` launcher), ``name_spawn`` and ``name_fork`` with Lightning's
@@ -17,7 +17,7 @@ with no other call. ``factory()`` returns the keyword arguments of the strategy 
 class it builds.
 
 Compressor names are a separate, smaller name space: :func:`lightning_gradcomp.compressors.register` names a
-compressor *class*, so that ``GradCompStrategy(compressor="topk")`` and ``compressors.create("topk", ratio=0.1)``
+compressor *class*, so that ``GradCompStrategy(compressor="topk")`` and ``compressors.create("topk", density=0.1)``
 can build it. To make a configuration selectable with ``Trainer(strategy=...)``, declare a preset; register a
 compressor name only to build the class from a string.
 """

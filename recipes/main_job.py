@@ -108,8 +108,8 @@ def run_config(config: str, data: DataChoice, out: Path, epochs: Optional[int], 
 
 
 def _table(runs: dict[str, dict]) -> list[str]:
-    """Side-by-side rows: top-1, bytes sent, what dense DDP would send, whole-run ratio, bytes saved, wall time."""
-    lines = [f"  {'run':<10} {'top-1':>8} {'sent':>11} {'dense DDP':>11} {'ratio':>8} {'saved':>7} {'wall':>7}"]
+    """Side-by-side rows: top-1, bytes sent, dense DDP's bytes, whole-run compression (dense/wire), saved, wall time."""
+    lines = [f"  {'run':<10} {'top-1':>8} {'sent':>11} {'dense DDP':>11} {'compr.':>8} {'saved':>7} {'wall':>7}"]
     for name, summary in runs.items():
         acc = summary["metrics"].get("val/acc1", float("nan"))
         comm = summary["comm"]

@@ -63,7 +63,7 @@ def test_main_job_trains_and_prints_accuracy_and_bytes_saved(tmp_path: Path, cap
     out = capsys.readouterr().out
     assert "data: Fashion-MNIST" in out
     header = next(s for s in out.splitlines() if s.split()[:2] == ["run", "top-1"])
-    assert all(word in header for word in ("sent", "dense DDP", "ratio", "wall"))
+    assert all(word in header for word in ("sent", "dense DDP", "compr.", "wall"))
     line = next(s for s in out.splitlines() if s.strip().startswith("ScaleCom"))
     assert line.count("%") == 2 and "x" in line and line.rstrip().endswith("s")
     assert (tmp_path / "out" / "scalecom_cpu" / "summary.json").is_file()
