@@ -34,7 +34,7 @@ class PrintBytes(pl.Callback):
         s = trainer.strategy.comm_stats
         steps = max(s.steps, 1)
         print(f"rank {trainer.global_rank}: {s.wire_bytes / steps:,.0f} B/step sent vs dense {s.dense_bytes / steps:,.0f}"
-              f" (averaged over the whole run, {s.steps - s.compressed_steps} dense warm-up steps included)")
+              f" (averaged over all {s.steps} steps, {s.steps - s.compressed_steps} of them dense)")
 
 
 def strategy_for(name, start_method="popen"):
