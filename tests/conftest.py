@@ -6,6 +6,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # MKL's fast memory manager keeps per-thread buffers keyed by thread id, and a rank forked by run_workers once spun
 # in it for good (py-spy: mkl_serv_allocate -> mm_account_ptr_by_tid inside a Linear's sgemm), so
@@ -56,3 +57,11 @@ def fresh_master_port(own_global_state: None, monkeypatch: pytest.MonkeyPatch) -
     if os.environ.get("LOCAL_RANK", "0") == "0":
         monkeypatch.setenv("MASTER_PORT", str(free_port()))
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Say the test order's seed even under ``-q`` (which hides pytest-randomly's header line), so that a failure
+    that depends on the order can be replayed."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if isinstance(seed, int) and not getattr(config.option, "randomly_dont_reorganize", False):
+        terminalreporter.write_line(f"test order: random, seed {seed} (replay: add --randomly-seed={seed})")
