@@ -29,7 +29,7 @@ def test_the_plan_marks_small_slots_and_keeps_vetoed_ones_dense() -> None:
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"compressor": TopK(0.01), "small_param": 1.5}, ValueError, "small_param.*ratio"),
+    ({"compressor": TopK(0.01), "small_param": 1.5}, ValueError, "small_param.*density"),
     ({"compressor": TopK(0.01), "small_param": "x"}, TypeError, "small_param"),
     ({"compressor": NoCompression(), "small_param": 0.5}, ValueError, "compression parameter"),
     ({"compressor": QSGD(bits=4), "small_param": 0}, ValueError, "small_param"),
