@@ -91,10 +91,16 @@ _PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
 
 @dataclass(frozen=True)
 class Link:
-    """One hop: ``latency`` (alpha, seconds) plus ``nbytes / bandwidth`` (bytes per second)."""
+    """One hop: ``latency`` (alpha, seconds) plus ``nbytes / bandwidth`` (bytes per second).
+
+    ``burst`` (bytes) models a token-bucket-shaped link (``tc tbf``, the bench's emulated links; 0 for a real NIC): up
+    to ``burst`` bytes that follow an idle period pass at once, the bucket refilling at ``bandwidth`` while the link
+    is idle (:func:`simulate_step`).
+    """
 
     bandwidth: float
     latency: float = 0.0
+    burst: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0 or not math.isfinite(self.bandwidth):
@@ -123,7 +129,7 @@ def parse_link(text: str, default_latency: float = 0.0, name: str = "link") -> L
     Example::
 
         >>> parse_link("100mbit,50us")
-        Link(bandwidth=12500000.0, latency=5e-05)
+        Link(bandwidth=12500000.0, latency=5e-05, burst=0.0)
 
     Raises:
         ValueError: anything else; the message names ``name``.
@@ -396,6 +402,7 @@ def simulate_step(trace: StepTrace, topology: Topology, groups: Optional[Mapping
     link_free: dict[str, float] = {}
     done = 0.0
     comm = nic = 0.0
+    bucket_state = _TokenBucket(topology.inter)
     for bucket in trace.buckets:
         thread = max(thread, bucket.ready)
         for item in bucket.items:
@@ -406,11 +413,14 @@ def simulate_step(trace: StepTrace, topology: Topology, groups: Optional[Mapping
                 thread += item
                 continue
             cost = collective_seconds(item, topology, groups)
+            sent = nic_bytes(item, groups)
             comm += cost
-            nic += nic_bytes(item, groups)
+            nic += sent
             channel = _channel(item.group)
             start = max(thread, link_free.get(channel, 0.0))
+            cost = max(0.0, cost - bucket_state.take(start, sent, cost))
             end = link_free[channel] = start + cost
+            bucket_state.busy_until(end)
             if item.blocking:
                 thread = end + item.decode
             else:
@@ -419,6 +429,28 @@ def simulate_step(trace: StepTrace, topology: Topology, groups: Optional[Mapping
     finish = max(thread, done, last_ready)
     step = finish + trace.tail
     return Prediction(step, trace.compute_only, nic, comm, max(0.0, step - _no_network_step(trace)))
+
+
+class _TokenBucket:
+    """The inter-node link's token bucket (``Link.burst``): how much of a transfer passes at once."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.tokens = link.burst
+        self.idle_since = 0.0
+
+    def take(self, start: float, nbytes: float, cost: float) -> float:
+        """Seconds saved by a transfer of ``nbytes`` through the NIC starting at ``start`` (and its tokens spent)."""
+        if self.link.burst <= 0 or nbytes <= 0:
+            return 0.0
+        if start > self.idle_since:
+            self.tokens = min(self.link.burst, self.tokens + (start - self.idle_since) * self.link.bandwidth)
+        used = min(self.tokens, nbytes)
+        self.tokens -= used
+        return min(cost, used / self.link.bandwidth)
+
+    def busy_until(self, end: float) -> None:
+        self.idle_since = max(self.idle_since, end)
 
 
 def _channel(group: str) -> str:

@@ -25,7 +25,7 @@ def fit_link(small_bytes: int, small_seconds: float, large_bytes: int, large_sec
     """The :class:`Link` through two one-way times: ``t = alpha + B / bw`` at both sizes.
 
     >>> fit_link(8, 1e-4, 1_000_008, 1e-4 + 1e-2)
-    Link(bandwidth=100000000.0, latency=9.992e-05)
+    Link(bandwidth=100000000.0, latency=9.992e-05, burst=0.0)
 
     Raises:
         ValueError: the large message was not slower than the small one (too small to measure).

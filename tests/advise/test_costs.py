@@ -177,3 +177,14 @@ def test_the_docstring_examples() -> None:
 
     assert doctest.testmod(costs).failed == 0
     assert doctest.testmod(probe).failed == 0
+
+
+def test_a_token_bucket_link_lets_a_burst_through_after_idle_time() -> None:
+    # tc tbf at 1 MB/s with a 0.5 MB bucket: after 1 s of compute the bucket is full, so a 1 MB all-reduce over 2
+    # ranks (1 MB through the NIC) takes 0.5 s instead of 1 s; a second one right after finds the bucket empty
+    shaped = Topology(2, 1, Link(1e6, 0.0, burst=0.5 * MB), Link(1e12))
+    one = StepTrace((_bucket(1.0, Collective("all_reduce", MB)),), 0.0, 1.0)
+    assert simulate_step(one, shaped).step == pytest.approx(1.5)
+    two = StepTrace((_bucket(1.0, Collective("all_reduce", MB), Collective("all_reduce", MB)),), 0.0, 1.0)
+    assert simulate_step(two, shaped).step == pytest.approx(2.5)
+    assert simulate_step(one, flat(2, Link(1e6))).step == pytest.approx(2.0)  # no bucket: the plain link
