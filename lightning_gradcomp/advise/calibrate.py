@@ -27,11 +27,13 @@ hidden under its transfer in the replay (a few ms on the bench's models).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import statistics
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -46,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.advise.costs import BucketTrace, Collective, Join, StepTrace, Topology
 from lightning_gradcomp.bench.configs import BASELINES, DDP_BUCKET_CAP_MB, build_strategy, is_config
-from lightning_gradcomp.bench.models import load_workload
+from lightning_gradcomp.bench.models import BUILTIN_MODELS, load_workload
 from lightning_gradcomp.comm import (
     Comm,
     CommStats,
@@ -61,7 +63,16 @@ from lightning_gradcomp.comm import (
 from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, assign_owners
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 
-__all__ = ["HIERARCHICAL", "Calibration", "MirrorComm", "calibrate", "check_advise_config", "single_process_group"]
+__all__ = [
+    "HIERARCHICAL",
+    "Calibration",
+    "MirrorComm",
+    "calibrate",
+    "check_advise_config",
+    "check_model_args",
+    "single_process_group",
+    "workload_of",
+]
 
 HIERARCHICAL = "+hier"
 """Suffix of a configuration reduced hierarchically (``GradCompStrategy(hierarchy="node")``): ``scalecom+hier``."""
@@ -448,14 +459,37 @@ def single_process_group() -> bool:
     return True
 
 
+def check_model_args(model: str, model_args: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` for ``model_args`` on a model that is not built in, or that its builder does not take."""
+    if not model_args:
+        return
+    if model not in BUILTIN_MODELS:
+        raise ValueError(f"`--model-arg` applies to the built-in models ({', '.join(BUILTIN_MODELS)}), not {model!r}")
+    known = set(inspect.signature(BUILTIN_MODELS[model]).parameters) - {"batch_size"}
+    unknown = sorted(set(model_args) - known)
+    if unknown:
+        raise ValueError(f"`--model-arg`: {model} takes {', '.join(sorted(known))}; got {', '.join(unknown)}")
+
+
+def workload_of(model: str, batch_size: Optional[int] = None, model_args: Optional[Mapping[str, Any]] = None) -> Any:
+    """The bench's workload ``model`` (``bench.models.load_workload``), a built-in one built with ``model_args``
+    (its builder's keyword arguments: ``d_model``, ``layers``, ``vocab``, ``seq`` for the transformer; checked by
+    :func:`check_model_args`)."""
+    if not model_args:
+        return load_workload(model, batch_size)
+    check_model_args(model, model_args)
+    torch.manual_seed(0)
+    return BUILTIN_MODELS[model](**dict(model_args), **({} if batch_size is None else {"batch_size": batch_size}))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _compute_only(model: str, batch_size: Optional[int], device: torch.device, warmup: int, steps: int) -> list[float]:
+def _compute_only(make: Callable[[], Any], device: torch.device, warmup: int, steps: int) -> list[float]:
     """Seconds of the model's measured steps with no reduction at all (forward, backward, SGD step, ``zero_grad``)."""
-    workload = load_workload(model, batch_size).to(device)
+    workload = make().to(device)
     opt = torch.optim.SGD(workload.parameters(), lr=0.01)
     times = []
     for i in range(warmup + steps):
@@ -472,16 +506,15 @@ def _compute_only(model: str, batch_size: Optional[int], device: torch.device, w
 
 def _measure(
     name: str,
-    model: str,
+    make: Callable[[], Any],
     topology: Topology,
-    batch_size: Optional[int],
     bucket_cap_mb: Optional[float],
     device: torch.device,
     warmup: int,
     steps: int,
 ) -> tuple[list[_Step], list[float]]:
     recorder = _Recorder()
-    workload = load_workload(model, batch_size).to(device)
+    workload = make().to(device)
     installed = _install(name, workload, topology, recorder, bucket_cap_mb)
     opt = torch.optim.SGD(installed.ddp.parameters(), lr=0.01)
     if installed.hook is not None:
@@ -553,10 +586,9 @@ class _Raw:
 
 
 def _calibrate_raw(
-    model: str,
+    make: Callable[[], Any],
     configs: Sequence[str],
     topology: Topology,
-    batch_size: Optional[int],
     bucket_cap_mb: Optional[float],
     device: torch.device,
     warmup: int,
@@ -567,11 +599,11 @@ def _calibrate_raw(
         torch.set_num_threads(threads)
     started = single_process_group()
     try:
-        compute = _compute_only(model, batch_size, device, warmup, steps)
+        compute = _compute_only(make, device, warmup, steps)
         recorded = {}
         for name in configs:
-            recorded[name], _ = _measure(name, model, topology, batch_size, bucket_cap_mb, device, warmup, steps)
-        compute += _compute_only(model, batch_size, device, 1, steps)  # again: the machine's drift falls on both
+            recorded[name], _ = _measure(name, make, topology, bucket_cap_mb, device, warmup, steps)
+        compute += _compute_only(make, device, 1, steps)  # again: the machine's drift falls on both
     finally:
         if started:
             dist.destroy_process_group()
@@ -617,6 +649,7 @@ def calibrate(
     steps: int = 5,
     procs: int = 1,
     threads: Optional[int] = None,
+    model_args: Optional[Mapping[str, Any]] = None,
 ) -> Calibration:
     """Measure the compute-only step and every configuration's step trace on ``device`` (see the module docstring).
 
@@ -633,16 +666,18 @@ def calibrate(
             cores (the bench's emulated ranks do), so that each step sees the same contention; 1 for a machine
             that will run one rank per device.
         threads: torch threads per process (``None``: torch's default).
+        model_args: a built-in model's builder arguments (:func:`workload_of`).
     """
     for name in configs:
         check_advise_config(name, topology.procs_per_node)
     if warmup < 3 or steps < 1 or procs < 1:
         raise ValueError(f"`warmup` must be >= 3, `steps` >= 1 and `procs` >= 1, got {warmup}, {steps}, {procs}")
     dev = torch.device(device)
-    args = (model, list(configs), topology, batch_size, bucket_cap_mb, dev, warmup, steps, threads)
+    make = functools.partial(workload_of, model, batch_size, dict(model_args or {}))
+    params = sum(p.numel() for p in make().parameters() if p.requires_grad)  # also checks the model's arguments
+    args = (make, list(configs), topology, bucket_cap_mb, dev, warmup, steps, threads)
     raws = [_calibrate_raw(*args)] if procs == 1 else _calibrate_together(procs, args)
     compute = statistics.median(t for raw in raws for t in raw.compute)
     traces = {name: _trace([s for raw in raws for s in raw.steps[name]], compute) for name in configs}
     times = {name: [s.length for raw in raws for s in raw.steps[name]] for name in configs}
-    params = sum(p.numel() for p in load_workload(model, batch_size).parameters() if p.requires_grad)
     return Calibration(traces, params, 4 * params, str(dev), times)

@@ -69,12 +69,29 @@ def _link_arg(name: str, default_latency: float) -> Callable[[str], Link]:
     return parse
 
 
+def _model_arg(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"`--model-arg` must look like KEY=VALUE (d_model=1024), got {text!r}")
+    import yaml
+
+    return key.strip(), yaml.safe_load(value)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``advise`` subcommand's options (each checked as it is parsed)."""
     parser.add_argument(
         "--model", default="transformer", help="a bench model (mlp, cnn, transformer...) or module:Class"
     )
     parser.add_argument("--batch-size", type=_int_in("--batch-size", 1, 2**20), default=None, help="samples per rank")
+    parser.add_argument(
+        "--model-arg",
+        type=_model_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a built-in model's size, repeatable: --model-arg d_model=1024 --model-arg layers=24 (transformer)",
+    )
     parser.add_argument("--nodes", type=_int_in("--nodes", 1, 1_000_000), default=None, help="N nodes (default 2)")
     parser.add_argument(
         "--procs-per-node", type=_int_in("--procs-per-node", 1, 1024), default=None, help="G processes per node"
@@ -301,10 +318,11 @@ def _topology(args: Any) -> Optional[Topology]:
 
 def check_arguments(args: Any, topology: Topology) -> list[str]:
     """The configurations to calibrate; raises ``ValueError`` naming the argument for anything refused."""
-    from lightning_gradcomp.advise.calibrate import check_advise_config
+    from lightning_gradcomp.advise.calibrate import check_advise_config, check_model_args
     from lightning_gradcomp.bench.models import check_model
 
     check_model(args.model)
+    check_model_args(args.model, dict(args.model_arg))
     configs = _configs(args, topology)
     if not configs:
         raise ValueError("`--configs` names no configuration")
@@ -350,6 +368,7 @@ def run_command(args: Any, parser: Optional[argparse.ArgumentParser] = None) -> 
         steps=args.steps,
         procs=args.calibration_procs,
         threads=args.threads,
+        model_args=dict(args.model_arg),
     )
     report = build_report(
         calibration.traces,

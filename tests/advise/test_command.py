@@ -23,6 +23,7 @@ TINY = ["--model", "mlp-small", "--batch-size", "4", "--steps", "1", "--warmup",
         (["--inter-node", "fast"], "`--inter-node` must look like 25gbit,5us or 100mbit"),
         (["--intra-node", "1gbit,soon"], "`--intra-node`: the latency must look like"),
         (["--warmup", "2"], "`--warmup` must be an integer from 3"),
+        (["--model-arg", "layers"], "`--model-arg` must look like KEY=VALUE"),
     ],
 )
 def test_argument_errors_name_the_argument_and_the_range(
@@ -42,6 +43,7 @@ def test_argument_errors_name_the_argument_and_the_range(
         (["--inter-node", "1gbit", "--configs", "scalecom+hier"], "needs `--procs-per-node` >= 2"),
         (["--nodes", "2"], "`--inter-node` is required"),
         (["--probe", "--nodes", "2"], "leave out `--nodes` and `--inter-node`"),
+        (["--inter-node", "1gbit", "--model-arg", "heads=4"], "`--model-arg`: mlp-small takes"),
     ],
 )
 def test_configuration_errors_come_before_any_calibration(
@@ -81,6 +83,12 @@ def test_the_table_says_the_figures_are_predicted(capsys: pytest.CaptureFixture[
     assert any(c.kind == "all_gather" for c in topk)
     text = format_report(build_report(cal.traces, topology, model="mlp-small", params=cal.params, device="cpu"))
     assert "PREDICTED" in text and "recommendation: use gradcomp_topk" in text
+
+
+def test_a_built_in_model_takes_its_size_from_model_args() -> None:
+    topology = Topology(2, 1, parse_link("1gbit"), parse_link("10gbit"))
+    cal = calibrate("mlp", ["ddp"], topology, batch_size=2, steps=1, threads=1, model_args={"width": 64, "depth": 3})
+    assert cal.params == 256 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
 
 
 def test_check_advise_config() -> None:
