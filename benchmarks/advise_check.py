@@ -41,8 +41,10 @@ from lightning_gradcomp.advise.costs import Link, Topology, parse_link
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, parse_rate, rank_address
 from lightning_gradcomp.bench.runner import free_port
 
-GOODPUT = 1448 / 1514
-"""TCP payload bytes per byte that ``tc tbf`` counts (MSS 1448 with timestamps, 66 bytes of headers per frame)."""
+GOODPUT = 1448 / (1514 + 66 / 2)
+"""TCP payload bytes per byte that ``tc tbf`` counts: a 1448-byte segment travels in a 1514-byte frame (66 bytes of
+Ethernet, IPv4 and TCP-with-timestamps headers), and a rank's egress also carries the ACKs of the stream it receives
+(collectives send both ways at once): one 66-byte frame per two segments."""
 BURST = 256 * 1024
 """The emulated links' token bucket (``bench.netem``: ``tbf ... burst 256kb``; tc's kb are 1,024 bytes)."""
 
@@ -101,8 +103,9 @@ def run_file(args: argparse.Namespace, run: int) -> Path:
     return Path(args.out) / f"{args.model}_{world}_{args.link}_run{run}.json"
 
 
-def measure(args: argparse.Namespace) -> None:
-    """Run the bench ``--runs`` times (files already there are kept)."""
+def measure(args: argparse.Namespace, configs: list[str]) -> None:
+    """Run the bench ``--runs`` times (files already there are kept), each followed by a calibration and prediction
+    (``<run>.advise.json``): the machine's load then falls alike on the measured run and on its prediction."""
     for run in range(1, args.runs + 1):
         path = run_file(args, run)
         if path.exists():
@@ -111,6 +114,21 @@ def measure(args: argparse.Namespace) -> None:
         print("$", " ".join(command), flush=True)
         subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         path.with_suffix(".tmp").rename(path)
+        prediction_file(path).write_text(json.dumps(predicted(args, configs)))
+
+
+def prediction_file(run: Path) -> Path:
+    return run.with_name(run.stem + ".advise.json")
+
+
+def median_report(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first report with each configuration's step, exposed time and efficiency the median over ``reports``."""
+    out = json.loads(json.dumps(reports[0]))
+    for name, row in out["configs"].items():
+        for key in ("step_s", "exposed_s", "scaling_efficiency"):
+            row[key] = statistics.median(r["configs"][name][key] for r in reports)
+    out["compute_only_step_s"] = statistics.median(r["compute_only_step_s"] for r in reports)
+    return out
 
 
 def measured_steps(args: argparse.Namespace) -> dict[str, list[float]]:
@@ -280,12 +298,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         )
         return
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    configs = list(HIER_CONFIGS.values()) if args.per_node > 1 else args.configs
     if not args.no_measure:
-        measure(args)
+        measure(args, configs)
     if args.measure_only:
         return
-    configs = list(HIER_CONFIGS.values()) if args.per_node > 1 else args.configs
-    report = predicted(args, configs)
+    after_runs = [prediction_file(run_file(args, r)) for r in range(1, args.runs + 1)]
+    found = [json.loads(p.read_text()) for p in after_runs if p.exists()]
+    report = median_report(found) if found else predicted(args, configs)
+    print(f"predictions: {'median of the ' + str(len(found)) + ' made after each run' if found else 'one, now'}")
     runs = measured_steps(args)
     where = (
         f"{args.nodes} nodes x {args.per_node}" if args.per_node > 1 else f"W = {args.world_size}"
