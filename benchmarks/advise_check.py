@@ -131,11 +131,10 @@ def median_report(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def measured_steps(args: argparse.Namespace) -> dict[str, list[float]]:
+def measured_steps(args: argparse.Namespace, paths: Optional[list[Path]] = None) -> dict[str, list[float]]:
     """Per configuration (advise's names), the median step of each run found (seconds)."""
     out: dict[str, list[float]] = {}
-    for run in range(1, args.runs + 1):
-        path = run_file(args, run)
+    for path in paths if paths is not None else [run_file(args, r) for r in range(1, args.runs + 1)]:
         if not path.exists():
             continue
         data = json.loads(path.read_text())
@@ -186,16 +185,42 @@ def inversions(pred: dict[str, float], runs: dict[str, list[float]]) -> list[tup
     return bad
 
 
-def compare(report: dict[str, Any], runs: dict[str, list[float]], bound: float = 0.2) -> str:
-    """A markdown table of predicted against measured steps."""
+def paired_errors(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Per configuration, each run's prediction (made right after it) against that run's median step."""
+    out: dict[str, list[float]] = {}
+    for run in range(1, args.runs + 1):
+        path, pred = run_file(args, run), prediction_file(run_file(args, run))
+        if not (path.exists() and pred.exists()):
+            continue
+        one = copy_args(args, runs=1)
+        measured = measured_steps(one, [path])
+        report = json.loads(pred.read_text())
+        for name, steps in measured.items():
+            if name in report["configs"]:
+                out.setdefault(name, []).append(report["configs"][name]["step_s"] / steps[0] - 1)
+    return out
+
+
+def copy_args(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+def compare(
+    report: dict[str, Any],
+    runs: dict[str, list[float]],
+    bound: float = 0.2,
+    paired: Optional[dict[str, list[float]]] = None,
+) -> str:
+    """A markdown table of predicted against measured steps (``paired``: per configuration, each run's error against
+    the prediction made right after it)."""
     rows = report["configs"]
     pred = {n: r["step_s"] for n, r in rows.items()}
     measured_order = sorted((n for n in pred if runs.get(n)), key=lambda n: statistics.median(runs[n]))
     predicted_order = sorted(pred, key=pred.__getitem__)
     lines = [
         "| config | predicted ms | measured ms (median of runs; min-max) | error | link-bound | within 20 % | "
-        "predicted rank | measured rank |",
-        "|---|---|---|---|---|---|---|---|",
+        "predicted rank | measured rank | error per run (paired) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in predicted_order:
         row = rows[name]
@@ -212,9 +237,11 @@ def compare(report: dict[str, Any], runs: dict[str, list[float]], bound: float =
             )
         else:
             cells = ("-", "-", "-", "-")
+        pairs = (paired or {}).get(name)
+        per_run = ", ".join(f"{e:+.0%}" for e in pairs) if pairs else "-"
         lines.append(
             f"| {name} | {pred[name] * 1e3:.0f} | {cells[0]} | {cells[1]} | {'yes' if bound_by_link else 'no'} | "
-            f"{cells[2]} | {predicted_order.index(name) + 1} | {cells[3]} |"
+            f"{cells[2]} | {predicted_order.index(name) + 1} | {cells[3]} | {per_run} |"
         )
     bad = inversions(pred, runs)
     lines.append("")
@@ -312,7 +339,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         f"{args.nodes} nodes x {args.per_node}" if args.per_node > 1 else f"W = {args.world_size}"
     ) + f", {args.link}, {args.model}"
     print(f"\n*{where}: predicted (advise) against measured ({len(next(iter(runs.values()), []))} runs)*\n")
-    print(compare(report, runs))
+    print(compare(report, runs, paired=paired_errors(args)))
 
 
 if __name__ == "__main__":
