@@ -490,7 +490,7 @@ def _sync(device: torch.device) -> None:
 def _compute_only(make: Callable[[], Any], device: torch.device, warmup: int, steps: int) -> list[float]:
     """Seconds of the model's measured steps with no reduction at all (forward, backward, SGD step, ``zero_grad``)."""
     workload = make().to(device)
-    opt = torch.optim.SGD(workload.parameters(), lr=0.01)
+    opt = torch.optim.SGD(workload.parameters(), lr=0.0)  # lr 0: see _measure
     times = []
     for i in range(warmup + steps):
         _sync(device)
@@ -516,7 +516,9 @@ def _measure(
     recorder = _Recorder()
     workload = make().to(device)
     installed = _install(name, workload, topology, recorder, bucket_cap_mb)
-    opt = torch.optim.SGD(installed.ddp.parameters(), lr=0.01)
+    # lr 0: the weights stay put, so the gradients stay those of the model, whatever a mirrored decode wrote (the
+    # other servers' replies of an all-to-all aggregation are not known here), and never turn NaN
+    opt = torch.optim.SGD(installed.ddp.parameters(), lr=0.0)
     if installed.hook is not None:
         installed.hook.attach_optimizer(opt)
     steps_seen: list[_Step] = []

@@ -91,6 +91,15 @@ def test_a_built_in_model_takes_its_size_from_model_args() -> None:
     assert cal.params == 256 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
 
 
+def test_an_all_to_all_aggregation_keeps_its_protocol_under_the_mirror() -> None:
+    # SignSGD aggregates with all-to-all from W = 3: rank r serves chunk r, whose reply the mirror cannot know; the
+    # weights stay put (lr 0), so no garbage reply turns a later gradient NaN (a dense fallback, the wrong protocol)
+    topology = Topology(4, 1, parse_link("100mbit"), parse_link("10gbit"))
+    cal = calibrate("mlp-small", ["signsgd"], topology, batch_size=4, steps=4, threads=1)
+    kinds = [[i.kind for i in b.items if isinstance(i, Collective)] for b in cal.traces["signsgd"].buckets]
+    assert all("all_to_all" in k for k in kinds), kinds
+
+
 def test_check_advise_config() -> None:
     assert check_advise_config("qsgd@bits=2") == "qsgd@bits=2"
     with pytest.raises(ValueError, match="unknown configuration"):
