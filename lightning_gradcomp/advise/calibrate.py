@@ -516,9 +516,7 @@ def _measure(
     recorder = _Recorder()
     workload = make().to(device)
     installed = _install(name, workload, topology, recorder, bucket_cap_mb)
-    # lr 0: the weights stay put, so the gradients stay those of the model, whatever a mirrored decode wrote (the
-    # other servers' replies of an all-to-all aggregation are not known here), and never turn NaN
-    opt = torch.optim.SGD(installed.ddp.parameters(), lr=0.0)
+    opt = torch.optim.SGD(installed.ddp.parameters(), lr=0.0)  # lr 0 and scrubbed gradients: see _one_step
     if installed.hook is not None:
         installed.hook.attach_optimizer(opt)
     steps_seen: list[_Step] = []
@@ -532,11 +530,11 @@ def _measure(
             recorder.start_step()
             if installed.module is not None:
                 with _recording(installed.module, recorder, installed.blocking):
-                    _one_step(installed.ddp, opt)
+                    scrubbed = _one_step(installed.ddp, opt)
             else:
-                _one_step(installed.ddp, opt)
+                scrubbed = _one_step(installed.ddp, opt)
             _sync(device)
-            elapsed = recorder.now()
+            elapsed = recorder.now() - scrubbed
             if i >= warmup:
                 steps_seen.append(_Step(recorder.buckets, recorder.finished, elapsed))
                 times.append(elapsed)
@@ -552,10 +550,22 @@ def _rotates(hook: GradCompHook) -> bool:
     return callable(getattr(hook.compressor, "_leader", None))
 
 
-def _one_step(ddp: DistributedDataParallel, opt: torch.optim.Optimizer) -> None:
+def _one_step(ddp: DistributedDataParallel, opt: torch.optim.Optimizer) -> float:
+    """One step; returns the seconds spent scrubbing the gradients (not part of a real step).
+
+    A mirrored decode may write garbage, even NaN/Inf, into the averaged gradient (an all-to-all aggregation's other
+    servers' replies are not known here): it is set to zero before the optimizer step (lr 0, so the weights and the
+    next gradients stay the model's own), which would otherwise turn the weights NaN and every later bucket into
+    the dense fallback."""
     ddp().backward()
+    start = time.perf_counter()
+    grads = [p.grad for p in ddp.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_zero_(grads)
+    scrubbed = time.perf_counter() - start
     opt.step()
     opt.zero_grad(set_to_none=False)
+    return scrubbed
 
 
 def _trace(steps: list[_Step], compute_only: float) -> StepTrace:
