@@ -305,7 +305,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--steps", type=int, default=5, help="the bench's measured steps per run")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--calibration-steps", type=int, default=5)
+    parser.add_argument("--calibration-steps", type=int, default=3)
     parser.add_argument("--out", default="advise_runs", help="folder of the bench's JSON files")
     parser.add_argument("--no-measure", action="store_true", help="compare with the runs already in --out")
     parser.add_argument("--measure-only", action="store_true", help="run the missing bench runs, predict nothing")
