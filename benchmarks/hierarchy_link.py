@@ -125,7 +125,7 @@ def _measure(key: str, spec: dict[str, Any], iface: Optional[str]) -> dict[str, 
     dist.barrier()  # the warm-up's last packets, still queued on a link, are not counted as barrier bytes
     barrier_bytes, barrier_packets = _barrier_tx(iface, n + 1)  # the measurement's own barriers
     start = snapshot()
-    times = _run_steps(step, 0, n)
+    times, _ = _run_steps(step, 0, n)  # (step times, work per step): the work is not used here
     dist.barrier()  # every process of the node has sent this step's bytes
     end = snapshot()
     hook.close()

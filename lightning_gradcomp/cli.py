@@ -32,7 +32,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from lightning_gradcomp.bench import runner as bench
 
     bench.add_arguments(sub.add_parser("bench", help="is compression worth it on this network? (measured)"))
+    from lightning_gradcomp.advise import command as advise
+
+    advise.add_arguments(sub.add_parser("advise", help="will compression pay on a given cluster? (predicted)"))
     args = parser.parse_args(argv)
+    if args.command == "advise":
+        return advise.run_command(args)
     if args.command == "bench":
         return bench.run_command(args)
     if args.command == "report":

@@ -10,17 +10,22 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_gradcomp"
 
 FLOORS = {  # docs/design.md, "Map of the package"
-    1: {"checks", "distributed", "failures", "atomic_files", "checkpoint_shards", "functional", "comm", "gloo_workers"},
+    1: {"checks", "distributed", "failures", "atomic_files", "checkpoint_shards", "functional", "comm", "gloo_workers",
+        "advise.costs"},
     2: {"compressors", "presets", "schedule", "memory", "plan"},
     3: {"hook", "commthread", "hierarchy", "sharded_checkpoints", "replicas"},
-    4: {"strategy", "swarm", "localsgd", "callbacks", "bench", "report", "cli", "__init__"},
+    4: {"strategy", "swarm", "localsgd", "callbacks", "bench", "report", "cli", "__init__", "advise"},
 }
 
 
 def floor_of(module: str) -> int:
-    """The floor of ``lightning_gradcomp[.part[...]]`` (the package itself is the top floor)."""
+    """The floor of ``lightning_gradcomp[.part[...]]`` (the package itself is the top floor); a ``part.module`` entry
+    (``advise.costs``) places that module apart from the rest of its subpackage."""
     parts = module.split(".")
     first = parts[1] if len(parts) > 1 else "__init__"
+    nested = ".".join(parts[1:3])
+    if any(nested in names for names in FLOORS.values()):
+        first = nested
     return next(floor for floor, names in FLOORS.items() if first in names)
 
 
@@ -62,3 +67,4 @@ def test_imports_go_down_the_floors(path: Path) -> None:
 def test_the_check_sees_an_upward_import() -> None:
     assert floor_of("lightning_gradcomp.strategy") > floor_of("lightning_gradcomp.compressors.cltk")
     assert floor_of("lightning_gradcomp.functional.packing") == 1 and floor_of("lightning_gradcomp") == 4
+    assert floor_of("lightning_gradcomp.advise.costs") == 1 and floor_of("lightning_gradcomp.advise.calibrate") == 4
