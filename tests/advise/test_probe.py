@@ -13,7 +13,7 @@ from lightning_gradcomp.gloo_workers import run_workers
 
 def _probe(rank: int, world: int) -> Any:
     os.environ["LOCAL_WORLD_SIZE"] = "2"
-    return probe_links(large=2**20, repeats=4)
+    return probe_links(large=64 * 2**20, repeats=4)  # loopback: large enough to take longer than a small message
 
 
 def test_the_probe_measures_both_links_on_rank_0_only() -> None:
