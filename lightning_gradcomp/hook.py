@@ -6,10 +6,8 @@ Future: no waiting, no host sync and no compression on the autograd thread, so b
 reduced. The thread runs each bucket's protocol in bucket order (identical on every rank, so ranks never deadlock):
 :meth:`GradientReduction.reduce <lightning_gradcomp.reduction.GradientReduction.reduce>`, or with a
 :class:`~lightning_gradcomp.hierarchy.Hierarchy` :func:`~lightning_gradcomp.hierarchical_reduction.reduce_hierarchical`.
-What is DDP's own lives here: the bucket's layer plan (cached, rebuilt when DDP changes a bucket), the start of
-compression (``start_step``), the schedule of the compression parameter, the backward pass's boundaries for
-:class:`~lightning_gradcomp.step_transaction.StepTransaction` (which stages every state change until the optimizer
-step), and the checkpointed state.
+Here lives what is DDP's own: each bucket's layer plan, ``start_step``, the compression parameter's schedule, the
+backward pass's bounds for :class:`~lightning_gradcomp.step_transaction.StepTransaction`, and the checkpointed state.
 """
 
 import time
@@ -137,8 +135,7 @@ class GradCompHook:
         self.transaction.step = value
 
     def _count_step(self, compressed: bool) -> None:
-        self.stats.steps += 1
-        self.stats.compressed_steps += int(compressed)
+        self.stats.steps, self.stats.compressed_steps = self.stats.steps + 1, self.stats.compressed_steps + compressed
 
     # ------------------------------------------------------------------ plan and parameters
     def plan_for(self, bucket: dist.GradBucket) -> BucketPlan:
