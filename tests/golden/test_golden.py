@@ -4,18 +4,25 @@ tied weight; each rank's parameters after every step and the bytes after every s
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_gradcomp.gloo_workers import run_workers
-from tests.golden.cases import WORLD_SIZES, cases, merge_ranks, run_world
+from tests.golden.cases import PRESET_NAMES, WORLD_SIZES, cases, merge_ranks, run_world
 
 GOLDEN = torch.load(Path(__file__).with_name("golden.pt"), weights_only=False)
 
 
-def test_every_case_is_recorded() -> None:
+def test_every_preset_is_recorded() -> None:
+    listed = subprocess.run(
+        [sys.executable, "-c", "import lightning_gradcomp; from lightning_gradcomp.presets import PRESETS; print(*PRESETS)"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()
+    assert tuple(listed) == PRESET_NAMES, "a preset was added or removed: update cases.PRESET_NAMES and re-record"
     for world in WORLD_SIZES:
         assert sorted(GOLDEN[world]) == sorted(case for case, _ in cases(world)), f"W={world}: re-record golden.pt"
 
