@@ -10,8 +10,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_gradcomp"
 
 FLOORS = {  # docs/design.md, "Map of the package"
-    1: {"checks", "distributed", "failures", "atomic_files", "checkpoint_shards", "functional", "comm", "gloo_workers",
-        "advise.costs", "resident"},
+    1: {"checks", "distributed", "failures", "atomic_files", "checkpoint_shards", "functional", "comm", "wire_bytes",
+        "comm_stats", "futures", "gloo_workers", "advise.costs", "resident"},
     2: {"compressors", "presets", "schedule", "memory", "plan", "observers", "step_transaction"},
     3: {"reduction", "hierarchical_reduction", "hook", "commthread", "hierarchy", "sharded_checkpoints", "replicas"},
     4: {"strategy", "swarm", "localsgd", "callbacks", "bench", "report", "cli", "__init__", "advise"},
@@ -68,3 +68,4 @@ def test_the_check_sees_an_upward_import() -> None:
     assert floor_of("lightning_gradcomp.strategy") > floor_of("lightning_gradcomp.compressors.cltk")
     assert floor_of("lightning_gradcomp.functional.packing") == 1 and floor_of("lightning_gradcomp") == 4
     assert floor_of("lightning_gradcomp.advise.costs") == 1 and floor_of("lightning_gradcomp.advise.calibrate") == 4
+    assert floor_of("lightning_gradcomp.advise.costs.step_replay") == 1  # the whole subpackage

@@ -11,25 +11,57 @@ also measures the relative compression error
 of the compressor input ``p`` (``p = m + g`` with error feedback) through the engine's observers,
 and at every epoch end it aggregates bytes, hook time and error over *all* ranks with torchmetrics.
 Metric names are the constants of this module (table in ``docs/monitoring.md``).
+
+The metric names live in :mod:`~lightning_gradcomp.callbacks.metric_names` and the error's measurement in
+:mod:`~lightning_gradcomp.callbacks.error_probe`; both are re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch import Tensor
 from torchmetrics import MaxMetric, MeanMetric, SumMetric
 
+from lightning_gradcomp.callbacks.error_probe import ErrorProbe, StepError, _relative_error
 from lightning_gradcomp.callbacks.guard import CompressionGuard
+from lightning_gradcomp.callbacks.metric_names import (
+    COMPRESSION_STEP,
+    COMPRESSION_WHOLE_RUN,
+    DENSE_BYTES,
+    DENSE_BYTES_TOTAL,
+    EPOCH_COMPRESSION,
+    EPOCH_DENSE_BYTES,
+    EPOCH_ERROR,
+    EPOCH_HOOK_MS,
+    EPOCH_HOOK_MS_MAX,
+    EPOCH_RATIO,
+    EPOCH_WIRE_BYTES,
+    ERROR,
+    HOOK_MS,
+    LAYER_COMPRESSION,
+    LAYER_ERROR,
+    LAYER_METRICS,
+    LAYER_PARAM,
+    LAYER_RATIO,
+    LAYER_WIRE_BYTES,
+    MEMORY_NORM,
+    METRICS,
+    NONFINITE_BUCKETS,
+    PROG_BAR_EVERY_N_STEPS,
+    RATIO,
+    RATIO_TOTAL,
+    WIRE_BYTES,
+    WIRE_BYTES_TOTAL,
+)
 from lightning_gradcomp.callbacks.summary import print_summary
 from lightning_gradcomp.checks import check_bool, check_int
 from lightning_gradcomp.comm import CommStats, compression_ratio
-from lightning_gradcomp.hook import BucketRecord, GradCompHook
+from lightning_gradcomp.hook import GradCompHook
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.strategy import GradCompStrategy
 
@@ -65,152 +97,6 @@ __all__ = [
     "WIRE_BYTES",
     "WIRE_BYTES_TOTAL",
 ]
-
-WIRE_BYTES = "gradcomp/wire_bytes"
-DENSE_BYTES = "gradcomp/dense_bytes"
-WIRE_BYTES_TOTAL = "gradcomp/wire_bytes_total"
-DENSE_BYTES_TOTAL = "gradcomp/dense_bytes_total"
-COMPRESSION_STEP = "gradcomp/compression_step"
-COMPRESSION_WHOLE_RUN = "gradcomp/compression_whole_run"
-HOOK_MS = "gradcomp/hook_ms"
-MEMORY_NORM = "gradcomp/memory_norm"
-NONFINITE_BUCKETS = "gradcomp/nonfinite_buckets"
-ERROR = "gradcomp/error"
-EPOCH_WIRE_BYTES = "gradcomp/epoch/wire_bytes"
-EPOCH_DENSE_BYTES = "gradcomp/epoch/dense_bytes"
-EPOCH_COMPRESSION = "gradcomp/epoch/compression"
-EPOCH_HOOK_MS = "gradcomp/epoch/hook_ms"
-EPOCH_HOOK_MS_MAX = "gradcomp/epoch/hook_ms_max"
-EPOCH_ERROR = "gradcomp/epoch/error"
-LAYER_WIRE_BYTES = "gradcomp/layer_wire_bytes/"
-LAYER_COMPRESSION = "gradcomp/layer_compression/"
-LAYER_ERROR = "gradcomp/layer_error/"
-LAYER_PARAM = "gradcomp/layer_param/"
-
-# names of the release before the compression got one word (the metric strings changed with them)
-RATIO = COMPRESSION_STEP
-RATIO_TOTAL = COMPRESSION_WHOLE_RUN
-EPOCH_RATIO = EPOCH_COMPRESSION
-LAYER_RATIO = LAYER_COMPRESSION
-
-PROG_BAR_EVERY_N_STEPS = 10
-"""Period (in reductions) of the progress-bar update of ``gradcomp/compression_step``."""
-
-METRICS: dict[str, str] = {
-    WIRE_BYTES: "bytes rank 0 sent per step (mean over the steps since the previous log)",
-    DENSE_BYTES: "bytes a dense fp32 ring all-reduce would have sent per step (same steps)",
-    WIRE_BYTES_TOTAL: "cumulative bytes rank 0 sent since the start of training",
-    DENSE_BYTES_TOTAL: "cumulative dense-equivalent bytes",
-    COMPRESSION_STEP: "compression dense / wire of the recent steps, those since the previous log: the rate per "
-    "compressed step once the dense warm-up is over (progress bar)",
-    COMPRESSION_WHOLE_RUN: "compression dense / wire over the whole run so far, the dense warm-up included",
-    HOOK_MS: "wall time of the communication hook per step, milliseconds (rank 0)",
-    MEMORY_NORM: "L2 norm of rank 0's error-feedback memory (compressors with error feedback)",
-    NONFINITE_BUCKETS: "cumulative buckets reduced densely because some rank saw NaN/Inf",
-    ERROR: "relative compression error ||p - C(p)|| / ||p|| of rank 0 at a sampled step",
-    EPOCH_WIRE_BYTES: "bytes sent by all ranks together during the epoch (torchmetrics SumMetric)",
-    EPOCH_DENSE_BYTES: "dense-equivalent bytes of all ranks during the epoch (SumMetric)",
-    EPOCH_COMPRESSION: "compression dense / wire of the whole epoch over all ranks (its dense warm-up included)",
-    EPOCH_HOOK_MS: "hook milliseconds per step, mean over steps and ranks (MeanMetric)",
-    EPOCH_HOOK_MS_MAX: "hook milliseconds per step of the slowest rank (MaxMetric)",
-    EPOCH_ERROR: "mean relative compression error over the epoch's samples on all ranks (MeanMetric)",
-}
-"""Global metric names and their meaning."""
-
-LAYER_METRICS: dict[str, str] = {
-    LAYER_WIRE_BYTES: "bytes per step attributed to the layer (``per_layer=True``)",
-    LAYER_COMPRESSION: "the layer's compression dense / wire since the previous log (``per_layer=True``)",
-    LAYER_ERROR: "the layer's relative compression error at a sampled step (``per_layer=True``)",
-    LAYER_PARAM: "the layer's compression parameter (density/rank/bits); the name for any per-layer tuner",
-}
-"""Per-layer metric prefixes; the full name appends the parameter name (``body.0.weight``)."""
-
-
-@dataclass
-class StepError:
-    """The measured compression error of one step on this rank.
-
-    Attributes:
-        step: the engine's step counter at the measurement.
-        error: relative error over all compressed layers (``nan`` if the input was zero).
-        layers: per-layer ``(||r||^2, ||p||^2)``.
-    """
-
-    step: int
-    error: float
-    layers: dict[str, tuple[float, float]] = field(default_factory=dict)
-
-
-def _relative_error(r2: float, p2: float) -> float:
-    """``sqrt(r2 / p2)`` from the squared norms of the residual and the input (``nan`` when ``p2`` is 0)."""
-    return math.sqrt(r2 / p2) if p2 > 0 else float("nan")
-
-
-class ErrorProbe:
-    """A hook observer that measures ``||p - C(p)||`` and ``||p||`` per layer at sampled steps.
-
-    Squared norms are kept as device tensors until :meth:`drain` (one host sync per drained step).
-    Compressors that report neither residuals nor their local contribution are skipped
-    (:attr:`unsupported` becomes True).
-
-    Args:
-        every: sample every ``every``-th compressed step (0 disables).
-        start_step: the first compressed step (sampled).
-    """
-
-    def __init__(self, every: int, start_step: int = 0) -> None:
-        self.every = every
-        self.start_step = start_step
-        self.unsupported = False
-        self.totals: dict[str, list[float]] = {}
-        self._pending: dict[int, list[tuple[str, Tensor, Tensor]]] = {}
-
-    def wants(self, step: int) -> bool:
-        """Sample ``start_step`` and every ``every``-th step after it."""
-        return self.every > 0 and step >= self.start_step and (step - self.start_step) % self.every == 0
-
-    def __call__(self, record: BucketRecord) -> None:
-        """Queue the squared norms of one bucket's residuals and inputs."""
-        if record.residuals is None:
-            self.unsupported = True
-            return
-        items = self._pending.setdefault(record.step, [])
-        names = {slot.name for slot in record.slots}
-        items[:] = [item for item in items if item[0] not in names]  # a later synced pass of the same step replaces
-        for slot, p, r in zip(record.slots, record.inputs, record.residuals):
-            items.append((slot.name, torch.linalg.vector_norm(r).square(), torch.linalg.vector_norm(p).square()))
-
-    @property
-    def pending(self) -> bool:
-        """Whether measurements wait to be drained."""
-        return bool(self._pending)
-
-    def drain(self) -> list[StepError]:
-        """Turn queued measurements into :class:`StepError` (step order) and add them to :attr:`totals`."""
-        out = []
-        for step in sorted(self._pending):
-            items = self._pending[step]
-            values = torch.stack([torch.stack([r2, p2]).float() for _, r2, p2 in items]).double().tolist()
-            layers = {}
-            for (name, _, _), (r2, p2) in zip(items, values):
-                layers[name] = (r2, p2)
-                total = self.totals.setdefault(name, [0.0, 0.0])
-                total[0] += r2
-                total[1] += p2
-            r2_sum, p2_sum = sum(v[0] for v in values), sum(v[1] for v in values)
-            out.append(StepError(step, _relative_error(r2_sum, p2_sum), layers))
-        self._pending.clear()
-        return out
-
-    def layer_errors(self) -> dict[str, float]:
-        """Per-layer error pooled over every drained sample: ``sqrt(sum ||r||^2 / sum ||p||^2)``."""
-        return {name: _relative_error(r2, p2) for name, (r2, p2) in self.totals.items()}
-
-    def total_error(self) -> float:
-        """Error pooled over every layer and sample (``nan`` before any)."""
-        r2 = sum(v[0] for v in self.totals.values())
-        p2 = sum(v[1] for v in self.totals.values())
-        return _relative_error(r2, p2)
 
 
 @dataclass
