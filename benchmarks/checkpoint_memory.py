@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.bench.runner import free_port
-from lightning_gradcomp.checkpoint_shards import shard_dir
+from lightning_gradcomp.shard_files import shard_dir
 from lightning_gradcomp.compressors import CLTK
 from lightning_gradcomp.strategy import CHECKPOINT_KEY
 

@@ -3,7 +3,7 @@
 :class:`~lightning_gradcomp.GradCompStrategy` (compression state), :class:`~lightning_gradcomp.LocalSGDStrategy`
 (local model, inner optimizer states, engine state) and :class:`~lightning_gradcomp.SwarmStrategy` (model,
 optimizer and gossip state) keep state that differs on every rank. Each rank writes its own part to a shard file
-next to the checkpoint (:mod:`lightning_gradcomp.checkpoint_shards`); rank 0's checkpoint file holds a manifest
+next to the checkpoint (:mod:`lightning_gradcomp.shard_files`); rank 0's checkpoint file holds a manifest
 and the replicated state only. The steps of a save (every rank runs them, as ``Trainer.save_checkpoint`` calls
 ``save_checkpoint`` on every rank):
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
-from lightning_gradcomp import checkpoint_shards
+from lightning_gradcomp import shard_files
 from lightning_gradcomp.atomic_files import atomic_save
 
 __all__ = ["ShardedCheckpoints"]
@@ -68,29 +68,29 @@ class ShardedCheckpoints:
             storage_options: passed on to Lightning's ``save_checkpoint``.
             key: the top-level checkpoint key of the manifest.
             state: this rank's own state (``weights_only``-loadable).
-            compressor: recorded in the manifest (see :func:`~.checkpoint_shards.build_manifest`).
+            compressor: recorded in the manifest (see :func:`~.shard_files.build_manifest`).
             replicated: state identical on every rank, recorded in the manifest.
             **fields: further manifest entries (the strategy's settings and shared state).
         """
-        filepath, token = self.broadcast((filepath, checkpoint_shards.new_token()))  # the file rank 0 writes
+        filepath, token = self.broadcast((filepath, shard_files.new_token()))  # the file rank 0 writes
         entry = self._on_every_rank(
-            lambda: _saving(filepath, lambda: checkpoint_shards.write_shard(state, filepath, self.global_rank, token))
+            lambda: _saving(filepath, lambda: shard_files.write_shard(state, filepath, self.global_rank, token))
         )
         shards: list[Any] = [entry]
         if self._distributed():
             shards = [None] * self.world_size
             dist.all_gather_object(shards, entry)
-        checkpoint[key] = {**checkpoint_shards.build_manifest(shards, compressor, replicated, filepath), **fields}
+        checkpoint[key] = {**shard_files.build_manifest(shards, compressor, replicated, filepath), **fields}
         try:
             self._on_every_rank(
                 lambda: _saving(filepath, lambda: self._write_file(checkpoint, filepath, storage_options))
             )
         except BaseException:
-            checkpoint_shards.remove_stale_shards(filepath, self.global_rank, keep="", token=token)
+            shard_files.remove_stale_shards(filepath, self.global_rank, keep="", token=token)
             raise
         if self._distributed():
             self.barrier(f"{self._name_in_messages}.save_checkpoint")  # the new file is in place: older shards go
-        checkpoint_shards.remove_stale_shards(filepath, self.global_rank, keep=entry["file"])
+        shard_files.remove_stale_shards(filepath, self.global_rank, keep=entry["file"])
 
     def _write_file(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any]) -> None:
         """Rank 0 writes the checkpoint file: atomically (:func:`~.atomic_files.atomic_save`) through Lightning's
@@ -112,10 +112,10 @@ class ShardedCheckpoints:
         """This rank's shard, verified against ``manifest``; a failure on any rank raises on every rank.
 
         Tensors are loaded on the CPU, then moved to ``device`` if given. ``describe`` (``what``, ``contents``)
-        words the error messages, see :func:`~.checkpoint_shards.load_shard`.
+        words the error messages, see :func:`~.shard_files.load_shard`.
         """
         state = self._on_every_rank(
-            lambda: checkpoint_shards.load_shard(
+            lambda: shard_files.load_shard(
                 checkpoint_path,
                 manifest,
                 self.global_rank,
@@ -128,7 +128,7 @@ class ShardedCheckpoints:
     def remove_checkpoint(self, filepath: Any) -> None:
         """Remove the checkpoint file (rank 0) and this rank's shards of it (every rank, as Lightning calls it)."""
         super().remove_checkpoint(filepath)  # type: ignore[misc]
-        checkpoint_shards.remove_shards(filepath, self.global_rank)
+        shard_files.remove_shards(filepath, self.global_rank)
 
     def _distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized() and self.world_size > 1

@@ -17,8 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_gradcomp import checkpoint_shards
-from lightning_gradcomp.checkpoint_shards import load_verified, verify_checkpoint_file
+from lightning_gradcomp import shard_files
 from lightning_gradcomp.checks import ArgumentTypeError, check_bool, check_int, check_single_process, check_timeout
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors.base import Compressor
@@ -33,6 +32,7 @@ from lightning_gradcomp.memory import ErrorFeedback, validate_beta_for
 from lightning_gradcomp.plan import SlotPolicy, size_rule
 from lightning_gradcomp.presets import PRESETS, UNUSED_SUFFIX, preset_class, register_presets
 from lightning_gradcomp.schedule import CompressionSchedule, as_schedule
+from lightning_gradcomp.shard_files import load_verified, verify_checkpoint_file
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 
 __all__ = [
@@ -47,7 +47,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "gradcomp"
-"""Top-level checkpoint key holding the manifest of the compression-state shards (see :mod:`.checkpoint_shards`)."""
+"""Top-level checkpoint key holding the manifest of the compression-state shards (see :mod:`.shard_files`)."""
 
 _CHECKPOINT_VERSION = 1
 """Version of the old single-file entry (every rank's state inline); still loaded, no longer written."""
@@ -404,7 +404,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         """Write this rank's compression state to its shard next to ``filepath`` (must run on all ranks).
 
         Rank 0's checkpoint file gets only the manifest (sizes and checksums of the shards) and the replicated
-        state; see :mod:`lightning_gradcomp.checkpoint_shards`. Every rank gets the same error if one cannot write.
+        state; see :mod:`lightning_gradcomp.shard_files`. Every rank gets the same error if one cannot write.
         """
         state = self._hook.state_dict() if self._hook is not None else {}
         replicated = {key: value for key, value in state.items() if key not in _PER_RANK_KEYS}
@@ -427,7 +427,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             ValueError: the checkpoint was written with another compressor, or its ``"gradcomp"`` entry is
                 malformed.
         """
-        checkpoint_path = checkpoint_shards.resumable_hpc_checkpoint(checkpoint_path)
+        checkpoint_path = shard_files.resumable_hpc_checkpoint(checkpoint_path)
         checkpoint = load_verified(
             lambda: super(GradCompStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
             checkpoint_path,
@@ -448,7 +448,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
 
         ``state`` is ``_SHARD`` when it is in this rank's shard, which :meth:`load_checkpoint` then reads.
         """
-        if checkpoint_shards.is_sharded(saved):
+        if shard_files.is_sharded(saved):
             return self._select_sharded(saved)  # type: ignore[arg-type]
         if saved is None:
             if self._fitting():
@@ -469,7 +469,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         ):
             raise ValueError(
                 f"checkpoint entry {CHECKPOINT_KEY!r} is malformed or from an unknown version "
-                f"(expected version {checkpoint_shards.FORMAT_VERSION} with one shard per rank, or "
+                f"(expected version {shard_files.FORMAT_VERSION} with one shard per rank, or "
                 f"version {_CHECKPOINT_VERSION} with one state per rank)"
             )
         if not self._same_ranks(saved):
@@ -477,7 +477,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         return saved["per_rank"][self.global_rank], True
 
     def _select_sharded(self, saved: dict[str, Any]) -> Optional[tuple[dict[str, Any], bool]]:
-        checkpoint_shards.check_manifest(saved)
+        shard_files.check_manifest(saved)
         if not self._same_ranks(saved):
             return saved["replicated"], False
         return (_SHARD, True) if self._fitting() else None  # evaluation needs no shard: the folder may be absent

@@ -172,13 +172,13 @@ def test_other_strategies_do_not_import_helpers_from_gradcomp_strategy(module: s
 
 
 def test_old_import_paths_give_the_same_objects() -> None:
-    from lightning_gradcomp import checkpoint_shards, strategy
+    from lightning_gradcomp import shard_files, strategy
     from lightning_gradcomp.compressors import base, qsgd
 
     assert base.check_number is check_number and qsgd.check_bucket_size is check_bucket_size
     assert strategy.check_timeout is check_timeout and strategy.DEFAULT_TIMEOUT is distributed.DEFAULT_TIMEOUT
-    assert strategy.load_verified is checkpoint_shards.load_verified
-    assert strategy.verify_checkpoint_file is checkpoint_shards.verify_checkpoint_file
+    assert strategy.load_verified is shard_files.load_verified
+    assert strategy.verify_checkpoint_file is shard_files.verify_checkpoint_file
     assert {"DEFAULT_TIMEOUT", "check_timeout", "load_verified", "verify_checkpoint_file"} <= set(strategy.__all__)
 
 

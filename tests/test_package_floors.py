@@ -10,7 +10,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_gradcomp"
 
 FLOORS = {  # docs/design.md, "Map of the package"
-    1: {"checks", "distributed", "failures", "atomic_files", "checkpoint_shards", "functional", "comm", "wire_bytes",
+    1: {"checks", "distributed", "failures", "atomic_files", "shard_files", "checkpoint_shards", "functional", "comm", "wire_bytes",
         "comm_stats", "futures", "gloo_workers", "advise.costs", "resident"},
     2: {"compressors", "presets", "schedule", "memory", "plan", "observers", "step_transaction"},
     3: {"reduction", "hierarchical_reduction", "hook", "commthread", "hierarchy", "sharded_checkpoints", "replicas"},

@@ -14,11 +14,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_gradcomp import checkpoint_shards
-from lightning_gradcomp.checkpoint_shards import load_verified, resumable_hpc_checkpoint
+from lightning_gradcomp import shard_files
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.localsgd.engine import OuterSync
 from lightning_gradcomp.replicas import DivergentReplicas
+from lightning_gradcomp.shard_files import load_verified, resumable_hpc_checkpoint
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 
 __all__ = ["CHECKPOINT_KEY", "LocalSGDCheckpoints"]
@@ -103,9 +103,9 @@ class LocalSGDCheckpoints(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
         self._restored = self._restored_shared = None
         if saved is None:
             return checkpoint
-        sharded = checkpoint_shards.is_sharded(saved)
+        sharded = shard_files.is_sharded(saved)
         try:
-            checkpoint_shards.check_entry(saved, sharded, CHECKPOINT_KEY, _SETTINGS, _CHECKPOINT_VERSION)
+            shard_files.check_entry(saved, sharded, CHECKPOINT_KEY, _SETTINGS, _CHECKPOINT_VERSION)
         except ValueError as err:
             raise ValueError(f"cannot resume from '{checkpoint_path}': {err}") from None
         mine = (type(self.compressor).__name__, self.outer, self.local_steps, self.fragments, self.overlap)

@@ -17,10 +17,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp import checkpoint_shards
-from lightning_gradcomp.checkpoint_shards import load_verified, resumable_hpc_checkpoint
+from lightning_gradcomp import shard_files
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.replicas import DivergentReplicas
+from lightning_gradcomp.shard_files import load_verified, resumable_hpc_checkpoint
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 from lightning_gradcomp.swarm.asynchronous import AsyncGossip
 from lightning_gradcomp.swarm.exchange import LatticeCodec, PairwiseGossip, PendingExchange
@@ -160,8 +160,8 @@ class SwarmCheckpoints(DivergentReplicas, ShardedCheckpoints, DDPStrategy):
             return checkpoint
         if isinstance(saved, dict) and "replica" in saved:
             return self._load_replica(checkpoint, saved)
-        sharded = checkpoint_shards.is_sharded(saved)
-        checkpoint_shards.check_entry(saved, sharded, CHECKPOINT_KEY, ("bits", "counters"), _CHECKPOINT_VERSION)
+        sharded = shard_files.is_sharded(saved)
+        shard_files.check_entry(saved, sharded, CHECKPOINT_KEY, ("bits", "counters"), _CHECKPOINT_VERSION)
         if saved["bits"] != self.bits:
             raise ValueError(
                 f"checkpoint was written with bits={saved['bits']}, this strategy uses "

@@ -14,7 +14,7 @@ import torch
 from helpers.distributed import run_workers
 from helpers.models import TinyNet, assert_replicas_identical, fit
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.checkpoint_shards import read_shards
+from lightning_gradcomp.shard_files import read_shards
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors import DIANA, BlockQuantizer, create
 from lightning_gradcomp.compressors.base import ReduceContext

@@ -12,7 +12,7 @@ from helpers.distributed import run_workers
 from helpers.models import assert_replicas_identical, fit
 from helpers.reduce import make_slots, rank_inputs, reduce_worker
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.checkpoint_shards import read_shards
+from lightning_gradcomp.shard_files import read_shards
 from lightning_gradcomp.comm import Comm, all_reduce_bytes
 from lightning_gradcomp.compressors import PowerSGD, ReduceContext, create
 from lightning_gradcomp.functional.layerwise import lowrank_errors

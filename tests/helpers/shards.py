@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_gradcomp.checkpoint_shards import shard_dir
+from lightning_gradcomp.shard_files import shard_dir
 
 
 def damage_shard(ckpt: Path, key: str, what: str, damage: str, rank: int = 1, world: int = 2) -> str:

@@ -22,7 +22,7 @@ from helpers.models import SparseEmbeddingNet, TinyNet, fit
 from helpers.shards import damage_shard
 from lightning_gradcomp import LocalSGDStrategy
 from lightning_gradcomp.callbacks import CompressionLogger
-from lightning_gradcomp.checkpoint_shards import read_shards, shard_dir
+from lightning_gradcomp.shard_files import read_shards, shard_dir
 from lightning_gradcomp.comm import all_reduce_bytes, broadcast_bytes
 from lightning_gradcomp.compressors import CLTK, DIANA, NoCompression, PowerSGD, QSGD, SignSGD
 from lightning_gradcomp.functional.sparsify import kept_count

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_gradcomp.checkpoint_shards import read_shards, shard_dir
+from lightning_gradcomp.shard_files import read_shards, shard_dir
 from lightning_gradcomp.strategy import verify_checkpoint_file
 from reliability.launch import launch, load, losses, run, text
 from reliability.scenarios import CKPT_STEP, MAX_EPOCHS, STEPS_PER_EPOCH, config, errors

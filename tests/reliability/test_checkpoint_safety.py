@@ -12,7 +12,7 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.checkpoint_shards import read_shards
+from lightning_gradcomp.shard_files import read_shards
 from lightning_gradcomp.compressors import CLTK, Compressor, TopK
 from lightning_gradcomp.strategy import CHECKPOINT_KEY, verify_checkpoint_file
 from reliability.launch import STATEFUL, load, losses, run, text

@@ -27,7 +27,7 @@ from reliability.launch import SLURM_JOB_ID, load, losses, run, text
 from reliability.scenarios import MAX_EPOCHS, STEPS_PER_EPOCH, config, errors
 from reliability.test_rank_failure import _assert_same_state
 
-from lightning_gradcomp.checkpoint_shards import read_shards, write_shard
+from lightning_gradcomp.shard_files import read_shards, write_shard
 from lightning_gradcomp.strategy import verify_checkpoint_file
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ from torch import nn
 from helpers.distributed import free_port
 from helpers.models import TinyNet, fit
 from lightning_gradcomp import SwarmStrategy
-from lightning_gradcomp.checkpoint_shards import read_shards
+from lightning_gradcomp.shard_files import read_shards
 from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.swarm.asynchronous import AsyncGossip, StoreMatchmaker, exchange_group
 from lightning_gradcomp.swarm.exchange import LatticeCodec, PairwiseGossip

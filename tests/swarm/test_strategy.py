@@ -22,7 +22,7 @@ import lightning_gradcomp  # noqa: F401 - registers "swarmsgd"
 from helpers.models import SparseEmbeddingNet, TinyNet, fit
 from helpers.shards import damage_shard
 from lightning_gradcomp import SwarmStrategy
-from lightning_gradcomp.checkpoint_shards import read_shards, shard_dir
+from lightning_gradcomp.shard_files import read_shards, shard_dir
 
 
 class SwarmProbe(pl.Callback):

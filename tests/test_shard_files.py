@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers.models import ReadyOrderNet, TinyNet, fit
 from helpers.shards import damage_shard
-from lightning_gradcomp import GradCompStrategy, checkpoint_shards
-from lightning_gradcomp.checkpoint_shards import (build_manifest, check_manifest, load_shard, read_shards,
+from lightning_gradcomp import GradCompStrategy, shard_files
+from lightning_gradcomp.shard_files import (build_manifest, check_manifest, load_shard, read_shards,
                                                   remove_shards, remove_stale_shards, shard_dir, shard_name,
                                                   shard_path, write_shard)
 from lightning_gradcomp.compressors import TopK
@@ -263,7 +263,7 @@ class _FailShardWrite(pl.Callback):
         if trainer.global_rank == 1:
             def fail(*args: Any, **kwargs: Any) -> Any:
                 raise OSError("No space left on device (simulated)")
-            checkpoint_shards.write_shard = fail
+            shard_files.write_shard = fail
 
 
 def test_a_failed_shard_write_stops_every_rank(tmp_path: Path) -> None:
@@ -294,3 +294,13 @@ def test_rank_zero_file_holds_no_memories_at_w4(tmp_path: Path) -> None:
         assert memory_bytes <= shard["bytes"] < memory_bytes + 64 * 1024  # one rank's memory, once
         assert set(states[rank]["memory"]) == set(compressed)
     assert len({float(s["memory"]["body.2.weight"].abs().sum()) for s in states}) == world  # per-rank memories
+
+
+def test_the_old_module_name_warns_and_is_the_same_module() -> None:
+    import importlib
+    import sys
+
+    sys.modules.pop("lightning_gradcomp.checkpoint_shards", None)
+    with pytest.warns(DeprecationWarning, match="renamed lightning_gradcomp.shard_files"):
+        old = importlib.import_module("lightning_gradcomp.checkpoint_shards")
+    assert old is shard_files
