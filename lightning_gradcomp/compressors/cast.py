@@ -11,7 +11,6 @@ from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduc
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.functional.half import scaled_cast, widen
 from lightning_gradcomp.functional.selection import prepare_native
-from lightning_gradcomp.presets import register_preset
 
 __all__ = ["Cast"]
 
@@ -69,7 +68,3 @@ class Cast(Compressor):
 
     def extra_repr(self) -> str:
         return f"dtype={self.dtype}"
-
-
-register_preset("gradcomp_fp16", "DDP + float16 all-reduce", lambda: {"compressor": Cast(torch.float16)})
-register_preset("gradcomp_bf16", "DDP + bfloat16 all-reduce", lambda: {"compressor": Cast(torch.bfloat16)})

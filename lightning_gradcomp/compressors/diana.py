@@ -52,7 +52,6 @@ from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional.axpy import add_scaled
 from lightning_gradcomp.functional.quantize import Quantized, alpha_p, rows_mean
-from lightning_gradcomp.presets import register_preset
 
 __all__ = ["DIANA", "BlockQuantizer"]
 
@@ -253,10 +252,3 @@ class DIANA(QuantizedCompressor):
     def extra_repr(self) -> str:
         extra = super().extra_repr()
         return f"quantizer='{self.quantizer}', alpha={self.alpha:.6g}" + (f", {extra}" if extra else "")
-
-
-register_preset(
-    "diana",
-    "DDP + DIANA (l-inf blocks of 128, alpha = alpha_p/2) over the quantized all-reduce",
-    lambda: {"compressor": DIANA()},
-)

@@ -8,7 +8,6 @@ from lightning_gradcomp.checks import check_bucket_size, check_int
 from lightning_gradcomp.compressors.quantized import QuantizedCompressor, SlotCodec, check_p
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.functional.quantize import levels_for_bits
-from lightning_gradcomp.presets import register_preset
 
 __all__ = ["QSGD", "check_bits", "check_bucket_size"]
 
@@ -61,8 +60,3 @@ class QSGD(QuantizedCompressor):
     def extra_repr(self) -> str:
         extra = super().extra_repr()
         return f"bits={self.bits}, bucket_size={self.bucket_size}, p={self.p}" + (f", {extra}" if extra else "")
-
-
-register_preset(
-    "qsgd", "DDP + 4-bit QSGD (bucket 512) over the quantized all-reduce", lambda: {"compressor": QSGD(bits=4)}
-)

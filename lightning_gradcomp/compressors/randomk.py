@@ -20,7 +20,6 @@ from lightning_gradcomp.compressors.sparse import (
 )
 from lightning_gradcomp.functional.layerwise import randomk_errors, sparse_sizes
 from lightning_gradcomp.functional.sparsify import kept_count, scatter_dense, stratified_layers
-from lightning_gradcomp.presets import register_preset
 
 __all__ = ["RandomK"]
 
@@ -119,8 +118,3 @@ class RandomK(SparseCompressor):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", unbiased=True" if self.unbiased else "")
-
-
-register_preset(
-    "gradcomp_randomk", "DDP + shared random-1% with error feedback", lambda: {"compressor": RandomK(density=0.01)}
-)

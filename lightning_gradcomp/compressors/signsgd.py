@@ -22,7 +22,6 @@ from lightning_gradcomp.compressors.quantized import (
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional.quantize import Quantized, sign_quantize
-from lightning_gradcomp.presets import register_preset
 
 __all__ = ["SignSGD"]
 
@@ -95,8 +94,3 @@ class SignSGD(QuantizedCompressor):
     def extra_repr(self) -> str:
         extra = super().extra_repr()
         return f"bucket_size={self.bucket_size}" + (f", {extra}" if extra else "")
-
-
-register_preset(
-    "signsgd", "DDP + scaled SignSGD (1 bit, bucket 512) with error feedback", lambda: {"compressor": SignSGD()}
-)

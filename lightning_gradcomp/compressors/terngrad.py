@@ -8,7 +8,6 @@ from typing import Any
 from lightning_gradcomp.checks import check_bucket_size
 from lightning_gradcomp.compressors.quantized import QuantizedCompressor, SlotCodec
 from lightning_gradcomp.compressors.registry import register
-from lightning_gradcomp.presets import register_preset
 
 __all__ = ["TernGrad"]
 
@@ -38,8 +37,3 @@ class TernGrad(QuantizedCompressor):
     def extra_repr(self) -> str:
         extra = super().extra_repr()
         return f"bucket_size={self.bucket_size}" + (f", {extra}" if extra else "")
-
-
-register_preset(
-    "terngrad", "DDP + TernGrad (2-bit, bucket 512) over the quantized all-reduce", lambda: {"compressor": TernGrad()}
-)
