@@ -1,4 +1,4 @@
-"""Compressors: one small file per family, plus a name registry (``register`` / ``create`` / ``list``)."""
+"""Compressors: one small file per family, plus a name registry (``register`` / ``create`` / ``names``)."""
 
 from lightning_gradcomp.compressors import registry
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
