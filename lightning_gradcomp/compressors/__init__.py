@@ -1,7 +1,7 @@
 """Compressors: one small file per family, plus a name registry (``register`` / ``create`` / ``names``)."""
 
 from lightning_gradcomp.compressors import registry
-from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
+from lightning_gradcomp.compressors.base import Capabilities, Compressor, ReduceContext, Reduction
 from lightning_gradcomp.compressors.cast import Cast
 from lightning_gradcomp.compressors.cltk import CLTK
 from lightning_gradcomp.compressors.diana import DIANA, BlockQuantizer
@@ -18,6 +18,7 @@ from lightning_gradcomp.compressors.topk import TopK
 __all__ = [
     "BlockQuantizer",
     "CLTK",
+    "Capabilities",
     "Cast",
     "Compressor",
     "DIANA",

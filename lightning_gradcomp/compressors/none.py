@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.comm import then_same_numerics
-from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, split_flat
+from lightning_gradcomp.compressors.base import Capabilities, Compressor, ReduceContext, Reduction, split_flat
 from lightning_gradcomp.functional.axpy import predivide_
 
 __all__ = ["NoCompression"]
@@ -15,7 +15,7 @@ __all__ = ["NoCompression"]
 class NoCompression(Compressor):
     """Dense fp32 all-reduce of every bucket; the engine pre-divides by W exactly as DDP does."""
 
-    dense = True
+    capabilities = Capabilities(dense=True)
 
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
         """Average by one all-reduce of the concatenated slots."""

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.comm import completed_future
-from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
+from lightning_gradcomp.compressors.base import Capabilities, Compressor, ReduceContext, Reduction
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional import _native
 from lightning_gradcomp.functional.layerwise import quantization_errors, quantized_sizes
@@ -453,8 +453,10 @@ class QuantizedCompressor(Compressor):
             (bandwidth-optimal two-stage) or ``"allgather"`` (exact); see :func:`resolve_aggregation`.
     """
 
-    borrows_inputs = True  # quantization only reads them (DIANA subtracts its shift in that pass); nothing keeps them
-    bucket_cap_mb = 4.0  # 1/16-1/8 of the dense bytes still travel: overlap them with backward (docs/benchmarks.md)
+    capabilities = Capabilities(
+        borrows_inputs=True,  # quantization only reads them (DIANA subtracts its shift in that pass), keeps nothing
+        bucket_cap_mb=4.0,  # 1/16-1/8 of the dense bytes still travel: overlap them with backward (docs/benchmarks.md)
+    )
 
     def __init__(self, aggregation: str = "auto") -> None:
         self.aggregation: str = check_aggregation(aggregation)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.checks import check_dtype, check_number
-from lightning_gradcomp.compressors.base import Compressor, storage_window
+from lightning_gradcomp.compressors.base import Capabilities, Compressor, storage_window
 from lightning_gradcomp.functional.layerwise import sparse_sizes, topk_errors
 from lightning_gradcomp.functional.sparsify import int32_index_words, kept_count, repeated_offsets
 
@@ -158,7 +158,7 @@ class SparseCompressor(Compressor):
     """
 
     param_name = "density"
-    sparse_outputs = True
+    capabilities = Capabilities(sparse_outputs=True)  # zeros plus k entries per layer, through ctx.output
 
     def __init__(
         self, density: float = 0.01, value_dtype: torch.dtype | str = torch.float32, *, ratio: Optional[float] = None
