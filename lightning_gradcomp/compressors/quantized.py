@@ -30,6 +30,7 @@ waited in ``reduce()`` and the returned Future is already complete.
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.checks import check_group_size, renamed_argument
 from lightning_gradcomp.comm import completed_future
 from lightning_gradcomp.compressors.base import Capabilities, Compressor, ReduceContext, Reduction
 from lightning_gradcomp.compressors.staged import StagedState
@@ -70,6 +72,7 @@ __all__ = [
     "owned_moved",
     "owned_state",
     "resolve_aggregation",
+    "resolve_group_size",
     "stage_owned",
     "split_groups",
     "state_copy",
@@ -85,6 +88,19 @@ def check_aggregation(aggregation: str) -> str:
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"`aggregation` must be one of {AGGREGATIONS}, got {aggregation!r}")
     return aggregation
+
+
+def resolve_group_size(owner: str, group_size: Any, bucket_size: Any, default: int = 512) -> int:
+    """The validated ``group_size`` of a quantizer from ``group_size=`` and its deprecated alias ``bucket_size=``
+    (:func:`~lightning_gradcomp.checks.renamed_argument`: the alias warns; checked under the name the caller used).
+
+    Example::
+
+        >>> resolve_group_size("QSGD", 128, None)
+        128
+    """
+    name, value = renamed_argument(owner, "group_size", group_size, default, "bucket_size", bucket_size, stacklevel=4)
+    return check_group_size(value, name)
 
 
 def resolve_aggregation(aggregation: str, world_size: int) -> str:
@@ -461,6 +477,24 @@ class QuantizedCompressor(Compressor):
     def __init__(self, aggregation: str = "auto") -> None:
         self.aggregation: str = check_aggregation(aggregation)
         self._layouts: dict[tuple, WireLayout] = {}
+
+    @property
+    def bucket_size(self) -> int:
+        """Deprecated name of ``group_size`` (warns)."""
+        warnings.warn("`.bucket_size` is deprecated: use `.group_size`", DeprecationWarning, stacklevel=2)
+        return int(self.group_size)
+
+    @bucket_size.setter
+    def bucket_size(self, value: int) -> None:
+        warnings.warn("`.bucket_size` is deprecated: use `.group_size`", DeprecationWarning, stacklevel=2)
+        self.group_size = check_group_size(value, "bucket_size")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickled compressor, one saved before ``bucket_size`` became ``group_size`` included."""
+        state = dict(state)
+        if "bucket_size" in state:
+            state.setdefault("group_size", state.pop("bucket_size"))
+        self.__dict__.update(state)
 
     # ------------------------------------------------------------------ subclass API
     def codec(self, param: Any) -> SlotCodec:
