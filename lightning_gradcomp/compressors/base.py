@@ -217,10 +217,12 @@ def _is_flag(value: Any) -> bool:
 class Compressor(ABC):
     """Base class: configuration plus optional per-layer persistent state.
 
-    Subclasses set :attr:`param_name` when they have a per-layer parameter, and validate every constructor
-    argument eagerly. Those that also implement :meth:`layer_costs` are :attr:`tunable`: L-GreCo can then
-    choose their parameter per layer (:meth:`candidate_grid` and :meth:`layer_candidates` have defaults for
-    integer parameters).
+    Subclasses set :attr:`param_name` when they have a per-layer parameter, declare the engine fast paths they opt
+    into in :attr:`capabilities` (all off by default), and validate every constructor argument eagerly. Those that
+    also implement :meth:`layer_costs` are :attr:`tunable`: L-GreCo can then choose their parameter per layer
+    (:meth:`candidate_grid` and :meth:`layer_candidates` have defaults for integer parameters). For the common
+    exchanges a base class does the communication: :class:`~.quantized.QuantizedCompressor` and
+    :class:`~.sparse.SharedIndexCompressor`.
     """
 
     param_name: ClassVar[Optional[str]] = None
