@@ -19,8 +19,8 @@ thread's time less its blocking waits, as the bench's "work ms") and of those wa
       python benchmarks/engine_ab.py gradcomp_topk --switch sparse-outputs --steps 30
 
 Both sides run on the same gradients, caches and machine state (and give the same bits), so differences of a few
-percent of the work show that a step-time A/B between two bench runs cannot (docs/benchmarks.md, "Engine speed, this
-version").
+percent of the work show that a step-time A/B between two bench runs cannot (docs/benchmarks-history.md, "Engine
+speed, this version").
 """
 
 from __future__ import annotations

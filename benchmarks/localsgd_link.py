@@ -16,7 +16,7 @@ Configurations (``--configs``):
     our per-step compressor with the fewest bytes at the same accuracy on this CNN: the ``scalecom_compact``
     preset (CLT-k 1 %, approximate selection, fp16 values, delta16 indices, error feedback), every step.
 ``swarm_h4``
-    SwarmSGD H=4, 8-bit, non-blocking (the fastest SwarmSGD configuration of docs/benchmarks.md).
+    SwarmSGD H=4, 8-bit, non-blocking (the fastest SwarmSGD configuration of docs/benchmarks-history.md).
 ``diloco``
     ``LocalSGDStrategy(local_steps=20, outer="nesterov", outer_lr=1.0, outer_momentum=0.5)``, dense fp32
     pseudo-gradients (the outer setting tuned on the Transformer LM of ``localsgd_compare.py``).

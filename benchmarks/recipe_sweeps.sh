@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The ScaleCom recipe sweeps of docs/benchmarks.md ("Recipes"): every setting tried, with every knob explicit, so the
+# The ScaleCom recipe sweeps of docs/benchmarks-history.md ("Recipes"): every setting tried, with every knob explicit, so the
 # settings do not depend on the defaults in recipes/configs/<task>/scalecom_cpu.yaml.
 #
 #   bash benchmarks/recipe_sweeps.sh image "0 1"          # tuning seeds

@@ -9,7 +9,7 @@ Every parameter has an **owner**, a local rank chosen once from the names and si
 model (:func:`assign_owners`: largest first, to the least loaded local rank), never from DDP's buckets, so it
 is the same before and after DDP's bucket rebuild and across resumes. Per bucket (:class:`Hierarchy` holds this
 rank's view, :class:`NodeShards` the bucket's slots grouped by owner; the protocol itself is in
-:meth:`GradCompHook._reduce_hierarchical <lightning_gradcomp.hook.GradCompHook._reduce_hierarchical>`):
+:func:`~lightning_gradcomp.hierarchical_reduction.reduce_hierarchical`):
 
 1. **Node reduce-scatter.** One uneven all-to-all in the node group sends every slot to its owner, together
    with the sender's "NaN/Inf in my bucket" flag; each owner sums the L copies of its slots (the node sum)

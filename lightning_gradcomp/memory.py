@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.checks import check_value, is_number
-from lightning_gradcomp.compressors.staged import drop_staged
+from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional.feedback import compensate_checked, recover_gradient
 
 __all__ = ["ErrorFeedback", "require_error_feedback", "validate_beta", "validate_beta_for"]
@@ -77,10 +77,33 @@ class ErrorFeedback:
 
     def __init__(self, beta: float = 1.0) -> None:
         self._beta = validate_beta(beta)
-        self.memories: dict[str, Tensor] = {}
-        self.staged: dict[str, Tensor] = {}
-        self.staging = False
+        self.store = StagedState()
+        """The memories: committed, and staged by a backward pass until its optimizer step (a
+        :class:`~lightning_gradcomp.step_transaction.StepTransaction` commits or discards them with the compressor's
+        state)."""
+
+    @property
+    def memories(self) -> dict[str, Tensor]:
+        """The committed memories, by layer name."""
+        return self.store.committed
+
+    @memories.setter
+    def memories(self, memories: dict[str, Tensor]) -> None:
+        self.store.load(memories)
+
+    @property
+    def staged(self) -> dict[str, Tensor]:
+        """The memories a backward pass staged, by layer name (not yet committed)."""
+        return self.store.staged
+
+    @property
+    def staging(self) -> bool:
         """Whether :meth:`update` stages (the engine turns this on when an optimizer commits); else it commits."""
+        return self.store.staging
+
+    @staging.setter
+    def staging(self, enabled: bool) -> None:
+        self.store.staging = enabled
 
     @property
     def beta(self) -> float:
@@ -115,8 +138,7 @@ class ErrorFeedback:
     def base(self, name: str) -> Optional[Tensor]:
         """The memory layer ``name`` compensates with: a staged one (a backward pass accumulating into a ``.grad``
         that an earlier, unstepped pass left: the engine keeps that pass's staged memory), else the committed one."""
-        staged = self.staged.get(name)
-        return staged if staged is not None else self.memories.get(name)
+        return self.store.peek(name)
 
     def recover(self, name: str, p: Tensor, scale: Optional[Tensor] = None) -> Tensor:
         """The gradient of layer ``name`` that :meth:`compensate` turned into ``p`` (same ``scale``), recovered from
@@ -131,22 +153,18 @@ class ErrorFeedback:
         ``beta = 1`` it is staged without a copy. The committed memory is never modified in place.
         """
         memory = self.base(name)
-        target = self.staged if self.staging else self.memories
         if self._beta == 1.0 or memory is None or memory.shape != residual.shape:
-            target[name] = residual if self._beta == 1.0 else residual.mul(self._beta)
+            self.store[name] = residual if self._beta == 1.0 else residual.mul(self._beta)
             return
-        target[name] = memory.mul(1.0 - self._beta).add_(residual, alpha=self._beta)
+        self.store[name] = memory.mul(1.0 - self._beta).add_(residual, alpha=self._beta)
 
     def commit(self, names: Optional[Iterable[str]] = None) -> None:
         """Make the staged memories of ``names`` (all when ``None``) the memories; keep the others staged."""
-        for name in list(self.staged) if names is None else names:
-            value = self.staged.pop(name, None)
-            if value is not None:
-                self.memories[name] = value
+        self.store.commit(names)
 
     def discard(self, names: Optional[Iterable[str]] = None) -> None:
         """Drop the staged (uncommitted) memories of ``names`` (all when ``None``)."""
-        drop_staged(self.staged, names)
+        self.store.discard(names)
 
     def norm(self, names: Optional[list[str]] = None) -> float:
         """L2 norm over all (or the named) memories."""
@@ -164,8 +182,7 @@ class ErrorFeedback:
 
     def reset(self) -> None:
         """Drop every memory (committed and staged)."""
-        self.memories.clear()
-        self.staged.clear()
+        self.store.clear()
 
     def state_dict(self) -> dict[str, Tensor]:
         """Copies of the memories (CPU tensors, ``weights_only``-loadable)."""
@@ -173,8 +190,9 @@ class ErrorFeedback:
 
     def load_state_dict(self, state: dict[str, Tensor], device: Optional[torch.device] = None) -> None:
         """Replace the memories with ``state`` (moved to ``device`` when given)."""
-        self.memories = {
-            k: v.to(device=device, dtype=torch.float32) if device is not None else v.to(torch.float32).clone()
-            for k, v in state.items()
-        }
-        self.staged.clear()
+        self.store.load(
+            {
+                k: v.to(device=device, dtype=torch.float32) if device is not None else v.to(torch.float32).clone()
+                for k, v in state.items()
+            }
+        )

@@ -21,6 +21,7 @@ from helpers.models import fit
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.compressors import registry
 from lightning_gradcomp.hook import GradCompHook
+from lightning_gradcomp.step_transaction import StepTransaction
 
 SYNCING = ("item", "__bool__", "tolist", "cpu", "numpy", "__int__", "__float__", "nonzero")
 
@@ -61,7 +62,7 @@ def test_no_host_sync_on_the_training_thread(tmp_path: Path, name: str, monkeypa
     for method in SYNCING:
         monkeypatch.setattr(torch.Tensor, method, _counting(getattr(torch.Tensor, method), counts, method))
     monkeypatch.setattr(GradCompHook, "__call__", _inside_of(GradCompHook.__call__))
-    monkeypatch.setattr(GradCompHook, "_on_optimizer_step", _inside_of(GradCompHook._on_optimizer_step))
+    monkeypatch.setattr(StepTransaction, "_on_optimizer_step", _inside_of(StepTransaction._on_optimizer_step))
     strategy = GradCompStrategy(compressor=registry.create(name), start_method="fork")
     fit(strategy, tmp_path, max_epochs=2, callbacks=[_Save(tmp_path, counts)])
     for rank in range(2):

@@ -15,9 +15,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_gradcomp"
 
 FLOORS = {  # docs/design.md, "Map of the package"
     1: {"checks", "distributed", "failures", "atomic_files", "checkpoint_shards", "functional", "comm", "gloo_workers",
-        "advise.costs"},
-    2: {"compressors", "schedule", "memory", "plan"},
-    3: {"hook", "commthread", "hierarchy", "sharded_checkpoints", "replicas"},
+        "advise.costs", "resident"},
+    2: {"compressors", "schedule", "memory", "plan", "observers", "step_transaction"},
+    3: {"reduction", "hierarchical_reduction", "hook", "commthread", "hierarchy", "sharded_checkpoints", "replicas"},
     4: {"strategy", "presets", "gradcomp_presets", "swarm", "localsgd", "callbacks", "bench", "report", "cli", "__init__",
         "advise"},
 }

@@ -479,7 +479,8 @@ class QuantizedCompressor(Compressor):
 
     capabilities = Capabilities(
         borrows_inputs=True,  # quantization only reads them (DIANA subtracts its shift in that pass), keeps nothing
-        bucket_cap_mb=4.0,  # 1/16-1/8 of the dense bytes still travel: overlap them with backward (docs/benchmarks.md)
+        # 1/16-1/8 of the dense bytes still travel: overlap them with backward (docs/benchmarks-history.md)
+        bucket_cap_mb=4.0,
     )
 
     def __init__(self, aggregation: str = "auto") -> None:

@@ -1,14 +1,17 @@
 """Optional compiled CPU kernel of the top-k selections (see :mod:`.selection`) and of the quantizers'
 stochastic rounding, decoding and 2/4-bit packing (see :mod:`.quantize` and :mod:`.packing`).
 
-The kernel's C++ source is package data, ``functional/native/selection.cpp`` (:func:`source`): a plain
-pybind11 module, no torch headers or libraries. :func:`load` compiles it with the system's C++ compiler
-(``$CXX``, else ``c++``, ``g++`` or ``clang++`` on the ``PATH``; 7-20 s on a loaded 2-core machine) and
-imports it. Call it before training: ``CLTK(selection="approx").prepare()`` does (through
-``selection.prepare_native``), and so does every quantizing compressor's ``prepare()``, on every rank in
-the strategy's setup, so that no build runs during backward while the other ranks wait in a collective. A
-selection or quantization that runs before any :func:`load` still builds the kernel on its first call.
-Nothing is compiled at import time.
+The kernel's C++ sources are package data, the files :data:`SOURCE_FILES` of ``functional/native/`` (:func:`sources`):
+one source per kind of kernel (``select.cpp``, ``quantize.cpp``, ``axpy.cpp``, ``casts.cpp``, ``finite.cpp``,
+``sign.cpp``, ``gemm.cpp``, ``feedback.cpp``, ``delta16.cpp``, ``bitpack.cpp``), the helpers several share in
+``common.h``, and ``module.cpp``, the one that includes pybind11 and registers every function: ONE plain pybind11
+module, no torch headers or libraries. :func:`load` compiles them with the system's C++ compiler (``$CXX``, else
+``c++``, ``g++`` or ``clang++`` on the ``PATH``), each source in its own process, as many at once as the CPUs allow,
+then links them (7 s on 2 idle cores, 15-30 s on 2 cores busy with other work), and imports the module. Call it before
+training: ``CLTK(selection="approx").prepare()`` does (through ``selection.prepare_native``), and so does every
+quantizing compressor's ``prepare()``, on every rank in the strategy's setup, so that no build runs during backward
+while the other ranks wait in a collective. A selection or quantization that runs before any :func:`load` still builds
+the kernel on its first call. Nothing is compiled at import time.
 
 :func:`load` returns ``None`` when the environment variable ``LIGHTNING_GRADCOMP_NO_NATIVE`` is ``1`` (read
 on the first call) or the kernel cannot be built or imported (no compiler, no ``Python.h``, a compile error):
@@ -16,13 +19,13 @@ then it warns once per process, naming the reason, and does not retry; the selec
 quantizers their torch steps (the same results, slower).
 
 The build is cached under torch's extensions directory (``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``), keyed by a hash of the source, torch's version (its pybind11 headers) and
-the Python ABI, so it runs once per machine; later processes import it in milliseconds. Concurrent processes
-(the ranks of one machine) take turns on an ``flock`` of ``<cache>/<name>/build.lock``, which the OS releases
-when its holder dies (a killed build leaves no stale lock): the first compiles in a private directory and
-publishes the library by an atomic rename, so no process imports a half-written library, and the others
-find it when the lock is theirs. Without ``fcntl`` (or after :data:`_LOCK_TIMEOUT` seconds of waiting) a
-process builds unlocked: redundant work, still correct.
+``~/.cache/torch_extensions``), keyed by a hash of the sources (:func:`source`), torch's version (its pybind11 headers),
+the Python ABI and the flags, so it runs once per machine; later processes import it in milliseconds. Concurrent
+processes (the ranks of one machine) take turns on an ``flock`` of ``<cache>/<name>/build.lock``, which the OS releases
+when its holder dies (a killed build leaves no stale lock): the first compiles in a private directory and publishes the
+library by an atomic rename, so no process imports a half-written library, and the others find it when the lock is
+theirs. Without ``fcntl`` (or after :data:`_LOCK_TIMEOUT` seconds of waiting) a process builds unlocked: redundant work,
+still correct.
 
 Kernel functions (each reads ``x`` as flat; results are identical to the NumPy steps they replace):
 
@@ -56,10 +59,13 @@ Kernel functions (each reads ``x`` as flat; results are identical to the NumPy s
 * ``thin_matmul``, ``thin_matmul_t`` and ``subtract_product`` (called by :mod:`.lowrank`): PowerSGD's ``M Q``,
   ``M^T P`` and ``M - P Q^T`` for up to ``thin_max`` (32) columns, one pass over ``M`` each, in a fixed summation
   order of their own (not BLAS's bits).
+
+``native/common.h`` begins with the list of which source holds which function.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -90,7 +96,8 @@ __all__ = [
     "DONE",
     "MAX_NUMEL",
     "NONE",
-    "SOURCE_FILE",
+    "SOURCE_DIR",
+    "SOURCE_FILES",
     "TIES",
     "approx",
     "at_least",
@@ -99,6 +106,7 @@ __all__ = [
     "for_fp32",
     "load",
     "source",
+    "sources",
 ]
 
 DISABLE_ENV = "LIGHTNING_GRADCOMP_NO_NATIVE"
@@ -110,15 +118,35 @@ DONE, NONE, TIES = 0, 1, 2
 MAX_NUMEL = 1 << 32
 """Tensors must have fewer entries than this (the kernel's histograms count in 32 bits)."""
 
-SOURCE_FILE = ("lightning_gradcomp.functional", "native/selection.cpp")
-"""The kernel's source: ``(package, path relative to it)``, shipped as package data."""
+SOURCE_DIR = ("lightning_gradcomp.functional", "native")
+"""Where the kernel's sources are: ``(package, folder relative to it)``, shipped as package data."""
+
+SOURCE_FILES = (
+    "common.h",
+    "module.cpp",
+    "select.cpp",
+    "quantize.cpp",
+    "axpy.cpp",
+    "casts.cpp",
+    "finite.cpp",
+    "sign.cpp",
+    "gemm.cpp",
+    "feedback.cpp",
+    "delta16.cpp",
+    "bitpack.cpp",
+)
+"""The kernel's sources in :data:`SOURCE_DIR`, in the order :func:`source` joins them (the ``.cpp`` files are compiled,
+``module.cpp``, the slowest, first)."""
 
 _SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 """File name ending of an extension module of this Python (e.g. ``.cpython-311-x86_64-linux-gnu.so``)."""
 
-_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off")
-"""Compiler flags (pybind11's recommended ones; the kernel picks its instruction set at run time). No
+_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off")
+"""Compiler flags of every source (pybind11's recommended ones; the kernel picks its instruction set at run time). No
 contraction of ``a * b + c`` into an FMA: the quantization kernel must round each fp32 step as torch does."""
+
+_LINK_FLAGS = ("-shared",)
+"""Flags of the link of the compiled sources into the extension module."""
 
 _LOCK_TIMEOUT = 600.0
 """Seconds a process waits for another one's build before it builds too (unlocked)."""
@@ -131,10 +159,23 @@ _DISABLED: bool | None = None
 costs more than the selection of a small layer once other work has evicted Python's caches)."""
 
 
+def sources() -> dict[str, str]:
+    """The kernel's C++ sources, file name to text in the order of :data:`SOURCE_FILES`, read from the package data (a
+    wheel and an editable install alike)."""
+    package, folder = SOURCE_DIR
+    root = resources.files(package).joinpath(*folder.split("/"))
+    return {name: root.joinpath(name).read_text(encoding="utf-8") for name in SOURCE_FILES}
+
+
 def source() -> str:
-    """The kernel's C++ source, read from the package data (a wheel and an editable install alike)."""
-    package, path = SOURCE_FILE
-    return resources.files(package).joinpath(*path.split("/")).read_text(encoding="utf-8")
+    """The kernel's C++ sources as one text: each file's text after a line naming it, in the order of
+    :data:`SOURCE_FILES` (the cache key hashes it)."""
+    return _joined(sources())
+
+
+def _joined(files: dict[str, str]) -> str:
+    """:func:`source`'s text of the sources ``files``."""
+    return "".join(f"// ==> {SOURCE_DIR[1]}/{name}\n{text}" for name, text in files.items())
 
 
 def load() -> ModuleType | None:
@@ -171,11 +212,9 @@ def load() -> ModuleType | None:
 
 def _build() -> ModuleType:
     """Import the cached kernel, compiling it first when this machine has none (see the module docstring)."""
-    text = source()
-    name = (
-        "lightning_gradcomp_native_"
-        + hashlib.sha256(f"{text}|{torch.__version__}|{_SUFFIX}|{_FLAGS}".encode()).hexdigest()[:12]
-    )
+    files = sources()
+    key = f"{_joined(files)}|{torch.__version__}|{_SUFFIX}|{_FLAGS}|{_LINK_FLAGS}"
+    name = "lightning_gradcomp_native_" + hashlib.sha256(key.encode()).hexdigest()[:12]
     build_dir = os.path.join(_cache_root(), name)
     library = os.path.join(build_dir, name + _SUFFIX)
     if not os.path.exists(library):
@@ -184,7 +223,7 @@ def _build() -> ModuleType:
             if not os.path.exists(library):  # another process may have built it while this one waited
                 work = tempfile.mkdtemp(prefix="build-", dir=build_dir)
                 try:
-                    os.replace(_compile(name, text, work), library)  # atomic: the whole library or none
+                    os.replace(_compile(name, files, work), library)  # atomic: the whole library or none
                 finally:
                     shutil.rmtree(work, ignore_errors=True)
     spec = importlib.util.spec_from_file_location(name, library)
@@ -233,8 +272,10 @@ def _exclusive(path: str) -> Iterator[None]:
         yield
 
 
-def _compile(name: str, text: str, work: str) -> str:
-    """Compile the source ``text`` as the extension module ``name`` in the directory ``work``; its path."""
+def _compile(name: str, files: dict[str, str], work: str) -> str:
+    """Compile the sources ``files`` (file name to text) as the extension module ``name`` in the directory ``work``;
+    its path. Each ``.cpp`` is compiled by its own process, as many at once as this process may use CPUs, in the
+    order of ``files``; then one link."""
     compiler = _compiler()
     pybind11 = os.path.join(os.path.dirname(torch.__file__), "include")  # torch ships pybind11's headers
     python = sysconfig.get_paths()["include"]
@@ -242,31 +283,46 @@ def _compile(name: str, text: str, work: str) -> str:
         raise RuntimeError(f"pybind11 headers not found in {pybind11}")
     if not os.path.exists(os.path.join(python, "Python.h")):
         raise RuntimeError(f"Python.h not found in {python} (install the Python development headers)")
-    path = os.path.join(work, "selection.cpp")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    for file, text in files.items():
+        with open(os.path.join(work, file), "w", encoding="utf-8") as f:
+            f.write(text)
+    units = [file for file in files if file.endswith(".cpp")]
+    flags = [*_FLAGS, f"-DLGC_MODULE_NAME={name}", "-isystem", pybind11, "-isystem", python]
+    commands = [[*compiler, *flags, "-c", os.path.join(work, u), "-o", os.path.join(work, u + ".o")] for u in units]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(units), _cpus()))) as pool:
+        done = list(pool.map(_run, commands))
+    for unit, (returncode, output) in zip(units, done):
+        if returncode != 0:
+            detail = _first_error(returncode, output)
+            raise RuntimeError(f"{shlex.join(compiler)} failed to compile {SOURCE_DIR[1]}/{unit}: {detail}")
     out = os.path.join(work, name + _SUFFIX)
-    command = [
-        *compiler,
-        *_FLAGS,
-        f"-DLGC_MODULE_NAME={name}",
-        "-isystem",
-        pybind11,
-        "-isystem",
-        python,
-        path,
-        "-o",
-        out,
-    ]
+    command = [*compiler, *_LINK_FLAGS, *(os.path.join(work, u + ".o") for u in units), "-o", out]
     if sys.platform == "darwin":
         command += ["-undefined", "dynamic_lookup"]  # Python's symbols resolve when the module is imported
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
-        errors = [line for line in lines if "error" in line.lower()]
-        detail = (errors or lines or [f"exit status {done.returncode}"])[0]
-        raise RuntimeError(f"{shlex.join(compiler)} failed to compile {SOURCE_FILE[1]}: {detail}")
+    returncode, output = _run(command)
+    if returncode != 0:
+        raise RuntimeError(f"{shlex.join(compiler)} failed to link the kernel: {_first_error(returncode, output)}")
     return out
+
+
+def _run(command: list[str]) -> tuple[int, str]:
+    """Run ``command``; its exit status and its output (stderr, then stdout)."""
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    return done.returncode, done.stderr + done.stdout
+
+
+def _first_error(returncode: int, output: str) -> str:
+    """The first line of a failed compiler's ``output`` that names an error, else its first line, else its exit
+    status."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or [f"exit status {returncode}"])[0]
+
+
+def _cpus() -> int:
+    """How many CPUs this process may use."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
 def _compiler() -> list[str]:

@@ -34,7 +34,9 @@ dropped), so replicas are bit-identical in that fragment right after it. At most
 (``tau <= local_steps / fragments``). :meth:`drain` waits for the exchange without applying it (checkpoints
 store its averaged result and apply it at the same step after a resume).
 
-The object also quacks like :class:`~lightning_gradcomp.hook.GradCompHook` where
+Its compressed part runs through the reduction pipeline (compensation, compressor, memory update, observers:
+:meth:`GradientReduction.reduce_layers <lightning_gradcomp.reduction.GradientReduction.reduce_layers>`). The
+object also quacks like :class:`~lightning_gradcomp.hook.GradCompHook` where
 :class:`~lightning_gradcomp.callbacks.CompressionLogger` reads it (``stats``, ``step``, ``start_step``,
 ``observers``, ``memory``, ``compressor``, ``comm``, ``plans()``, ``param_of()``): the logger's bytes, ratio,
 memory norm and compression error (sampled per sync) work unchanged. ``step`` counts syncs.
@@ -51,12 +53,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
-from lightning_gradcomp.compressors.base import Compressor, ReduceContext
+from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.functional.finite import DeferredCount, nonfinite_flag, zero_if_nonfinite
 from lightning_gradcomp.functional.realview import from_real, real_view
-from lightning_gradcomp.hook import HookObserver, reduce_with_feedback
 from lightning_gradcomp.memory import ErrorFeedback
+from lightning_gradcomp.observers import HookObserver
 from lightning_gradcomp.plan import BucketPlan, SlotPolicy, build_plan
+from lightning_gradcomp.reduction import GradientReduction
 
 __all__ = ["OUTERS", "OuterSync", "split_fragments"]
 
@@ -152,7 +155,8 @@ class OuterSync:
         self.policy = policy or SlotPolicy()
         self.outer, self.outer_lr, self.outer_momentum, self.seed = outer, outer_lr, outer_momentum, seed
         self.memory = ErrorFeedback(beta)
-        self.observers: list[HookObserver] = []
+        self.reduction = GradientReduction(compressor, comm, self.memory, self.param_of, seed=seed)
+        self.observers: list[HookObserver] = self.reduction.observers
         self.layer_params: dict[str, Any] = {}
         self.params = dict(params)
         self.buffers = dict(buffers)
@@ -365,17 +369,8 @@ class OuterSync:
                 buffers[name] = piece.to(self.buffers[name].dtype)
         if not comp:
             return out, buffers
-        use_ef = self.compressor.uses_error_feedback
-        tensors = [
-            self.memory.compensate(s.name, deltas[s.name].reshape(-1)) if use_ef else deltas[s.name].reshape(-1).clone()
-            for s in comp
-        ]
-        watchers = [obs for obs in self.observers if obs.wants(job.step)]
-        inputs = [t.clone() for t in tensors] if watchers else []
-        ctx = ReduceContext(comm, job.step, plans[0].index, comp, [self.param_of(s.name) for s in comp], self.seed)
-        reduction = reduce_with_feedback(
-            self.compressor, self.memory if use_ef else None, tensors, ctx, watchers, inputs
-        )
+        gradients = [deltas[s.name].reshape(-1) for s in comp]
+        reduction = self.reduction.reduce_layers(gradients, comp, job.step, plans[0].index, comm)
         for slot, avg in zip(comp, reduction.averaged.wait()):
             out[slot.name] = avg.reshape(slot.shape).to(torch.float32)
         return out, buffers

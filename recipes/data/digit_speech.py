@@ -52,8 +52,8 @@ def resolve_engine(engine: Engine) -> str:
         if espeak_available():
             return "espeak"
         warnings.warn("speech data: espeak-ng is not installed, so engine='auto' synthesises digits with the 'tones' "
-                      "fallback; results are not comparable with espeak-ng runs (docs/benchmarks.md). Install it "
-                      "with `apt-get install -y espeak-ng`, or pass engine='tones' to silence this warning.")
+                      "fallback; results are not comparable with espeak-ng runs (docs/benchmarks-history.md). "
+                      "Install it with `apt-get install -y espeak-ng`, or pass engine='tones' to silence this warning.")
         return "tones"
     if engine == "espeak" and not espeak_available():
         raise FileNotFoundError("espeak-ng is not installed (apt-get install -y espeak-ng), use engine='tones'")

@@ -396,16 +396,24 @@ def test_stride_used_by_both_paths() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ building
-def test_source_is_package_data() -> None:
-    """The C++ source is a real file of the package, and pyproject ships it (wheel and editable installs)."""
+def test_sources_are_package_data() -> None:
+    """The C++ sources are real files of the package, every one of the folder is built, and pyproject ships them
+    (wheel and editable installs)."""
     package = Path(lightning_gradcomp.__file__).parent
-    path = package / "functional" / "native" / "selection.cpp"
-    assert _native.source() == path.read_text(encoding="utf-8")
-    assert "PYBIND11_MODULE(LGC_MODULE_NAME, m)" in _native.source()
+    folder = package / "functional" / "native"
+    assert sorted(_native.SOURCE_FILES) == sorted(p.name for p in folder.iterdir() if p.suffix in (".cpp", ".h"))
+    files = _native.sources()
+    assert list(files) == list(_native.SOURCE_FILES)
+    for name, text in files.items():
+        assert text == (folder / name).read_text(encoding="utf-8")
+        assert f"// ==> native/{name}\n{text}" in _native.source()
+    assert [name for name, text in files.items() if "PYBIND11_MODULE(LGC_MODULE_NAME, m)" in text] == ["module.cpp"]
+    assert [name for name, text in files.items() if "#include <pybind11/" in text] == ["module.cpp"]
     tomllib = pytest.importorskip("tomllib")
     pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text(encoding="utf-8"))
     patterns = pyproject["tool"]["setuptools"]["package-data"]["lightning_gradcomp"]
-    assert any(fnmatch(path.relative_to(package).as_posix(), pattern) for pattern in patterns)
+    for name in files:
+        assert any(fnmatch((folder / name).relative_to(package).as_posix(), pattern) for pattern in patterns), name
     assert any(dep.startswith("numpy") for dep in pyproject["project"]["dependencies"])
 
 
@@ -427,7 +435,7 @@ def test_unbuildable_kernel_warns_once_with_the_reason(monkeypatch: pytest.Monke
         reason = "no C++ compiler found"
     else:
         fake = tmp_path / "fake-cxx"
-        fake.write_text("#!/bin/sh\necho 'selection.cpp:1:1: error: boom' >&2\nexit 1\n")
+        fake.write_text("#!/bin/sh\necho 'module.cpp:1:1: error: boom' >&2\nexit 1\n")
         fake.chmod(0o755)
         monkeypatch.setenv("CXX", str(fake))
         reason = "error: boom"
