@@ -79,7 +79,7 @@ def _sign_residual_switch() -> Callable[[bool], None]:
 
 def _sparse_outputs_switch() -> Callable[[bool], None]:
     def set_on(on: bool) -> None:  # off: the compressor zeroes its output slots itself (ctx.output)
-        SparseCompressor.sparse_outputs = on
+        SparseCompressor.capabilities = dataclasses.replace(SparseCompressor.capabilities, sparse_outputs=on)
 
     return set_on
 

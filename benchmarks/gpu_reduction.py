@@ -97,7 +97,7 @@ def configurations() -> dict[str, HookSetup]:
     """Label -> hook setup: dense DDP, PyTorch's two hooks, then every registered compressor with its defaults."""
     configs: dict[str, HookSetup] = {"ddp": lambda *_: None, "torch_powerSGD_r4": _torch_powersgd,
                                      "torch_fp16": _torch_fp16}
-    for name in sorted(registry.list()):
+    for name in sorted(registry.names()):
         if not name.startswith("unit_test"):
             configs[name] = _ours(name)
     return configs

@@ -102,7 +102,7 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any], dict[str, Any]]] = {
     # key: (label, uniform compressor, LGreCo candidate arguments); the same for every task
     "powersgd": ("PowerSGD rank 4", lambda: PowerSGD(rank=4), {"min_factor": 0.25, "max_factor": 4.0}),
     "topk": ("TopK 1 %", lambda: TopK(density=0.01), {"min_factor": 1 / 16, "max_factor": 4.0, "num_candidates": 13}),
-    "qsgd": ("QSGD 4 bits", lambda: QSGD(bits=4, bucket_size=512), {"min_factor": 0.5, "max_factor": 2.0}),
+    "qsgd": ("QSGD 4 bits", lambda: QSGD(bits=4, group_size=512), {"min_factor": 0.5, "max_factor": 2.0}),
     # a higher default rank with a wider grid (ranks 1 to 32), for the question whether PowerSGD leaves more room
     # for re-allocation above rank 4; not in the default set of families
     "powersgd8": ("PowerSGD rank 8", lambda: PowerSGD(rank=8), {"min_factor": 0.125, "max_factor": 4.0}),

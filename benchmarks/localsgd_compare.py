@@ -74,7 +74,7 @@ def make_strategy(kind: str, opts: dict[str, float], task: lg.Task, seed: int) -
     elif "topk" in opts:
         compressor = TopK(density=opts["topk"], value_dtype=values)
     elif "sign" in opts:
-        compressor = SignSGD(bucket_size=int(opts["sign"]))
+        compressor = SignSGD(group_size=int(opts["sign"]))
     elif "psgd" in opts:
         compressor = PowerSGD(rank=int(opts["psgd"]))
     return LocalSGDStrategy(local_steps=int(opts["H"]), outer="nesterov" if kind == "diloco" else "average",

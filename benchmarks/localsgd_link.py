@@ -76,10 +76,10 @@ def make_strategy(key: str, seed: int) -> pl.strategies.Strategy:
                                 overlap=2 if key == "diloco_overlap" else 0, start_method="popen")
     if key == "diloco_sign":
         return LocalSGDStrategy(local_steps=20, outer="nesterov", outer_lr=1.0, outer_momentum=0.0,
-                                compressor=SignSGD(bucket_size=512), seed=seed, start_method="popen")
+                                compressor=SignSGD(group_size=512), seed=seed, start_method="popen")
     if key == "diloco_sign24":
         return LocalSGDStrategy(local_steps=24, outer="nesterov", outer_lr=1.0, outer_momentum=0.5,
-                                compressor=SignSGD(bucket_size=256), seed=seed, start_method="popen")
+                                compressor=SignSGD(group_size=256), seed=seed, start_method="popen")
     return swarm_compare.make_strategy(key, seed, start_method="popen")
 
 

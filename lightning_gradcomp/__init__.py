@@ -4,7 +4,8 @@ Importing the package declares its strategy presets (``gradcomp_topk``, ``scalec
 registered with Lightning's ``StrategyRegistry`` as it is declared; see :mod:`lightning_gradcomp.presets`.
 """
 
-from lightning_gradcomp import callbacks, compressors  # noqa: F401 - public subpackages
+# gradcomp_presets declares GradCompStrategy's presets, before the other strategies' (the order of `list`)
+from lightning_gradcomp import callbacks, compressors, gradcomp_presets  # noqa: F401 - public subpackages
 from lightning_gradcomp.comm import CommStats
 from lightning_gradcomp.localsgd import LocalSGDStrategy
 from lightning_gradcomp.strategy import GradCompStrategy

@@ -16,10 +16,12 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Optional, TypeGuard, Union
+from typing import Any, Optional, TypeGuard, TypeVar, Union, cast
 
 import torch
 
@@ -30,6 +32,7 @@ __all__ = [
     "check_bool",
     "check_bucket_size",
     "check_dtype",
+    "check_group_size",
     "check_int",
     "check_number",
     "check_single_process",
@@ -37,6 +40,8 @@ __all__ = [
     "check_value",
     "is_int",
     "is_number",
+    "renamed_argument",
+    "renamed_keywords",
 ]
 
 
@@ -145,10 +150,83 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
-def check_bucket_size(value: Any, name: str = "bucket_size") -> int:
-    """Validate the size of a group of elements sharing one scale (``bucket_size``, ``block_size``): an integer
-    >= 1."""
+def check_group_size(value: Any, name: str = "group_size") -> int:
+    """Validate a quantization group size, the number of consecutive elements sharing one scale: an integer >= 1."""
     return check_int(name, value, 1)
+
+
+def check_bucket_size(value: Any, name: str = "bucket_size") -> int:
+    """Deprecated name of :func:`check_group_size` (warns with a ``DeprecationWarning``)."""
+    warnings.warn("check_bucket_size is deprecated: use check_group_size", DeprecationWarning, stacklevel=2)
+    return check_group_size(value, name)
+
+
+def renamed_argument(
+    owner: str, new: str, value: Any, default: Any, old: str, old_value: Any, *, stacklevel: int = 3
+) -> tuple[str, Any]:
+    """``(name, value)`` of an argument renamed from ``old`` to ``new``, taken as ``owner(new=value, old=old_value)``
+    was called (``old_value`` ``None``: not passed): ``(new, value)``; else ``(old, old_value)``, with a
+    ``DeprecationWarning`` that names ``new`` (``stacklevel`` as :func:`warnings.warn`'s, counted from the caller of
+    this function). Check the value under the returned name, the one the caller used.
+
+    Raises:
+        TypeError: both names were given, with different values (``value`` not left at ``default``).
+
+    Example::
+
+        >>> renamed_argument("QSGD", "group_size", 128, 512, "bucket_size", None)
+        ('group_size', 128)
+    """
+    if old_value is None:
+        return new, value
+    warnings.warn(
+        f"{owner}({old}=...) is deprecated: use {owner}({new}={old_value!r})",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+    if value != default and value != old_value:
+        raise ArgumentTypeError(
+            f"{owner}: pass `{new}` only (`{old}` is its deprecated name), got both {value!r} and {old_value!r}"
+        )
+    return old, old_value
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def renamed_keywords(**renamed: str) -> Callable[[_F], _F]:
+    """Decorator: the function also accepts each deprecated keyword ``old`` of ``renamed`` (``old="new"``) as its
+    new name ``new``, with a ``DeprecationWarning`` naming ``new``; both at once raise ``TypeError``.
+
+    Example::
+
+        >>> @renamed_keywords(bucket_size="group_size")
+        ... def groups(n, group_size):
+        ...     return -(-n // group_size)
+        >>> groups(1000, group_size=512)
+        2
+    """
+
+    def wrap(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            for old, new in renamed.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise ArgumentTypeError(
+                            f"{fn.__name__}: pass `{new}` only (`{old}` is its deprecated name), got both"
+                        )
+                    warnings.warn(
+                        f"{fn.__name__}({old}=...) is deprecated: use {fn.__name__}({new}=...)",
+                        DeprecationWarning,
+                        stacklevel=2,
+                    )
+                    kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return cast(_F, call)
+
+    return wrap
 
 
 DTYPE_ALIASES: dict[str, torch.dtype] = {

@@ -62,13 +62,13 @@ def _list() -> None:
     from lightning_gradcomp.compressors import registry
     from lightning_gradcomp.presets import PRESETS, UNUSED_SUFFIX
 
-    width = max(map(len, [*PRESETS, *registry.list()]))
+    width = max(map(len, [*PRESETS, *registry.names()]))
     print("Strategy names, Trainer(strategy=NAME); each also as NAME_spawn and NAME_fork (launchers), and the")
     print(f"GradCompStrategy ones as NAME{UNUSED_SUFFIX} (DDP's find_unused_parameters=True):")
     for name in sorted(PRESETS):
         print(f"  {name:<{width}}  {PRESETS[name][0]}")
     print("\nCompressor names, GradCompStrategy(compressor=NAME) or LocalSGDStrategy(compressor=NAME):")
-    for name in registry.list():
+    for name in registry.names():
         print(f"  {name:<{width}}  {registry.describe(name)}")
     print("\nEither kind runs in examples/quickstart.py: python examples/quickstart.py NAME")
 

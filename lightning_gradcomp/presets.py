@@ -1,6 +1,8 @@
 """Strategy presets: the one way to add a name that ``Trainer(strategy=...)`` accepts.
 
-Declare a preset next to its class::
+On the Lightning floor of the package (it imports Lightning's ``StrategyRegistry``): the compressors declare no
+presets. ``GradCompStrategy``'s built-in names are declared in :mod:`lightning_gradcomp.gradcomp_presets`, the other
+strategies' next to their classes, yours anywhere::
 
     register_preset("scalecom", "DDP + ScaleCom CLT-k 1% with error feedback",
                     lambda: {"compressor": CLTK(density=0.01)})
@@ -157,6 +159,6 @@ def _check_declaration(name: str, description: str, factory: Factory, strategy: 
 def _resolve(strategy: Optional[type[Strategy]]) -> type[Strategy]:
     if strategy is not None:
         return strategy
-    from lightning_gradcomp.strategy import GradCompStrategy  # lazy: strategy.py imports the modules declaring presets
+    from lightning_gradcomp.strategy import GradCompStrategy  # late: strategy.py imports us (test_package_floors)
 
     return GradCompStrategy

@@ -41,8 +41,8 @@ from torch.futures import Future
 
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes, completed_future, then_same_numerics
 from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
+from lightning_gradcomp.functional.axpy import predivide_
 from lightning_gradcomp.functional.finite import nonfinite_flag
-from lightning_gradcomp.functional.mean import predivide_
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.observers import BucketRecord, HookObserver
 from lightning_gradcomp.plan import BucketPlan, LayerSlot

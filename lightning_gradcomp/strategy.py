@@ -18,6 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_gradcomp import shard_files
+from lightning_gradcomp.callbacks.lgreco import LGreCo
+from lightning_gradcomp.callbacks.lowpass import LowPassMemoryFilter
 from lightning_gradcomp.checks import ArgumentTypeError, check_bool, check_int, check_single_process, check_timeout
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors.base import Compressor
@@ -620,8 +622,6 @@ def _check_hierarchy_combination(
 
 def _check_hierarchy_callbacks(callbacks: list[Callback]) -> None:
     """Refuse callbacks that exchange every layer's compression state between all ranks (each rank owns some)."""
-    from lightning_gradcomp.callbacks import LGreCo, LowPassMemoryFilter  # noqa: PLC0415 - callbacks import us
-
     for cb in callbacks:
         if isinstance(cb, LGreCo) or (isinstance(cb, LowPassMemoryFilter) and cb.similarity_every_n_steps):
             what = "LGreCo" if isinstance(cb, LGreCo) else "LowPassMemoryFilter(similarity_every_n_steps=...)"

@@ -3,6 +3,7 @@ instead of copies, and the result is the same bits."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from lightning_gradcomp.hook import gradcomp_comm_hook
 
 def _recording(base: type, borrows: bool) -> type:
     class Recording(base):  # type: ignore[misc, valid-type]
-        borrows_inputs = borrows
+        capabilities = dataclasses.replace(base.capabilities, borrows_inputs=borrows)
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)

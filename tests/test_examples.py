@@ -32,11 +32,11 @@ from lightning_gradcomp.compressors import registry  # noqa: E402
 from lightning_gradcomp.presets import PRESETS  # noqa: E402
 
 
-def test_docs_show_the_complete_example_verbatim_in_at_most_50_lines() -> None:
+def test_docs_show_the_complete_example_verbatim_in_at_most_25_lines() -> None:
     source = (ROOT / "examples" / "custom_compressor.py").read_text()
     page = (ROOT / "docs" / "custom-compressor.md").read_text()
     assert source.strip() in page
-    assert len(source.strip().splitlines()) <= 50
+    assert len([line for line in source.splitlines() if line.strip()]) <= 25  # lines of code, blank lines aside
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5])
@@ -51,7 +51,7 @@ def test_example_reduces_within_half_a_step_and_counts_its_bytes(world_size: int
         assert float((got - mean).abs().max()) <= bound
         for other in results[1:]:
             assert torch.equal(got, other["steps"][0]["averaged"][layer])
-    payload = sum(packed_nbytes(math.prod(s), b) for s, b in zip(shapes, bits)) + 4 * len(shapes)
+    payload = sum(packed_nbytes(math.prod(s), b) + 4 * -(-math.prod(s) // 128) for s, b in zip(shapes, bits))
     assert results[0]["stats"]["wire_bytes"] == pytest.approx(all_gather_bytes(payload, world_size))
 
 
@@ -104,10 +104,10 @@ def _listed_names() -> list[str]:
 
 
 def test_the_names_below_are_what_list_prints() -> None:
-    assert sorted(_listed_names()) == sorted([*PRESETS, *registry.list()])
+    assert sorted(_listed_names()) == sorted([*PRESETS, *registry.names()])
 
 
-@pytest.mark.parametrize("name", sorted({*PRESETS, *registry.list()}))
+@pytest.mark.parametrize("name", sorted({*PRESETS, *registry.names()}))
 def test_quickstart_trains_with_every_listed_name(name: str, capfd: pytest.CaptureFixture[str],
                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

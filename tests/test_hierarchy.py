@@ -7,6 +7,7 @@ the Lightning tests fit at W = 4 with nodes of 2 ranks.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -81,7 +82,7 @@ def test_group_size_must_divide_the_world_size() -> None:
 class _WorldOnly(TopK):
     """A compressor that declares it needs every rank of the world."""
 
-    hierarchical = False
+    capabilities = dataclasses.replace(TopK.capabilities, hierarchical=False)
 
 
 def test_compressors_and_callbacks_that_need_the_world_are_refused() -> None:

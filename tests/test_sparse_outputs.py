@@ -5,6 +5,7 @@ where the uncleared gradients give them, the rest within rounding, identical on 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -27,7 +28,7 @@ CASES: dict[str, tuple[type, dict[str, Any]]] = {
 
 def _recording(base: type, sparse: bool) -> type:
     class Recording(base):  # type: ignore[misc, valid-type]
-        sparse_outputs = sparse
+        capabilities = dataclasses.replace(base.capabilities, sparse_outputs=sparse)
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)

@@ -179,8 +179,8 @@ def split_config(name: str) -> tuple[str, dict[str, Any]]:
 
     Example::
 
-        >>> split_config("signsgd@aggregation=alltoall@bucket_size=256")
-        ('signsgd', {'aggregation': 'alltoall', 'bucket_size': 256})
+        >>> split_config("signsgd@aggregation=alltoall@group_size=256")
+        ('signsgd', {'aggregation': 'alltoall', 'group_size': 256})
 
     Raises:
         ValueError: an override without ``=``.

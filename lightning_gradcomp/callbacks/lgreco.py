@@ -42,10 +42,8 @@ from torch import Tensor
 
 from lightning_gradcomp.checks import ArgumentTypeError, check_bool, check_int, check_number
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.compressors.powersgd import PowerSGD
 from lightning_gradcomp.functional.layerwise import feedback_errors, solve_or_uniform
 from lightning_gradcomp.hook import BucketRecord
-from lightning_gradcomp.presets import register_preset
 
 __all__ = ["LGreCo", "layer_candidates", "layer_table"]
 
@@ -416,10 +414,3 @@ class LGreCo(Callback):
             f"accumulate_steps={self.accumulate_steps}, alpha={self.alpha}, statistic={self.statistic!r}, "
             f"window={self.window!r})"
         )
-
-
-register_preset(
-    "lgreco",
-    "DDP + PowerSGD rank 4 with L-GreCo per-layer ranks (re-chosen every 1000 steps)",
-    lambda: {"compressor": PowerSGD(rank=4), "layerwise": LGreCo()},
-)

@@ -20,8 +20,10 @@ Select, quantize and seed *per layer* (keyed by ``slot.name``); batching is for 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -31,12 +33,21 @@ import torch
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_gradcomp.checks import check_number
+from lightning_gradcomp.checks import check_bool, check_number
 from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.plan import LayerSlot
 
-__all__ = ["Compressor", "ReduceContext", "Reduction", "check_number", "split_flat", "storage_window"]
+__all__ = [
+    "CAPABILITY_NAMES",
+    "Capabilities",
+    "Compressor",
+    "ReduceContext",
+    "Reduction",
+    "check_number",
+    "split_flat",
+    "storage_window",
+]
 
 
 @dataclass
@@ -134,60 +145,151 @@ class Reduction:
     local: Optional[Sequence[Tensor]] = None
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What the engine may assume about a compressor: the fast paths it may take. Every field defaults to the safe
+    choice, so a compressor declares only what it opts into (``capabilities = Capabilities(borrows_inputs=True)``).
+
+    Attributes:
+        dense: the compressor is a plain dense all-reduce (the engine takes its fast path).
+        borrows_inputs: :meth:`Compressor.reduce` uses its inputs only until its result resolves (it may read or
+            overwrite them, for example with the result itself, but keeps no reference to them or to views of them
+            afterwards): without error feedback the engine then passes views of the bucket (fp32, no loss scale)
+            instead of fresh copies, saving a pass over the gradient; the bucket's compressed slots are overwritten
+            with the result anyway (a result that is those very views is not copied again).
+        compresses_small_layers: the compressor suits the layers the default size rule keeps dense (vectors, layers
+            under 1024 elements) as well as the large ones: a cast rounds every element alike, whatever its layer.
+            The strategies then compress every layer unless the user sets ``min_numel`` / ``compress_1d``; a bucket
+            is then one slot back to back, with no dense part to all-reduce beside it.
+        sparse_outputs: the compressor writes its averaged results through :meth:`ReduceContext.output` (zeroed
+            tensors it adds a few entries into: a sparsifier) and uses error feedback. The engine then zeroes the
+            bucket's compressed slots in the same pass that compensates them (the gradient is dead once
+            ``p = m + g`` is formed), instead of a second pass over the bucket when :meth:`ReduceContext.output` is
+            called.
+        propagates_nonfinite: the compressor keeps no state (no error feedback, nothing it stages or commits) and
+            its averaged result is non-finite wherever some rank's input was (a plain cast: NaN and Inf survive the
+            sum). The engine then sends no NaN/Inf flag ahead of the payload: it checks the averaged bucket
+            afterwards, which holds the same bits on every rank and so gives every rank the same decision. That
+            saves a pass over the gradient and a blocking collective per bucket.
+        bucket_cap_mb: the DDP bucket size (MB) the compressor runs best with, which
+            :class:`~lightning_gradcomp.GradCompStrategy` passes to DDP when the user sets no ``bucket_cap_mb``
+            (``None``: DDP's own default, 25 MB). A compressor whose payload stays large (the quantizers send 1/16
+            to 1/8 of the dense bytes) prefers smaller buckets: the exchange of a bucket can then overlap the
+            backward pass of the next, whereas with 25 MB buckets most of a model's gradient arrives in the last
+            bucket, after backward has finished.
+        hierarchical: whether it can run under ``GradCompStrategy(hierarchy=...)``: on the node-mean gradients of
+            the slots a rank owns, over the cross-node group (``ctx.comm``, ``ctx.rank`` = node,
+            ``ctx.world_size`` = number of nodes). Any compressor that communicates only through ``ctx.comm`` and
+            keys its state by ``slot.name`` can; ``False`` when it needs every rank of the world (collectives outside
+            ``ctx.comm``, or state that must see each rank's own gradient), and the strategy refuses the
+            combination at construction.
+
+    Leave a field at its default when unsure.
+    """
+
+    dense: bool = False
+    borrows_inputs: bool = False
+    compresses_small_layers: bool = False
+    sparse_outputs: bool = False
+    propagates_nonfinite: bool = False
+    bucket_cap_mb: Optional[float] = None
+    hierarchical: bool = True
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.name != "bucket_cap_mb":
+                check_bool(f.name, getattr(self, f.name))
+        if self.bucket_cap_mb is not None:
+            check_number("bucket_cap_mb", self.bucket_cap_mb, 0.0, math.inf, high_open=True)
+
+
+CAPABILITY_NAMES = tuple(f.name for f in dataclasses.fields(Capabilities))
+"""The fields of :class:`Capabilities`, also readable as (deprecated-to-set) attributes of a compressor."""
+
+_UNSET = object()
+
+
+def _is_flag(value: Any) -> bool:
+    """Whether a class attribute is an old-style capability flag (a value, not the base class's property)."""
+    return value is not _UNSET and not isinstance(value, property)
+
+
 class Compressor(ABC):
     """Base class: configuration plus optional per-layer persistent state.
 
-    Subclasses set :attr:`param_name` when they have a per-layer parameter, and validate every constructor
-    argument eagerly. Those that also implement :meth:`layer_costs` are :attr:`tunable`: L-GreCo can then
-    choose their parameter per layer (:meth:`candidate_grid` and :meth:`layer_candidates` have defaults for
-    integer parameters).
+    Subclasses set :attr:`param_name` when they have a per-layer parameter, declare the engine fast paths they opt
+    into in :attr:`capabilities` (all off by default), and validate every constructor argument eagerly. Those that
+    also implement :meth:`layer_costs` are :attr:`tunable`: L-GreCo can then choose their parameter per layer
+    (:meth:`candidate_grid` and :meth:`layer_candidates` have defaults for integer parameters). For the common
+    exchanges a base class does the communication: :class:`~.quantized.QuantizedCompressor` and
+    :class:`~.sparse.SharedIndexCompressor`.
     """
 
     param_name: ClassVar[Optional[str]] = None
     """Name of the per-layer parameter (``"density"``, ``"rank"``, ``"bits"``), or ``None``."""
 
-    dense: ClassVar[bool] = False
-    """True when the compressor is a plain dense all-reduce (the engine takes its fast path)."""
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    """What the engine may assume about this compressor (its fast paths); declare one per class."""
 
-    borrows_inputs: ClassVar[bool] = False
-    """True when :meth:`reduce` uses its inputs only until its result resolves (it may read or overwrite them, for
-    example with the result itself, but keeps no reference to them or to views of them afterwards): without error
-    feedback the engine then passes views of the bucket (fp32, no loss scale) instead of fresh copies, saving a pass
-    over the gradient; the bucket's compressed slots are overwritten with the result anyway (a result that is those
-    very views is not copied again). Leave ``False`` when unsure."""
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Fold capability flags a subclass still sets as class attributes (``borrows_inputs = True``, the form
+        before :class:`Capabilities`) into its :attr:`capabilities`, with a ``DeprecationWarning``."""
+        super().__init_subclass__(**kwargs)
+        flags = {name: cls.__dict__[name] for name in CAPABILITY_NAMES if _is_flag(cls.__dict__.get(name, _UNSET))}
+        if not flags:
+            return
+        flags = {name: value if name == "bucket_cap_mb" else bool(value) for name, value in flags.items()}
+        declared = ", ".join(f"{name}={value!r}" for name, value in flags.items())
+        inherited = cls.capabilities
+        suggestion = (
+            f"Capabilities({declared})"
+            if inherited == Capabilities()
+            else f"dataclasses.replace({cls.__mro__[1].__name__}.capabilities, {declared})"
+        )
+        warnings.warn(
+            f"{cls.__name__} sets {', '.join(flags)} as class attributes; this is deprecated: declare "
+            f"`capabilities = {suggestion}` (lightning_gradcomp.compressors.Capabilities) instead",
+            DeprecationWarning,
+            stacklevel=3,  # the class statement (through ABCMeta.__new__)
+        )
+        cls.capabilities = dataclasses.replace(inherited, **flags)
+        for name in flags:  # the properties below read them from the capabilities again
+            delattr(cls, name)
 
-    compresses_small_layers: ClassVar[bool] = False
-    """True when the compressor suits the layers the default size rule keeps dense (vectors, layers under 1024
-    elements) as well as the large ones: a cast rounds every element alike, whatever its layer. The strategies
-    then compress every layer unless the user sets ``min_numel`` / ``compress_1d``; a bucket is then one slot
-    back to back, with no dense part to all-reduce beside it."""
+    @property
+    def dense(self) -> bool:
+        """:attr:`Capabilities.dense` of this compressor."""
+        return self.capabilities.dense
 
-    sparse_outputs: ClassVar[bool] = False
-    """True when the compressor writes its averaged results through :meth:`ReduceContext.output` (zeroed tensors it
-    adds a few entries into: a sparsifier) and uses error feedback. The engine then zeroes the bucket's compressed
-    slots in the same pass that compensates them (the gradient is dead once ``p = m + g`` is formed), instead of a
-    second pass over the bucket when :meth:`ReduceContext.output` is called. Leave ``False`` when unsure."""
+    @property
+    def borrows_inputs(self) -> bool:
+        """:attr:`Capabilities.borrows_inputs` of this compressor."""
+        return self.capabilities.borrows_inputs
 
-    propagates_nonfinite: ClassVar[bool] = False
-    """True when the compressor keeps no state (no error feedback, nothing it stages or commits) and its averaged
-    result is non-finite wherever some rank's input was (a plain cast: NaN and Inf survive the sum). The engine then
-    sends no NaN/Inf flag ahead of the payload: it checks the averaged bucket afterwards, which holds the same bits
-    on every rank and so gives every rank the same decision. That saves a pass over the gradient and a blocking
-    collective per bucket. Leave ``False`` when unsure."""
+    @property
+    def compresses_small_layers(self) -> bool:
+        """:attr:`Capabilities.compresses_small_layers` of this compressor."""
+        return self.capabilities.compresses_small_layers
 
-    bucket_cap_mb: ClassVar[Optional[float]] = None
-    """DDP bucket size (MB) this compressor runs best with, which :class:`~lightning_gradcomp.GradCompStrategy`
-    passes to DDP when the user sets no ``bucket_cap_mb`` (``None``: DDP's own default, 25 MB). A compressor whose
-    payload stays large (the quantizers send 1/16 to 1/8 of the dense bytes) prefers smaller buckets: the exchange
-    of a bucket can then overlap the backward pass of the next, whereas with 25 MB buckets most of a model's
-    gradient arrives in the last bucket, after backward has finished."""
+    @property
+    def sparse_outputs(self) -> bool:
+        """:attr:`Capabilities.sparse_outputs` of this compressor."""
+        return self.capabilities.sparse_outputs
 
-    hierarchical: ClassVar[bool] = True
-    """Whether it can run under ``GradCompStrategy(hierarchy=...)``: on the node-mean gradients of the slots a rank
-    owns, over the cross-node group (``ctx.comm``, ``ctx.rank`` = node, ``ctx.world_size`` = number of nodes).
-    Any compressor that communicates only through ``ctx.comm`` and keys its state by ``slot.name`` can; set
-    ``False`` when it needs every rank of the world (collectives outside ``ctx.comm``, or state that must see
-    each rank's own gradient), and the strategy refuses the combination at construction."""
+    @property
+    def propagates_nonfinite(self) -> bool:
+        """:attr:`Capabilities.propagates_nonfinite` of this compressor."""
+        return self.capabilities.propagates_nonfinite
+
+    @property
+    def bucket_cap_mb(self) -> Optional[float]:
+        """:attr:`Capabilities.bucket_cap_mb` of this compressor."""
+        return self.capabilities.bucket_cap_mb
+
+    @property
+    def hierarchical(self) -> bool:
+        """:attr:`Capabilities.hierarchical` of this compressor."""
+        return self.capabilities.hierarchical
 
     @property
     def uses_error_feedback(self) -> bool:

@@ -7,11 +7,17 @@ from torch import Tensor
 
 from lightning_gradcomp.checks import check_dtype
 from lightning_gradcomp.comm import then_same_numerics
-from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, contiguous_span, split_flat
+from lightning_gradcomp.compressors.base import (
+    Capabilities,
+    Compressor,
+    ReduceContext,
+    Reduction,
+    contiguous_span,
+    split_flat,
+)
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.functional.half import scaled_cast, widen
 from lightning_gradcomp.functional.selection import prepare_native
-from lightning_gradcomp.presets import register_preset
 
 __all__ = ["Cast"]
 
@@ -29,9 +35,11 @@ class Cast(Compressor):
         dtype: ``torch.float16`` or ``torch.bfloat16`` (``"float16"``/``"bfloat16"`` strings accepted).
     """
 
-    borrows_inputs = True  # read by one pass, then overwritten by the result
-    propagates_nonfinite = True  # stateless; NaN and Inf survive the 16-bit sum (so does an fp16 overflow)
-    compresses_small_layers = True  # biases and norms are cast too, as by PyTorch's fp16_compress_hook
+    capabilities = Capabilities(
+        borrows_inputs=True,  # read by one pass, then overwritten by the result
+        propagates_nonfinite=True,  # stateless; NaN and Inf survive the 16-bit sum (so does an fp16 overflow)
+        compresses_small_layers=True,  # biases and norms are cast too, as by PyTorch's fp16_compress_hook
+    )
 
     def __init__(self, dtype: torch.dtype | str = torch.float16) -> None:
         self.dtype: torch.dtype = check_dtype("dtype", dtype, _ALLOWED)
@@ -69,7 +77,3 @@ class Cast(Compressor):
 
     def extra_repr(self) -> str:
         return f"dtype={self.dtype}"
-
-
-register_preset("gradcomp_fp16", "DDP + float16 all-reduce", lambda: {"compressor": Cast(torch.float16)})
-register_preset("gradcomp_bf16", "DDP + bfloat16 all-reduce", lambda: {"compressor": Cast(torch.bfloat16)})

@@ -63,7 +63,6 @@ from lightning_gradcomp.functional.sparsify import (
     packed_positions,
     scatter_dense,
 )
-from lightning_gradcomp.presets import register_preset
 
 __all__ = ["CLTK", "decode_delta16", "delta16_capacity", "encode_delta16", "leader_rank"]
 
@@ -223,15 +222,3 @@ class CLTK(SparseCompressor):
         extra = "" if self.selection == "exact" else f", selection={self.selection!r}"
         extra += "" if self.index_coding == "int32" else f", index_coding={self.index_coding!r}"
         return super().extra_repr() + extra
-
-
-register_preset(
-    "scalecom",
-    "DDP + ScaleCom CLT-k 1% with error feedback (leader broadcast + all-reduce)",
-    lambda: {"compressor": CLTK(density=0.01)},
-)
-register_preset(
-    "scalecom_compact",
-    "DDP + CLT-k 1%, approximate selection, fp16 values, delta16 indices (133x fewer bytes than dense)",
-    lambda: {"compressor": CLTK(density=0.01, selection="approx", value_dtype=torch.float16, index_coding="delta16")},
-)

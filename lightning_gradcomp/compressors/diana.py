@@ -35,7 +35,7 @@ from typing import Any, Optional, Union, cast
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.checks import ArgumentTypeError, check_bucket_size, is_number
+from lightning_gradcomp.checks import ArgumentTypeError, check_group_size, is_number, renamed_argument
 from lightning_gradcomp.compressors.base import ReduceContext
 from lightning_gradcomp.compressors.quantized import (
     DecodedMessages,
@@ -52,43 +52,63 @@ from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional.axpy import add_scaled
 from lightning_gradcomp.functional.quantize import Quantized, alpha_p, rows_mean
-from lightning_gradcomp.presets import register_preset
 
 __all__ = ["DIANA", "BlockQuantizer"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class BlockQuantizer:
-    """DIANA's block p-quantizer: ternary codes, one ``p``-norm scale per ``block_size`` elements.
+    """DIANA's block p-quantizer: ternary codes, one ``p``-norm scale per group of ``group_size`` elements (the
+    paper's "block").
 
     Strings are accepted wherever a quantizer is expected: ``"linf"``, ``"l2"``, ``"linf:256"``
-    (norm, optionally ``:block_size``).
+    (norm, optionally ``:group_size``).
 
     Args:
         p: ``"inf"`` (default, lower variance) or ``2``.
-        block_size: elements per block.
+        group_size: elements per block.
+        block_size: deprecated name of ``group_size`` (warns with a ``DeprecationWarning``).
     """
 
-    p: Union[float, str] = "inf"
-    block_size: int = 128
+    p: Union[float, str]
+    group_size: int
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "p", check_p(self.p))
-        object.__setattr__(self, "block_size", check_bucket_size(self.block_size, "block_size"))
+    def __init__(
+        self, p: Union[float, str] = "inf", group_size: int = 128, *, block_size: Optional[int] = None
+    ) -> None:
+        name, size = renamed_argument(
+            "BlockQuantizer", "group_size", group_size, 128, "block_size", block_size, stacklevel=3
+        )
+        object.__setattr__(self, "p", check_p(p))
+        object.__setattr__(self, "group_size", check_group_size(size, name))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickled quantizer, one saved before ``block_size`` became ``group_size`` included."""
+        state = dict(state)
+        if "block_size" in state:
+            state.setdefault("group_size", state.pop("block_size"))
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
+
+    @property
+    def block_size(self) -> int:
+        """Deprecated name of :attr:`group_size` (warns)."""
+        warnings.warn("`BlockQuantizer.block_size` is deprecated: use `.group_size`", DeprecationWarning, stacklevel=2)
+        return self.group_size
 
     @property
     def alpha_max(self) -> float:
-        """``alpha_p(block_size)``: the largest admissible shift step (``1 / (omega + 1)``)."""
-        return alpha_p(self.block_size, self.p)
+        """``alpha_p(group_size)``: the largest admissible shift step (``1 / (omega + 1)``)."""
+        return alpha_p(self.group_size, self.p)
 
     @property
     def codec(self) -> SlotCodec:
         """The wire encoding (2-bit ternary codes, fp32 block norms)."""
-        return SlotCodec(1, self.block_size, cast(float, self.p))  # a float since __post_init__
+        return SlotCodec(1, self.group_size, cast(float, self.p))  # a float since __init__
 
     @classmethod
     def parse(cls, spec: Union[BlockQuantizer, str, Mapping[str, Any]]) -> BlockQuantizer:
-        """Build from an instance, a string (``"linf"``, ``"l2:64"``) or a mapping ``{p:, block_size:}``."""
+        """Build from an instance, a string (``"linf"``, ``"l2:64"``) or a mapping ``{p:, group_size:}``."""
         if isinstance(spec, cls):
             return spec
         if isinstance(spec, Mapping):
@@ -99,7 +119,7 @@ class BlockQuantizer:
         if isinstance(spec, str):
             norm, _, block = spec.partition(":")
             try:
-                size = int(block) if block else cls.block_size
+                size = int(block) if block else 128
             except ValueError:
                 raise ValueError(
                     f"`quantizer` string must look like 'linf', 'l2' or 'linf:128', got {spec!r}"
@@ -113,7 +133,7 @@ class BlockQuantizer:
         )
 
     def __str__(self) -> str:
-        return f"{'linf' if self.p == math.inf else 'l2'}:{self.block_size}"
+        return f"{'linf' if self.p == math.inf else 'l2'}:{self.group_size}"
 
 
 @register("diana")
@@ -122,8 +142,8 @@ class DIANA(QuantizedCompressor):
 
     Args:
         quantizer: the block quantizer: a :class:`BlockQuantizer`, ``"linf"``/``"l2"`` with an optional
-            ``":<block_size>"`` (default ``"linf:128"``), or a mapping ``{p: inf, block_size: 128}``.
-        alpha: shift step in ``[0, alpha_p(block_size)]``; default ``alpha_p / 2`` (the paper's choice).
+            ``":<group_size>"`` (default ``"linf:128"``), or a mapping ``{p: inf, group_size: 128}``.
+        alpha: shift step in ``[0, alpha_p(group_size)]``; default ``alpha_p / 2`` (the paper's choice).
             0 disables the shifts (plain quantized SGD, for comparison).
         aggregation: ``"auto"`` (default: ``"allgather"`` at W <= 2, else ``"alltoall"``), ``"alltoall"``
             (W-independent bytes) or ``"allgather"`` (the paper's exact aggregation; bytes grow with W). Both keep
@@ -253,10 +273,3 @@ class DIANA(QuantizedCompressor):
     def extra_repr(self) -> str:
         extra = super().extra_repr()
         return f"quantizer='{self.quantizer}', alpha={self.alpha:.6g}" + (f", {extra}" if extra else "")
-
-
-register_preset(
-    "diana",
-    "DDP + DIANA (l-inf blocks of 128, alpha = alpha_p/2) over the quantized all-reduce",
-    lambda: {"compressor": DIANA()},
-)

@@ -6,19 +6,16 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.comm import then_same_numerics
-from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction, split_flat
-from lightning_gradcomp.compressors.registry import register
-from lightning_gradcomp.functional.mean import predivide_
-from lightning_gradcomp.presets import register_preset
+from lightning_gradcomp.compressors.base import Capabilities, Compressor, ReduceContext, Reduction, split_flat
+from lightning_gradcomp.functional.axpy import predivide_
 
 __all__ = ["NoCompression"]
 
 
-@register("none")
 class NoCompression(Compressor):
     """Dense fp32 all-reduce of every bucket; the engine pre-divides by W exactly as DDP does."""
 
-    dense = True
+    capabilities = Capabilities(dense=True)
 
     def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
         """Average by one all-reduce of the concatenated slots."""
@@ -26,6 +23,3 @@ class NoCompression(Compressor):
         flat = predivide_(torch.cat(tensors), ctx.world_size)
         fut = ctx.comm.all_reduce(flat, async_op=True, shares=ctx.shares(counts))
         return Reduction(averaged=then_same_numerics(fut, lambda f: split_flat(f.value(), counts), ctx.comm.stats))
-
-
-register_preset("gradcomp_none", "DDP with the dense all-reduce (reference)", lambda: {"compressor": NoCompression()})

@@ -40,7 +40,6 @@ from lightning_gradcomp.functional.lowrank import (
     thin_matmul,
 )
 from lightning_gradcomp.plan import LayerSlot
-from lightning_gradcomp.presets import register_preset
 
 __all__ = ["PowerSGD"]
 
@@ -192,8 +191,3 @@ class PowerSGD(Compressor):
         if self.min_compression_rate != 2.0:
             extra += f", min_compression_rate={self.min_compression_rate}"
         return f"rank={self.rank}{extra}"
-
-
-register_preset(
-    "powersgd_gc", "DDP + PowerSGD rank 4 with error feedback and warm start", lambda: {"compressor": PowerSGD(rank=4)}
-)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Optional, Union
 
-from lightning_gradcomp.checks import check_bucket_size, check_int
-from lightning_gradcomp.compressors.quantized import QuantizedCompressor, SlotCodec, check_p
+from lightning_gradcomp.checks import check_bucket_size, check_group_size, check_int
+from lightning_gradcomp.compressors.quantized import QuantizedCompressor, SlotCodec, check_p, resolve_group_size
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.functional.quantize import levels_for_bits
-from lightning_gradcomp.presets import register_preset
 
-__all__ = ["QSGD", "check_bits", "check_bucket_size"]
+__all__ = ["QSGD", "check_bits", "check_bucket_size", "check_group_size"]
 
 
 def check_bits(value: Any) -> int:
@@ -24,31 +23,39 @@ def check_bits(value: Any) -> int:
 class QSGD(QuantizedCompressor):
     """QSGD quantization: ``L = 2**(bits-1) - 1`` levels per sign, stochastic rounding, unbiased, no EF.
 
-    Each bucket of ``bucket_size`` elements is scaled by its ``p``-norm (``"inf"``: max-norm, lower
-    variance in practice; ``2``: the QSGD paper's norm) and every element becomes a ``bits``-bit code.
+    Each group of ``group_size`` consecutive elements (the QSGD paper's "bucket") is scaled by its ``p``-norm
+    (``"inf"``: max-norm, lower variance in practice; ``2``: the QSGD paper's norm) and every element becomes a
+    ``bits``-bit code.
     ``bits`` is the per-layer parameter (L-GreCo may set a different width per layer).
 
     Bytes per rank (all-to-all; ``"auto"``'s all-gather at W <= 2 sends as many): ``~ 2 (W-1)/W * (n bits/8 + 4
-    n/bucket_size)``,
-    i.e. ``4 / (bits/8 + 4/bucket_size)`` times less than the fp32 all-reduce (7.9x for 4 bits, 512).
+    n/group_size)``,
+    i.e. ``4 / (bits/8 + 4/group_size)`` times less than the fp32 all-reduce (7.9x for 4 bits, 512).
 
     Args:
         bits: bits per element, 2 to 8 (2 bits is ternary).
-        bucket_size: elements per fp32 scale.
+        group_size: elements per fp32 scale.
         p: scale norm, ``"inf"`` or ``2``.
         aggregation: ``"auto"`` (default: ``"allgather"`` at W <= 2, else ``"alltoall"``), ``"alltoall"``
             (re-quantizing, bandwidth-optimal) or ``"allgather"`` (exact mean of the per-rank messages; bytes grow
             with W).
+        bucket_size: deprecated name of ``group_size`` (warns with a ``DeprecationWarning``).
     """
 
     param_name = "bits"
 
     def __init__(
-        self, bits: int = 4, bucket_size: int = 512, p: Union[int, float, str] = "inf", aggregation: str = "auto"
+        self,
+        bits: int = 4,
+        group_size: int = 512,
+        p: Union[int, float, str] = "inf",
+        aggregation: str = "auto",
+        *,
+        bucket_size: Optional[int] = None,
     ) -> None:
         super().__init__(aggregation)
         self.bits: int = check_bits(bits)
-        self.bucket_size: int = check_bucket_size(bucket_size)
+        self.group_size: int = resolve_group_size("QSGD", group_size, bucket_size)
         self.p: float = check_p(p)
 
     def check_param(self, value: Any) -> int:
@@ -56,13 +63,8 @@ class QSGD(QuantizedCompressor):
 
     def codec(self, param: Any) -> SlotCodec:
         bits = self.bits if param is None else int(param)
-        return SlotCodec(levels_for_bits(bits), self.bucket_size, self.p)
+        return SlotCodec(levels_for_bits(bits), self.group_size, self.p)
 
     def extra_repr(self) -> str:
         extra = super().extra_repr()
-        return f"bits={self.bits}, bucket_size={self.bucket_size}, p={self.p}" + (f", {extra}" if extra else "")
-
-
-register_preset(
-    "qsgd", "DDP + 4-bit QSGD (bucket 512) over the quantized all-reduce", lambda: {"compressor": QSGD(bits=4)}
-)
+        return f"bits={self.bits}, group_size={self.group_size}, p={self.p}" + (f", {extra}" if extra else "")

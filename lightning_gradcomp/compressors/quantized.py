@@ -30,6 +30,7 @@ waited in ``reduce()`` and the returned Future is already complete.
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,8 +39,9 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.checks import check_group_size, renamed_argument
 from lightning_gradcomp.comm import completed_future
-from lightning_gradcomp.compressors.base import Compressor, ReduceContext, Reduction
+from lightning_gradcomp.compressors.base import Capabilities, Compressor, ReduceContext, Reduction
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional import _native
 from lightning_gradcomp.functional.layerwise import quantization_errors, quantized_sizes
@@ -70,6 +72,7 @@ __all__ = [
     "owned_moved",
     "owned_state",
     "resolve_aggregation",
+    "resolve_group_size",
     "stage_owned",
     "split_groups",
     "state_copy",
@@ -85,6 +88,19 @@ def check_aggregation(aggregation: str) -> str:
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"`aggregation` must be one of {AGGREGATIONS}, got {aggregation!r}")
     return aggregation
+
+
+def resolve_group_size(owner: str, group_size: Any, bucket_size: Any, default: int = 512) -> int:
+    """The validated ``group_size`` of a quantizer from ``group_size=`` and its deprecated alias ``bucket_size=``
+    (:func:`~lightning_gradcomp.checks.renamed_argument`: the alias warns; checked under the name the caller used).
+
+    Example::
+
+        >>> resolve_group_size("QSGD", 128, None)
+        128
+    """
+    name, value = renamed_argument(owner, "group_size", group_size, default, "bucket_size", bucket_size, stacklevel=4)
+    return check_group_size(value, name)
 
 
 def resolve_aggregation(aggregation: str, world_size: int) -> str:
@@ -441,30 +457,71 @@ class DecodedMessages(Sequence[Tensor]):
 
 
 class QuantizedCompressor(Compressor):
-    """Base class of compressors that send packed quantization codes plus fp32 scales.
+    """Base class of compressors that send packed quantization codes plus fp32 scales: it does the exchange, a
+    subclass states its math.
 
-    Subclasses implement :meth:`codec` (how a slot is encoded given its per-layer parameter) and may
-    override the protocol hooks :meth:`_encode_inputs`, :meth:`_after_encode`, :meth:`_owner_message`,
-    :meth:`_owner_shift`, :meth:`_owner_sent`, :meth:`_received` and :meth:`_exact_mean` (DIANA's shifts, SignSGD's
-    server-side error feedback). Hooks run in the ``reduce()`` body and do local math only.
+    A subclass implements :meth:`codec` (the wire format of a slot given its per-layer parameter: ``levels`` and
+    ``group_size``) and, to quantize otherwise than by the codec's stochastic rounding or scaled sign, :meth:`encode`
+    (a flat tensor to codes and scales). The base class packs the messages, exchanges them (one all-gather, then
+    every rank decodes the W messages and sums them in rank order; or the all-to-all protocol), and with
+    :attr:`~Compressor.uses_error_feedback` returns the residuals ``p - c`` (decoded from this rank's own codes). Its
+    :meth:`layer_costs` make a subclass with a per-layer parameter tunable by L-GreCo (the exact bytes of each
+    candidate's codec; the error of :meth:`encode` when it is overridden).
+
+    Deeper protocol hooks (DIANA's shifts, SignSGD's server-side error feedback): :meth:`_encode_inputs`,
+    :meth:`_after_encode`, :meth:`_owner_message`, :meth:`_owner_shift`, :meth:`_owner_sent`, :meth:`_received`
+    and :meth:`_exact_mean`. Hooks run in the ``reduce()`` body and do local math only.
 
     Args:
         aggregation: ``"auto"`` (default: ``"allgather"`` at W <= 2, else ``"alltoall"``), ``"alltoall"``
             (bandwidth-optimal two-stage) or ``"allgather"`` (exact); see :func:`resolve_aggregation`.
     """
 
-    borrows_inputs = True  # quantization only reads them (DIANA subtracts its shift in that pass); nothing keeps them
-    # 1/16-1/8 of the dense bytes still travel: overlap them with backward (docs/benchmarks-history.md)
-    bucket_cap_mb = 4.0
+    capabilities = Capabilities(
+        borrows_inputs=True,  # quantization only reads them (DIANA subtracts its shift in that pass), keeps nothing
+        # 1/16-1/8 of the dense bytes still travel: overlap them with backward (docs/benchmarks-history.md)
+        bucket_cap_mb=4.0,
+    )
 
     def __init__(self, aggregation: str = "auto") -> None:
         self.aggregation: str = check_aggregation(aggregation)
         self._layouts: dict[tuple, WireLayout] = {}
 
+    @property
+    def bucket_size(self) -> int:
+        """Deprecated name of ``group_size`` (warns)."""
+        warnings.warn("`.bucket_size` is deprecated: use `.group_size`", DeprecationWarning, stacklevel=2)
+        return int(self.group_size)
+
+    @bucket_size.setter
+    def bucket_size(self, value: int) -> None:
+        warnings.warn("`.bucket_size` is deprecated: use `.group_size`", DeprecationWarning, stacklevel=2)
+        self.group_size = check_group_size(value, "bucket_size")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickled compressor, one saved before ``bucket_size`` became ``group_size`` included."""
+        state = dict(state)
+        if "bucket_size" in state:
+            state.setdefault("group_size", state.pop("bucket_size"))
+        self.__dict__.update(state)
+
     # ------------------------------------------------------------------ subclass API
     def codec(self, param: Any) -> SlotCodec:
         """The encoding of a slot whose per-layer parameter is ``param``."""
         raise NotImplementedError
+
+    def encode(self, x: Tensor, codec: SlotCodec, generator: Optional[torch.Generator]) -> Quantized:
+        """The math: a flat fp32 tensor (a layer, or a piece of one) as codes and scales in ``codec``'s format.
+
+        A :class:`~lightning_gradcomp.functional.quantize.Quantized` of ``uint8`` codes ``c`` in ``[0, 2 L]`` (one
+        per element, ``L = codec.levels``) and one fp32 scale ``s`` per group of ``codec.group_size`` elements, which
+        every rank decodes to ``(c - L) s / L`` (``L = 0``: scaled sign, ``c`` in ``{0, 1}``, decoded to
+        ``s (2 c - 1)``). ``generator``: this rank's stream for the layer (``None`` for scaled sign); deterministic
+        encoders ignore it. It must not modify ``x``.
+
+        Default: the codec's own rounding (:meth:`SlotCodec.quantize`: stochastic rounding, or scaled sign).
+        """
+        return codec.quantize(x, generator)
 
     def layer_costs(
         self, stat: Tensor, shape: Sequence[int], candidates: Sequence[Any]
@@ -482,8 +539,29 @@ class QuantizedCompressor(Compressor):
         for value in candidates:
             c = self.codec(value)
             sizes += quantized_sizes(stat.numel(), [c.bits], c.group_size)
-            errors += quantization_errors(stat, [c.bits], c.group_size, c.p)
+            if self._encodes_itself():
+                errors.append(self._encode_error(stat, c))
+            else:
+                errors += quantization_errors(stat, [c.bits], c.group_size, c.p)
         return sizes, errors
+
+    def _encodes_itself(self) -> bool:
+        """Whether a subclass overrides :meth:`encode` (else the codecs' own rounding runs, fused with shifts)."""
+        return type(self).encode is not QuantizedCompressor.encode
+
+    def _encode_error(self, stat: Tensor, codec: SlotCodec) -> float:
+        """``||A - decode(encode(A))||`` of :meth:`encode` (one draw of a generator seeded 0, for a randomized one)."""
+        x = stat.detach().reshape(-1).to(torch.float32)
+        generator = torch.Generator(device=x.device).manual_seed(0)
+        return float((x - self.encode(x, codec, generator).decode()).norm())
+
+    def _encode_shifted(
+        self, x: Tensor, codec: SlotCodec, generator: Optional[torch.Generator], shift: Optional[Tensor]
+    ) -> Quantized:
+        """``encode(x - shift)``; the codecs' own rounding does the subtraction in its pass."""
+        if not self._encodes_itself():
+            return codec.quantize(x, generator, shift)
+        return self.encode(x if shift is None else x - shift, codec, generator)
 
     def _encode_inputs(self, tensors: list[Tensor], ctx: ReduceContext) -> tuple[list[Tensor], Optional[list[Tensor]]]:
         """What is quantized at stage 1: ``(x, shifts)``, slot ``i`` being encoded as ``x[i] - shifts[i]`` when
@@ -496,7 +574,12 @@ class QuantizedCompressor(Compressor):
     ) -> tuple[Optional[list[Tensor]], Optional[Sequence[Tensor]]]:
         """``(residuals, local)`` of the result, from this rank's decoded messages (see :class:`Reduction`).
 
-        ``decoded`` decodes each message on first access (:class:`DecodedMessages`)."""
+        ``decoded`` decodes each message on first access (:class:`DecodedMessages`). Default: with error feedback,
+        the residuals ``p - c`` written over the inputs straight from the codes; else ``local``, decoded lazily."""
+        if self.uses_error_feedback:
+            for i, p in enumerate(tensors):
+                decoded.message(i).decode_add(p, -1.0, p)
+            return tensors, None
         return None, decoded  # decoded lazily, only if an observer reads ``local``
 
     def _owner_message(self, ctx: ReduceContext, seg: Segment, mean: Tensor) -> Tensor:
@@ -549,7 +632,7 @@ class QuantizedCompressor(Compressor):
         self, index: int, x: Tensor, codec: SlotCodec, ctx: ReduceContext, shift: Optional[Tensor]
     ) -> Quantized:
         """Slot ``index``'s stage-1 message ``Q(x - shift)``."""
-        return codec.quantize(x, _generator(ctx, codec, x.device, ctx.slots[index].name), shift)
+        return self._encode_shifted(x, codec, _generator(ctx, codec, x.device, ctx.slots[index].name), shift)
 
     def _message(
         self, index: int, x: Tensor, codec: SlotCodec, ctx: ReduceContext, shift: Optional[Tensor]
@@ -635,7 +718,7 @@ class QuantizedCompressor(Compressor):
             message = self._owner_message(ctx, seg, rows_mean(piece))
             codec = codecs[seg.slot]
             owner_stream = _generator(ctx, codec, message.device, ctx.slots[seg.slot].name + "/owner")
-            sent = codec.quantize(message, owner_stream, self._owner_shift(ctx, seg))
+            sent = self._encode_shifted(message, codec, owner_stream, self._owner_shift(ctx, seg))
             self._owner_sent(ctx, seg, message, sent)
             replies.append(sent)
         gathered = ctx.comm.all_gather(layout.pack(rank, replies, device), shares=shares)

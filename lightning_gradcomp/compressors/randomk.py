@@ -1,32 +1,24 @@
-"""RandomK: shared-seed random sparsification with an all-reduce of the kept values."""
+"""RandomK: shared-seed random sparsification with an all-reduce of the kept values
+(:class:`~.sparse.SharedIndexCompressor` does the exchange)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.checks import check_bool
-from lightning_gradcomp.comm import then_same_numerics
-from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
+from lightning_gradcomp.compressors.base import ReduceContext
 from lightning_gradcomp.compressors.registry import register
-from lightning_gradcomp.compressors.sparse import (
-    SparseCompressor,
-    resolve_density,
-    saturated_wire_values,
-    slot_positions,
-)
-from lightning_gradcomp.functional.layerwise import randomk_errors, sparse_sizes
-from lightning_gradcomp.functional.sparsify import kept_count, scatter_dense, stratified_layers
-from lightning_gradcomp.presets import register_preset
+from lightning_gradcomp.compressors.sparse import SharedIndexCompressor, resolve_density
+from lightning_gradcomp.functional.sparsify import stratified_layers
 
 __all__ = ["RandomK"]
 
 
 @register("randomk")
-class RandomK(SparseCompressor):
+class RandomK(SharedIndexCompressor):
     """Keep ``k`` random entries per layer, chosen by a generator shared by all ranks.
 
     Selection is stratified: each layer is cut into ``k`` near-equal blocks and one uniform element is
@@ -61,66 +53,15 @@ class RandomK(SparseCompressor):
     def uses_error_feedback(self) -> bool:
         return not self.unbiased
 
-    def layer_costs(
-        self, stat: Tensor, shape: Sequence[int], candidates: Sequence[Any]
-    ) -> tuple[list[float], list[float]]:
-        """Bytes ``k * value bytes`` (no indices travel) and expected unscaled random-``k`` errors
-        ``sqrt(1 - k/n) ||A||`` (see :meth:`Compressor.layer_costs`)."""
-        ks = [kept_count(stat.numel(), r) for r in candidates]
-        return sparse_sizes(ks, self.value_dtype.itemsize, index_bytes=0), randomk_errors(stat, ks)
-
-    def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
-        """Shared indices, one all-reduce of the concatenated values.
-
-        The sums are scattered into the outputs (the bucket's slices) by one call for the whole bucket
-        (:func:`~.base.storage_window`); inputs that are slices of one buffer are gathered and given their residuals
-        by one call each too. Otherwise one call per slot."""
-        ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
-        numels = [t.numel() for t in tensors]
+    def shared_indices(
+        self, tensors: list[Tensor], ks: list[int], ctx: ReduceContext
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """Per layer, one uniform entry of each of ``k`` near-equal blocks, from the layer's shared stream; with
+        ``unbiased``, each kept value scaled by its block's size."""
         device = tensors[0].device
         generators = [ctx.generator(device, shared=True, salt=slot.name) for slot in ctx.slots]
-        local, sizes = stratified_layers(numels, ks, generators, device)  # indices within each slot
-        gathered = slot_positions(tensors, local, ks)
-        if gathered is not None:
-            values = gathered[0].index_select(0, gathered[1])
-        else:
-            values = torch.cat([t.index_select(0, i) for t, i in zip(tensors, split_flat(local, ks))])
-        if self.unbiased:
-            values = values * sizes.to(values.dtype)
-        world = ctx.world_size
-        # 16 bits: divided by W and saturated (the all-reduce's sums never overflow to Inf)
-        sent = saturated_wire_values(values, self.value_dtype, world)
-        residuals = None
-        if self.uses_error_feedback:
-            contribution = sent if self.value_dtype == torch.float32 else sent.to(torch.float32).mul_(world)
-            lost = values - contribution  # p - c at the kept entries (zeros in fp32), c as the wire carries it
-            if gathered is not None:
-                gathered[0].scatter_(0, gathered[1], lost)
-            else:
-                for t, i, r in zip(tensors, split_flat(local, ks), split_flat(lost, ks)):
-                    t.scatter_(0, i, r)
-            residuals = tensors
-        fut = ctx.comm.all_reduce(sent, async_op=True, shares=ctx.shares(ks))
-        scale = 1.0 if self.value_dtype != torch.float32 else 1.0 / world
-        outputs = [ctx.output(slot, t) for slot, t in enumerate(tensors)]  # zeroed while the values travel
-        scattered = slot_positions(outputs, local, ks)
-
-        def decode(f: torch.futures.Future) -> list[Tensor]:
-            summed = f.value().to(torch.float32).mul_(scale)
-            if scattered is not None:
-                scattered[0].scatter_add_(0, scattered[1], summed)
-                return outputs
-            return [
-                scatter_dense(n, i, v, out=out)
-                for n, out, i, v in zip(numels, outputs, split_flat(local, ks), split_flat(summed, ks))
-            ]
-
-        return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=residuals)
+        local, sizes = stratified_layers([t.numel() for t in tensors], ks, generators, device)
+        return local, sizes if self.unbiased else None
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", unbiased=True" if self.unbiased else "")
-
-
-register_preset(
-    "gradcomp_randomk", "DDP + shared random-1% with error feedback", lambda: {"compressor": RandomK(density=0.01)}
-)

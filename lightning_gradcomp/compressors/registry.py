@@ -1,7 +1,8 @@
-"""Name -> compressor factory registry (``register`` / ``create`` / ``list``).
+"""Compressor names: ``register`` / ``create`` / ``names`` (``list`` is the deprecated name of ``names``).
 
-These names build a compressor from a string (``GradCompStrategy(compressor="topk")``, ``create("topk", density=0.1)``).
-Names for ``Trainer(strategy=...)`` are presets, declared with :func:`lightning_gradcomp.presets.register_preset`.
+These names build a compressor *class* from a string (``GradCompStrategy(compressor="topk")``,
+``create("topk", density=0.1)``). Names for ``Trainer(strategy=...)`` are presets, a separate registry on the
+Lightning floor: :func:`lightning_gradcomp.presets.register_preset`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any, TypeVar, Union
 
 from lightning_gradcomp.checks import ArgumentTypeError
 from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.compressors.none import NoCompression
 
-__all__ = ["as_compressor", "create", "describe", "list", "register"]
+__all__ = ["as_compressor", "create", "describe", "list", "names", "register"]
 
 _FACTORIES: dict[str, Callable[..., Compressor]] = {}
 F = TypeVar("F", bound=Callable[..., Compressor])
@@ -42,13 +44,23 @@ def create(name: str, **kwargs: Any) -> Compressor:
     """
     key = name.lower()
     if key not in _FACTORIES:
-        raise KeyError(f"unknown compressor {name!r}; available: {', '.join(list())}")
+        raise KeyError(f"unknown compressor {name!r}; available: {', '.join(names())}")
     return _FACTORIES[key](**kwargs)
 
 
-def list() -> builtins.list[str]:  # noqa: A001 - the registry API is register/create/list
+def names() -> builtins.list[str]:
     """Sorted names of the registered compressors."""
     return sorted(_FACTORIES)
+
+
+def list() -> builtins.list[str]:  # noqa: A001 - the deprecated name, kept for one release
+    """Deprecated name of :func:`names` (it shadowed the builtin ``list``); warns with a ``DeprecationWarning``."""
+    warnings.warn(
+        "lightning_gradcomp.compressors.registry.list() is deprecated: use registry.names()",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return names()
 
 
 def describe(name: str) -> str:
@@ -75,18 +87,20 @@ def as_compressor(compressor: Union[Compressor, str, None]) -> Compressor:
         TypeError: neither a :class:`Compressor`, a string nor ``None``.
     """
     if compressor is None:
-        from lightning_gradcomp.compressors.none import NoCompression  # noqa: PLC0415 - none.py imports us
-
         return NoCompression()
     if isinstance(compressor, str):
-        if compressor.lower() not in list():
+        if compressor.lower() not in names():
             raise _UnknownCompressorError(
                 f"unknown compressor {compressor!r}: `compressor` must be a Compressor "
-                f"instance or a registered name ({', '.join(list())})"
+                f"instance or a registered name ({', '.join(names())})"
             )
         return create(compressor)
     if not isinstance(compressor, Compressor):
         raise ArgumentTypeError(
-            f"`compressor` must be a Compressor instance or a registered name ({', '.join(list())}), got {compressor!r}"
+            f"`compressor` must be a Compressor instance or a registered name ({', '.join(names())}), "
+            f"got {compressor!r}"
         )
     return compressor
+
+
+register("none")(NoCompression)  # the default compressor (as_compressor(None)): named here, where it is built

@@ -8,7 +8,6 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.checks import check_bucket_size
 from lightning_gradcomp.compressors.base import ReduceContext
 from lightning_gradcomp.compressors.quantized import (
     DecodedMessages,
@@ -16,36 +15,37 @@ from lightning_gradcomp.compressors.quantized import (
     Segment,
     SlotCodec,
     owned_state,
+    resolve_group_size,
     stage_owned,
     state_copy,
 )
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional.quantize import Quantized, sign_quantize
-from lightning_gradcomp.presets import register_preset
 
 __all__ = ["SignSGD"]
 
 
 @register("signsgd")
 class SignSGD(QuantizedCompressor):
-    """Scaled sign compression ``c = mean(|p|) * sign(p)`` per bucket, with error feedback (EF-SignSGD).
+    """Scaled sign compression ``c = mean(|p|) * sign(p)`` per group, with error feedback (EF-SignSGD).
 
     The engine keeps the worker memory ``m`` (``p = m + g``, residual ``p - c``). With the all-to-all
     aggregation the owner of a chunk re-compresses the average with its own *server* error memory
     (``v = mean + e``, send ``sign(v)``, ``e <- v - c(v)``), as in DeepSpeed's 1-bit Adam, so the second
     quantization's bias is fed back too. The server memory is per-rank state (checkpointed).
-    Bytes per rank (all-to-all): ``~ 2 (W-1)/W * (n/8 + 4 n/bucket_size)``: 30x less than fp32 at 512.
+    Bytes per rank (all-to-all): ``~ 2 (W-1)/W * (n/8 + 4 n/group_size)``: 30x less than fp32 at 512.
 
     Args:
-        bucket_size: elements per fp32 scale (mean absolute value of the bucket).
+        group_size: elements per fp32 scale (mean absolute value of the group).
         aggregation: ``"auto"`` (default: ``"allgather"`` at W <= 2, else ``"alltoall"``), ``"alltoall"`` or
             ``"allgather"`` (exact mean of the per-rank signs; no server memory).
+        bucket_size: deprecated name of ``group_size`` (warns with a ``DeprecationWarning``).
     """
 
-    def __init__(self, bucket_size: int = 512, aggregation: str = "auto") -> None:
+    def __init__(self, group_size: int = 512, aggregation: str = "auto", *, bucket_size: Optional[int] = None) -> None:
         super().__init__(aggregation)
-        self.bucket_size: int = check_bucket_size(bucket_size)
+        self.group_size: int = resolve_group_size("SignSGD", group_size, bucket_size)
         self._server = StagedState()
 
     @property
@@ -53,7 +53,7 @@ class SignSGD(QuantizedCompressor):
         return True
 
     def codec(self, param: Any) -> SlotCodec:
-        return SlotCodec(0, self.bucket_size)
+        return SlotCodec(0, self.group_size)
 
     def _quantize(
         self, index: int, x: Tensor, codec: SlotCodec, ctx: ReduceContext, shift: Optional[Tensor]
@@ -94,9 +94,4 @@ class SignSGD(QuantizedCompressor):
 
     def extra_repr(self) -> str:
         extra = super().extra_repr()
-        return f"bucket_size={self.bucket_size}" + (f", {extra}" if extra else "")
-
-
-register_preset(
-    "signsgd", "DDP + scaled SignSGD (1 bit, bucket 512) with error feedback", lambda: {"compressor": SignSGD()}
-)
+        return f"group_size={self.group_size}" + (f", {extra}" if extra else "")

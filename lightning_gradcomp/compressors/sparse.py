@@ -1,5 +1,6 @@
 """Shared pieces of the sparsifying compressors (TopK, RandomK, CLTK): ``density`` (the fraction of each layer's
-elements kept; the deprecated ``ratio=`` still accepted), its L-GreCo costs and wire packing."""
+elements kept; the deprecated ``ratio=`` still accepted), its L-GreCo costs and wire packing, and
+:class:`SharedIndexCompressor`, the exchange of a sparsifier whose ranks keep the same entries (RandomK)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,21 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.checks import check_dtype, check_number
-from lightning_gradcomp.compressors.base import Compressor, storage_window
-from lightning_gradcomp.functional.layerwise import sparse_sizes, topk_errors
-from lightning_gradcomp.functional.sparsify import int32_index_words, kept_count, repeated_offsets
+from lightning_gradcomp.comm import then_same_numerics
+from lightning_gradcomp.compressors.base import (
+    Capabilities,
+    Compressor,
+    ReduceContext,
+    Reduction,
+    split_flat,
+    storage_window,
+)
+from lightning_gradcomp.functional.layerwise import randomk_errors, sparse_sizes, topk_errors
+from lightning_gradcomp.functional.sparsify import int32_index_words, kept_count, repeated_offsets, scatter_dense
 
 __all__ = [
     "INDEX_CODINGS",
+    "SharedIndexCompressor",
     "SparseCompressor",
     "check_index_coding",
     "resolve_density",
@@ -158,7 +168,7 @@ class SparseCompressor(Compressor):
     """
 
     param_name = "density"
-    sparse_outputs = True
+    capabilities = Capabilities(sparse_outputs=True)  # zeros plus k entries per layer, through ctx.output
 
     def __init__(
         self, density: float = 0.01, value_dtype: torch.dtype | str = torch.float32, *, ratio: Optional[float] = None
@@ -210,3 +220,77 @@ class SparseCompressor(Compressor):
     def extra_repr(self) -> str:
         extra = "" if self.value_dtype == torch.float32 else f", value_dtype={self.value_dtype}"
         return f"density={self.density}{extra}"
+
+
+class SharedIndexCompressor(SparseCompressor):
+    """A sparsifier whose ranks keep the same entries of each layer: it does the exchange, a subclass states which
+    entries (:meth:`shared_indices`).
+
+    The kept values (fp32, or 16-bit divided by W and saturated: :func:`saturated_wire_values`) travel in one
+    sum-all-reduce, no indices travel; each rank's residual ``p - c`` is its input with the kept entries' sent values
+    taken out (with error feedback), and the averaged sums are scattered into zeroed outputs. Bytes per rank:
+    ``2 (W-1)/W * sum_l k_l * value bytes``, independent of W. Its :meth:`layer_costs` are those of keeping ``k``
+    entries chosen without looking at them (each kept with probability ``k/n``).
+    """
+
+    def shared_indices(
+        self, tensors: list[Tensor], ks: list[int], ctx: ReduceContext
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """``(indices, weights)``: the ``ks[i]`` indices kept in slot ``i`` (int64, within the slot), concatenated
+        over the slots, identical on every rank (draw them from ``ctx.generator(device, shared=True,
+        salt=slot.name)``); and ``None``, or one factor per index that scales the kept value before it is sent."""
+        raise NotImplementedError
+
+    def layer_costs(
+        self, stat: Tensor, shape: Sequence[int], candidates: Sequence[Any]
+    ) -> tuple[list[float], list[float]]:
+        """Bytes ``k * value bytes`` (no indices travel) and expected errors ``sqrt(1 - k/n) ||A||`` of keeping ``k``
+        entries chosen without looking at them (see :meth:`Compressor.layer_costs`)."""
+        ks = [kept_count(stat.numel(), r) for r in candidates]
+        return sparse_sizes(ks, self.value_dtype.itemsize, index_bytes=0), randomk_errors(stat, ks)
+
+    def reduce(self, tensors: list[Tensor], ctx: ReduceContext) -> Reduction:
+        """Shared indices, one all-reduce of the concatenated values.
+
+        The sums are scattered into the outputs (the bucket's slices) by one call for the whole bucket
+        (:func:`~.base.storage_window`); inputs that are slices of one buffer are gathered and given their residuals
+        by one call each too. Otherwise one call per slot."""
+        ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
+        numels = [t.numel() for t in tensors]
+        local, weights = self.shared_indices(tensors, ks, ctx)  # indices within each slot
+        gathered = slot_positions(tensors, local, ks)
+        if gathered is not None:
+            values = gathered[0].index_select(0, gathered[1])
+        else:
+            values = torch.cat([t.index_select(0, i) for t, i in zip(tensors, split_flat(local, ks))])
+        if weights is not None:
+            values = values * weights.to(values.dtype)
+        world = ctx.world_size
+        # 16 bits: divided by W and saturated (the all-reduce's sums never overflow to Inf)
+        sent = saturated_wire_values(values, self.value_dtype, world)
+        residuals = None
+        if self.uses_error_feedback:
+            contribution = sent if self.value_dtype == torch.float32 else sent.to(torch.float32).mul_(world)
+            lost = values - contribution  # p - c at the kept entries (zeros in fp32), c as the wire carries it
+            if gathered is not None:
+                gathered[0].scatter_(0, gathered[1], lost)
+            else:
+                for t, i, r in zip(tensors, split_flat(local, ks), split_flat(lost, ks)):
+                    t.scatter_(0, i, r)
+            residuals = tensors
+        fut = ctx.comm.all_reduce(sent, async_op=True, shares=ctx.shares(ks))
+        scale = 1.0 if self.value_dtype != torch.float32 else 1.0 / world
+        outputs = [ctx.output(slot, t) for slot, t in enumerate(tensors)]  # zeroed while the values travel
+        scattered = slot_positions(outputs, local, ks)
+
+        def decode(f: torch.futures.Future) -> list[Tensor]:
+            summed = f.value().to(torch.float32).mul_(scale)
+            if scattered is not None:
+                scattered[0].scatter_add_(0, scattered[1], summed)
+                return outputs
+            return [
+                scatter_dense(n, i, v, out=out)
+                for n, out, i, v in zip(numels, outputs, split_flat(local, ks), split_flat(summed, ks))
+            ]
+
+        return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats), residuals=residuals)

@@ -3,43 +3,37 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
-from lightning_gradcomp.checks import check_bucket_size
-from lightning_gradcomp.compressors.quantized import QuantizedCompressor, SlotCodec
+from lightning_gradcomp.compressors.quantized import QuantizedCompressor, SlotCodec, resolve_group_size
 from lightning_gradcomp.compressors.registry import register
-from lightning_gradcomp.presets import register_preset
 
 __all__ = ["TernGrad"]
 
 
 @register("terngrad")
 class TernGrad(QuantizedCompressor):
-    """TernGrad: each element becomes ``s * sign(x) * Bernoulli(|x| / s)`` with ``s = max |x|`` of its bucket.
+    """TernGrad: each element becomes ``s * sign(x) * Bernoulli(|x| / s)`` with ``s = max |x|`` of its group.
 
     Unbiased, no error feedback. The original paper uses one scale per layer; here a layer is cut into
-    buckets of ``bucket_size`` elements so the quantized all-reduce can split it across ranks (smaller
-    buckets also lower the variance). Gradient clipping from the paper is not applied (it biases).
-    Bytes per rank (all-to-all): ``~ 2 (W-1)/W * (n/4 + 4 n/bucket_size)``, 15.5x less than fp32 at 512.
+    groups of ``group_size`` elements so the quantized all-reduce can split it across ranks (smaller
+    groups also lower the variance). Gradient clipping from the paper is not applied (it biases).
+    Bytes per rank (all-to-all): ``~ 2 (W-1)/W * (n/4 + 4 n/group_size)``, 15.5x less than fp32 at 512.
 
     Args:
-        bucket_size: elements per fp32 scale.
+        group_size: elements per fp32 scale.
         aggregation: ``"auto"`` (default: ``"allgather"`` at W <= 2, else ``"alltoall"``), ``"alltoall"`` or
             ``"allgather"``.
+        bucket_size: deprecated name of ``group_size`` (warns with a ``DeprecationWarning``).
     """
 
-    def __init__(self, bucket_size: int = 512, aggregation: str = "auto") -> None:
+    def __init__(self, group_size: int = 512, aggregation: str = "auto", *, bucket_size: Optional[int] = None) -> None:
         super().__init__(aggregation)
-        self.bucket_size: int = check_bucket_size(bucket_size)
+        self.group_size: int = resolve_group_size("TernGrad", group_size, bucket_size)
 
     def codec(self, param: Any) -> SlotCodec:
-        return SlotCodec(1, self.bucket_size, math.inf)
+        return SlotCodec(1, self.group_size, math.inf)
 
     def extra_repr(self) -> str:
         extra = super().extra_repr()
-        return f"bucket_size={self.bucket_size}" + (f", {extra}" if extra else "")
-
-
-register_preset(
-    "terngrad", "DDP + TernGrad (2-bit, bucket 512) over the quantized all-reduce", lambda: {"compressor": TernGrad()}
-)
+        return f"group_size={self.group_size}" + (f", {extra}" if extra else "")

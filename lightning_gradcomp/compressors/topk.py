@@ -38,7 +38,6 @@ from lightning_gradcomp.functional.sparsify import (
     int32_index_words,
     kept_count,
 )
-from lightning_gradcomp.presets import register_preset
 
 __all__ = ["TopK"]
 
@@ -171,10 +170,3 @@ class TopK(SparseCompressor):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.index_coding == "int32" else f", index_coding={self.index_coding!r}")
-
-
-register_preset(
-    "gradcomp_topk",
-    "DDP + local top-1% with error feedback (all-gather, delta16 indices)",
-    lambda: {"compressor": TopK(density=0.01, index_coding="delta16")},
-)

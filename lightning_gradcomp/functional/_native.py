@@ -89,6 +89,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.functional.sampling import systematic_stride
+
 __all__ = [
     "DISABLE_ENV",
     "DONE",
@@ -471,7 +473,5 @@ def exact(kernel: ModuleType, x: Tensor, k: int, *, level: int | None = None) ->
 @functools.lru_cache(maxsize=256)
 def exact_stride(n: int) -> int:
     """Stride of :func:`exact`'s threshold sample of ``n`` entries: about 1,024 of them, at least every 8th, at the
-    stride :func:`~.sparsify.systematic_stride` gives (coprime to 210, so that it meets every column of a matrix)."""
-    from lightning_gradcomp.functional.sparsify import systematic_stride  # sparsify imports this module
-
+    stride :func:`~.sampling.systematic_stride` gives (coprime to 210, so that it meets every column of a matrix)."""
     return systematic_stride(n, min(1024, n // 8))

@@ -1,9 +1,17 @@
-"""Scaled additions ``base + alpha * x``, one or two at once, with ``torch.add``'s bits.
+"""Scalings ``x * (1 / W)`` and scaled additions ``base + alpha * x``, with DDP's and ``torch.add``'s bits.
 
-DIANA's owner updates its master shift and forms its message from the same two tensors: ``h + alpha * mean`` and
-``h + mean``. On contiguous fp32 CPU tensors the compiled kernel (:mod:`._native`) writes both in one pass over the
-inputs, each entry one fused multiply-add as ``torch.add(base, x, alpha=alpha)`` computes it (torch's AVX2 and
-AVX-512 kernels, and its scalar loop, contract ``base + alpha * x`` into one FMA). Elsewhere, torch's ``add``.
+**DDP's pre-division** (:func:`predivide_`). DDP's reducer averages by scaling each gradient *before* the
+sum-all-reduce. Where it copies a gradient into its bucket (every step under ``zero_grad(set_to_none=True)``,
+PyTorch's and Lightning's default, and always without ``gradient_as_bucket_view``) it multiplies by the reciprocal
+``1 / W`` (a double scalar, rounded to the gradient's dtype), not dividing by ``W``. For a power-of-two ``W`` the two
+are the same; for ``W = 3`` or ``5`` they differ in the last bit of about a third of the entries. Dense reductions
+that stand for DDP's use :func:`predivide_`, so they keep its bits at every world size.
+
+**Scaled additions** (:func:`add_scaled`). DIANA's owner updates its master shift and forms its message from the
+same two tensors: ``h + alpha * mean`` and ``h + mean``. On contiguous fp32 CPU tensors the compiled kernel
+(:mod:`._native`) writes both in one pass over the inputs, each entry one fused multiply-add as
+``torch.add(base, x, alpha=alpha)`` computes it (torch's AVX2 and AVX-512 kernels, and its scalar loop, contract
+``base + alpha * x`` into one FMA). Elsewhere, torch's ``add``.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from torch import Tensor
 
 from lightning_gradcomp.functional import _native
 
-__all__ = ["add_scaled"]
+__all__ = ["add_scaled", "predivide_"]
 
 
 def add_scaled(
@@ -64,3 +72,15 @@ def add_scaled(
         out.copy_(first)
         return
     torch.add(base, x, alpha=alpha, out=out)
+
+
+def predivide_(tensor: Tensor, world_size: int) -> Tensor:
+    """Scale ``tensor`` in place by ``1 / world_size`` as DDP's reducer does (see the module); returns it.
+
+    Example::
+
+        >>> x = torch.tensor([1.0, 2.0, 10.0])
+        >>> predivide_(x.clone(), 3).tolist() == (x * (1.0 / 3)).tolist()
+        True
+    """
+    return tensor.mul_(1.0 / world_size)

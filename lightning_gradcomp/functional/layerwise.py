@@ -30,7 +30,7 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.checks import is_int, is_number
+from lightning_gradcomp.checks import is_int, is_number, renamed_keywords
 from lightning_gradcomp.functional.lowrank import matrix_shape
 from lightning_gradcomp.functional.quantize import PNorm, levels_for_bits, quantization_variance
 
@@ -233,15 +233,17 @@ def sparse_sizes(ks: Sequence[int], value_bytes: int = 4, index_bytes: int = 4) 
     return [float(k * (value_bytes + index_bytes)) for k in ks]
 
 
-def quantized_sizes(numel: int, bits: Sequence[int], bucket_size: int, scale_bytes: int = 4) -> list[float]:
-    """Bytes of ``numel`` codes of ``b`` bits (packed) plus one scale per block of ``bucket_size``.
+@renamed_keywords(bucket_size="group_size")
+def quantized_sizes(numel: int, bits: Sequence[int], group_size: int, scale_bytes: int = 4) -> list[float]:
+    """Bytes of ``numel`` codes of ``b`` bits (packed) plus one scale per group of ``group_size`` elements
+    (``bucket_size=``: its deprecated name).
 
     Example::
 
-        >>> quantized_sizes(1000, [2, 4], bucket_size=512)  # 250 or 500 bytes of codes + 2 scales
+        >>> quantized_sizes(1000, [2, 4], group_size=512)  # 250 or 500 bytes of codes + 2 scales
         [258.0, 508.0]
     """
-    blocks = -(-numel // bucket_size)
+    blocks = -(-numel // group_size)
     return [float(-(-numel * b // 8) + blocks * scale_bytes) for b in bits]
 
 
@@ -316,17 +318,19 @@ def randomk_errors(x: Tensor, ks: Sequence[int]) -> list[float]:
     return [math.sqrt(max(0.0, 1.0 - min(k, n) / n) * norm_sq) if n else 0.0 for k in ks]  # empty: no error
 
 
-def quantization_errors(x: Tensor, bits: Sequence[int], bucket_size: int, p: PNorm = "inf") -> list[float]:
+@renamed_keywords(bucket_size="group_size")
+def quantization_errors(x: Tensor, bits: Sequence[int], group_size: int, p: PNorm = "inf") -> list[float]:
     """Exact root-mean-square errors of QSGD with ``b`` bits (``L = 2**(b-1) - 1`` levels) for each ``b``.
 
     Uses :func:`~lightning_gradcomp.functional.quantize.quantization_variance` (the expected squared error of
-    :func:`~lightning_gradcomp.functional.quantize.qsgd_quantize`, scale = ``p``-norm of each bucket), so the
-    table is deterministic: ``e(b) = sqrt(sum_i (s/L)^2 f_i (1 - f_i))``.
+    :func:`~lightning_gradcomp.functional.quantize.qsgd_quantize`, scale = ``p``-norm of each group of
+    ``group_size`` elements; ``bucket_size=``: its deprecated name), so the table is deterministic:
+    ``e(b) = sqrt(sum_i (s/L)^2 f_i (1 - f_i))``.
 
     Example::
 
-        >>> [round(e, 4) for e in quantization_errors(torch.tensor([1.0, 0.5, 0.0, 0.0]), [2, 8], bucket_size=4)]
+        >>> [round(e, 4) for e in quantization_errors(torch.tensor([1.0, 0.5, 0.0, 0.0]), [2, 8], group_size=4)]
         [0.5, 0.0039]
     """
     flat = x.detach().reshape(-1)
-    return [math.sqrt(float(quantization_variance(flat, levels_for_bits(int(b)), bucket_size, p).sum())) for b in bits]
+    return [math.sqrt(float(quantization_variance(flat, levels_for_bits(int(b)), group_size, p).sum())) for b in bits]

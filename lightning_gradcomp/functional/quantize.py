@@ -41,7 +41,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.checks import is_int, is_number
+from lightning_gradcomp.checks import is_int, is_number, renamed_keywords
 from lightning_gradcomp.functional import _native
 from lightning_gradcomp.functional.axpy import add_scaled
 from lightning_gradcomp.functional.packing import packed_nbytes, unpack_bits
@@ -437,8 +437,10 @@ def _stochastic_native(
     return Quantized(codes, scales, int(levels), int(group_size))
 
 
-def qsgd_quantize(x: Tensor, bits: int, bucket_size: int, generator: torch.Generator, p: PNorm = "inf") -> Quantized:
-    """QSGD: ``bits``-bit stochastic rounding (``L = 2**(bits-1) - 1``), one scale per ``bucket_size`` elements.
+@renamed_keywords(bucket_size="group_size")
+def qsgd_quantize(x: Tensor, bits: int, group_size: int, generator: torch.Generator, p: PNorm = "inf") -> Quantized:
+    """QSGD: ``bits``-bit stochastic rounding (``L = 2**(bits-1) - 1``), one scale per ``group_size`` elements
+    (``bucket_size=``: its deprecated name).
 
     Example::
 
@@ -446,11 +448,13 @@ def qsgd_quantize(x: Tensor, bits: int, bucket_size: int, generator: torch.Gener
         >>> q.levels, q.bits, q.scales.tolist(), q.codes[[0, 3]].tolist()  # +max -> 2 L, 0 -> L
         (7, 4, [1.0], [14, 7])
     """
-    return stochastic_quantize(x, levels_for_bits(bits), bucket_size, p, generator)
+    return stochastic_quantize(x, levels_for_bits(bits), group_size, p, generator)
 
 
-def terngrad_quantize(x: Tensor, bucket_size: int, generator: torch.Generator) -> Quantized:
-    """TernGrad: unbiased ternary ``{-s, 0, s}`` with ``s`` the max-norm of each bucket (2-bit codes).
+@renamed_keywords(bucket_size="group_size")
+def terngrad_quantize(x: Tensor, group_size: int, generator: torch.Generator) -> Quantized:
+    """TernGrad: unbiased ternary ``{-s, 0, s}`` with ``s`` the max-norm of each group of ``group_size`` elements
+    (2-bit codes; ``bucket_size=``: the deprecated name of ``group_size``).
 
     Example::
 
@@ -458,11 +462,13 @@ def terngrad_quantize(x: Tensor, bucket_size: int, generator: torch.Generator) -
         >>> q.scales.tolist(), q.codes[[0, 2, 3]].tolist(), set(q.decode().tolist()) <= {-3.0, 0.0, 3.0}
         ([3.0], [2, 1, 0], True)
     """
-    return stochastic_quantize(x, 1, bucket_size, math.inf, generator)
+    return stochastic_quantize(x, 1, group_size, math.inf, generator)
 
 
-def block_quantize(x: Tensor, p: PNorm, block_size: int, generator: torch.Generator) -> Quantized:
-    r"""DIANA's block p-quantization: ``Q(x)_j = ||x_l||_p sign(x_j) xi_j``, ``xi_j ~ Bernoulli(|x_j| / ||x_l||_p)``.
+@renamed_keywords(block_size="group_size")
+def block_quantize(x: Tensor, p: PNorm, group_size: int, generator: torch.Generator) -> Quantized:
+    r"""DIANA's block p-quantization: ``Q(x)_j = ||x_l||_p sign(x_j) xi_j``, ``xi_j ~ Bernoulli(|x_j| / ||x_l||_p)``,
+    ``x_l`` the group (block) of ``group_size`` elements holding ``x_j`` (``block_size=``: its deprecated name).
 
     Example::
 
@@ -470,13 +476,15 @@ def block_quantize(x: Tensor, p: PNorm, block_size: int, generator: torch.Genera
         >>> q.scales.tolist(), q.decode()[2:].tolist()  # the L2 norm of each block; |x_j| = norm is kept exactly
         ([5.0, 1.0], [0.0, -1.0])
     """
-    return stochastic_quantize(x, 1, block_size, p, generator)
+    return stochastic_quantize(x, 1, group_size, p, generator)
 
 
+@renamed_keywords(bucket_size="group_size")
 def sign_quantize(
-    x: Tensor, bucket_size: int, level: Optional[int] = None, residual: Optional[Tensor] = None
+    x: Tensor, group_size: int, level: Optional[int] = None, residual: Optional[Tensor] = None
 ) -> Quantized:
-    """Scaled sign: 1 bit per element, scale = mean ``|x|`` of each bucket (deterministic, biased).
+    """Scaled sign: 1 bit per element, scale = mean ``|x|`` of each group of ``group_size`` elements (deterministic,
+    biased; ``bucket_size=``: the deprecated name of ``group_size``).
 
     On a contiguous fp32 CPU tensor the compiled kernel writes the codes and the means in one pass, summing each
     bucket's ``|x|`` in a fixed order of its own (the same bits at every instruction-set ``level``, not torch's
@@ -498,7 +506,7 @@ def sign_quantize(
         [-1.0, -1.0, 0.0, 0.0]
     """
     x = x.reshape(-1)
-    size = int(bucket_size)
+    size = int(group_size)
     if residual is not None and (residual.dtype != torch.float32 or residual.shape != (x.numel(),)):
         raise ValueError(
             f"`residual` must be fp32 of shape {(x.numel(),)}, got {residual.dtype} {tuple(residual.shape)}"

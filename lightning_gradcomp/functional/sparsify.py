@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.functional import _native
+from lightning_gradcomp.functional.sampling import systematic_stride
 
 __all__ = [
     "decode_delta16",
@@ -28,7 +29,6 @@ __all__ = [
     "scatter_dense",
     "stratified_indices",
     "stratified_layers",
-    "systematic_stride",
     "topk_indices",
 ]
 
@@ -42,23 +42,6 @@ def kept_count(numel: int, density: float) -> int:
         (10, 1, 10)
     """
     return max(1, min(numel, int(round(density * numel))))
-
-
-@functools.lru_cache(maxsize=256)
-def systematic_stride(n: int, sample_size: int) -> int:
-    """Stride of a systematic sample of at least ``sample_size`` of ``n`` entries.
-
-    The largest ``d <= n // sample_size`` coprime to 2, 3, 5 and 7 (to 2 and 3 only when
-    ``n // sample_size < 11``), or 1.
-
-    Example::
-
-        >>> systematic_stride(10_000, 100), systematic_stride(50, 10)  # 97: coprime to 210; 5: coprime to 6
-        (97, 5)
-    """
-    limit = max(1, n // max(sample_size, 1))
-    modulus = 210 if limit >= 11 else 6
-    return next(d for d in range(limit, 0, -1) if math.gcd(d, modulus) == 1)
 
 
 FILTER_MIN_NUMEL = 32768

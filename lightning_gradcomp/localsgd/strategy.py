@@ -88,7 +88,7 @@ class LocalSGDStrategy(LocalSGDCheckpoints, DivergentReplicas, ShardedCheckpoint
     keep error feedback on (it is, for biased compressors) and expect to need a somewhat larger density than for
     per-step gradients: pseudo-gradients are denser. With few outer steps, a 1-bit compressor that delivers every
     coordinate beats sparsification at the same bytes: on the Transformer LM of docs/localsgd.md,
-    ``local_steps=24, outer_lr=1.0, outer_momentum=0.5, compressor=SignSGD(bucket_size=256)`` sent 600x fewer
+    ``local_steps=24, outer_lr=1.0, outer_momentum=0.5, compressor=SignSGD(group_size=256)`` sent 600x fewer
     bytes than per-step DDP within 1.4 points of its accuracy, where CLT-k at 4-8 % lost 4-6 points.
 
     Args:

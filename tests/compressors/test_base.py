@@ -82,3 +82,68 @@ def test_storage_window_refuses_other_storages_dtypes_strides_and_overlaps() -> 
     single = torch.arange(3.0)
     found = storage_window([single])
     assert found is not None and found[1] == [0] and torch.equal(found[0], single)
+
+
+# ---------------------------------------------------------------------------------------------- Capabilities
+def test_each_compressor_declares_its_capabilities_and_the_old_names_read_them() -> None:
+    from lightning_gradcomp.compressors import CLTK, DIANA, QSGD, Cast, NoCompression, PowerSGD, RandomK, SignSGD, TopK
+    from lightning_gradcomp.compressors.base import CAPABILITY_NAMES, Capabilities
+
+    assert NoCompression.capabilities == Capabilities(dense=True)
+    assert Cast.capabilities == Capabilities(borrows_inputs=True, propagates_nonfinite=True,
+                                             compresses_small_layers=True)
+    for cls in (QSGD, SignSGD, DIANA):
+        assert cls.capabilities == Capabilities(borrows_inputs=True, bucket_cap_mb=4.0)
+    for cls in (TopK, RandomK, CLTK):
+        assert cls.capabilities == Capabilities(sparse_outputs=True)
+    assert PowerSGD.capabilities == Capabilities()
+    for comp in (NoCompression(), Cast(), QSGD(), TopK(), PowerSGD()):
+        for name in CAPABILITY_NAMES:  # what the engine reads today
+            assert getattr(comp, name) == getattr(type(comp).capabilities, name)
+
+
+def test_capabilities_are_checked_and_frozen() -> None:
+    import dataclasses
+
+    from lightning_gradcomp.compressors.base import Capabilities
+
+    with pytest.raises(TypeError, match="`borrows_inputs` must be a bool"):
+        Capabilities(borrows_inputs=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`bucket_cap_mb`"):
+        Capabilities(bucket_cap_mb=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Capabilities().dense = True  # type: ignore[misc]
+
+
+def test_an_old_style_flag_still_works_with_a_deprecation_warning_at_class_creation() -> None:
+    from lightning_gradcomp.compressors import Capabilities, TopK
+
+    with pytest.warns(DeprecationWarning, match=r"sets bucket_cap_mb, hierarchical as class attributes.*"
+                                                r"dataclasses.replace\(TopK.capabilities, bucket_cap_mb=2, "
+                                                r"hierarchical=False\)") as caught:
+        class OldStyle(TopK):
+            hierarchical = False
+            bucket_cap_mb = 2
+
+    assert caught[0].filename == __file__  # points at the class statement
+    assert OldStyle.capabilities == Capabilities(sparse_outputs=True, hierarchical=False, bucket_cap_mb=2)
+    comp = OldStyle()
+    assert comp.hierarchical is False and comp.bucket_cap_mb == 2 and comp.sparse_outputs is True
+    assert TopK().hierarchical is True  # the base class is untouched
+
+
+def test_a_new_style_subclass_does_not_warn() -> None:
+    import warnings
+
+    from lightning_gradcomp.compressors import Capabilities, Compressor
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+
+        class NewStyle(Compressor):
+            capabilities = Capabilities(borrows_inputs=True)
+
+            def reduce(self, tensors, ctx):  # type: ignore[no-untyped-def]
+                raise NotImplementedError
+
+    assert NewStyle().borrows_inputs is True and NewStyle().dense is False

@@ -44,7 +44,7 @@ def test_default_alpha_is_half_alpha_p_of_the_block() -> None:
     ({"quantizer": "l2:64", "alpha": 0.13}, ValueError, r"alpha_p = 0.125"),
     ({"quantizer": "l1"}, ValueError, "`p` must be 2 or inf"),
     ({"quantizer": "linf:abc"}, ValueError, "quantizer"),
-    ({"quantizer": "linf:0"}, ValueError, "block_size"),
+    ({"quantizer": "linf:0"}, ValueError, "group_size"),
     ({"quantizer": 5}, TypeError, "quantizer"),
     ({"quantizer": {"p": 3}}, ValueError, "`p`"),
     ({"aggregation": "ring"}, ValueError, "aggregation"),

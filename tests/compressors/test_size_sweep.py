@@ -23,8 +23,8 @@ from helpers.models import LayerSizesNet, assert_replicas_identical, fit
 from helpers.wire import hook_call_bytes
 from lightning_gradcomp import GradCompStrategy, compressors
 from lightning_gradcomp.comm import Comm, CommStats
-from lightning_gradcomp.compressors import (CLTK, DIANA, QSGD, PowerSGD, QuantizedCompressor, RandomK, SignSGD,
-                                            TernGrad, TopK, registry)
+from lightning_gradcomp.compressors import (CLTK, DIANA, QSGD, PowerSGD, QuantizedCompressor, RandomK,
+                                            SharedIndexCompressor, SignSGD, SparseCompressor, TernGrad, TopK, registry)
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.hook import GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.plan import BucketPlan, LayerSlot
@@ -199,7 +199,7 @@ def test_every_registered_compressor_on_parameters_of_other_dtypes(dtype: torch.
 def test_the_sweep_covers_every_compressor_class_and_the_issue_sizes() -> None:
     exported = {getattr(compressors, n) for n in compressors.__all__}
     concrete = {c for c in exported if isinstance(c, type) and issubclass(c, Compressor)} - {
-        Compressor, QuantizedCompressor}
+        Compressor, QuantizedCompressor, SharedIndexCompressor, SparseCompressor}  # the base classes
     assert concrete <= {type(make()) for make in VARIANTS.values()}
     sizes = {math.prod(s) for s in SHAPES.values()} | {p.numel() for p in nn.Conv2d(3, 5, 3).parameters()}
     assert {1, 2, 3, 7, 31, 100, 127, 129, 1000, 4097, 135, 5, 0} == sizes

@@ -7,7 +7,8 @@ import importlib
 
 import pytest
 
-MODULES = ["lattice", "layerwise", "lowrank", "mean", "packing", "quantize", "realview", "selection", "sparsify"]
+MODULES = ["axpy", "lattice", "layerwise", "lowrank", "packing", "quantize", "realview", "sampling", "selection",
+           "sparsify"]
 NO_EXAMPLE = {"selection": {"prepare_native"}}  # builds the compiled kernel (7-20 s): not a pure function
 
 

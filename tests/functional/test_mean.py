@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.compressors import NoCompression, TopK
-from lightning_gradcomp.functional.mean import predivide_
+from lightning_gradcomp.functional.axpy import predivide_
 from lightning_gradcomp.hook import gradcomp_comm_hook
 
 STEPS = 4
@@ -27,6 +27,16 @@ def test_predivide_differs_from_a_division_where_ddp_does() -> None:
     assert not torch.equal(predivide_(x.clone(), 3), x / 3)
     for world in (1, 2, 4, 8):
         assert torch.equal(predivide_(x.clone(), world), x / world)
+
+
+def test_the_old_import_path_warns_and_gives_the_same_function() -> None:
+    import importlib
+    import sys
+
+    sys.modules.pop("lightning_gradcomp.functional.mean", None)
+    with pytest.warns(DeprecationWarning, match="functional.axpy"):
+        mean = importlib.import_module("lightning_gradcomp.functional.mean")
+    assert mean.predivide_ is predivide_
 
 
 def _model(dtype: torch.dtype) -> nn.Module:
