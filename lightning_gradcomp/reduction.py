@@ -247,7 +247,7 @@ class GradientReduction:
             return buf
 
         done = then_same_numerics(reduction.averaged, write_back, self.stats)
-        return self._checked(buf, dense, dense_part, done, ctx) if check_after else done
+        return self._checked(buf, dense, dense_part, done, reduction) if check_after else done
 
     def _compensate(
         self,
@@ -285,7 +285,12 @@ class GradientReduction:
         return tensors, None if None in flags else False
 
     def _checked(
-        self, buf: Tensor, dense: tuple[LayerSlot, ...], dense_part: Optional[Future], done: Future, ctx: ReduceContext
+        self,
+        buf: Tensor,
+        dense: tuple[LayerSlot, ...],
+        dense_part: Optional[Future],
+        done: Future,
+        reduction: Reduction,
     ) -> Future:
         """``done`` (the compressed slots written into ``buf``) and ``dense_part`` (the dense slots' all-reduce, or
         ``None``), then the non-finite decision on the averaged bucket.
@@ -295,7 +300,7 @@ class GradientReduction:
         decides alike without a flag collective. There is no state to spare; the event is counted and, with
         ``nonfinite="zero"``, the bucket becomes zero. With ``"dense"`` the non-finite result goes on to the
         optimizer, as it would with DDP (its other entries are the compressor's average, not the fp32 one). When
-        the compressor checked its own result while decoding (``ctx.result_nonfinite``), only the dense slots are
+        the compressor checked its own result while decoding (``reduction.result_nonfinite``), only the dense slots are
         summed here.
         """
 
@@ -305,10 +310,10 @@ class GradientReduction:
         def finish(_: Future) -> Tensor:
             if dense_part is not None:
                 self._write_dense(buf, dense, dense_part.value())
-            if ctx.result_nonfinite is None:
+            if reduction.result_nonfinite is None:
                 bad = nonfinite(buf)
             else:
-                bad = ctx.result_nonfinite or (dense_part is not None and nonfinite(dense_part.value()))
+                bad = reduction.result_nonfinite or (dense_part is not None and nonfinite(dense_part.value()))
             if bad:
                 self._nonfinite_event(buf)
             return buf

@@ -69,9 +69,6 @@ class ReduceContext:
             inputs themselves. ``None`` when there are none (see :meth:`output`).
         outputs_zeroed: whether the engine already zeroed :attr:`outputs` (for a compressor with
             :attr:`Compressor.sparse_outputs`, while it compensated): :meth:`output` then hands them out as they are.
-        result_nonfinite: set while decoding by a compressor that :attr:`Compressor.propagates_nonfinite` and
-            checked its averaged values for NaN/Inf in the same pass (whether it found any); the engine then checks
-            only the dense slots itself. ``None``: the engine checks the whole bucket.
         early: per slot, what :meth:`Compressor.precompute` returned when the engine called it ahead of
             :meth:`Compressor.reduce` (see :meth:`precomputed`); ``None`` when it did not.
     """
@@ -85,7 +82,6 @@ class ReduceContext:
     observed: bool = True
     outputs: Optional[Sequence[Tensor]] = None
     outputs_zeroed: bool = False
-    result_nonfinite: Optional[bool] = None
     early: Optional[list[Any]] = None
 
     def precomputed(self, index: int) -> Any:
@@ -138,11 +134,16 @@ class Reduction:
         residuals: per-slot ``p - c`` for error feedback (``None`` when unused).
         local: optionally, this rank's decoded contribution ``c`` per slot, for compressors without
             error feedback; observers (compression-error logging) use it when present.
+        result_nonfinite: set, by the time :attr:`averaged` resolves, by a compressor that
+            :attr:`Capabilities.propagates_nonfinite` and checked its averaged values for NaN/Inf while decoding
+            (whether it found any); the engine then checks only the dense slots itself. ``None``: the engine checks
+            the whole bucket. (The compressor reports through its result; :class:`ReduceContext` only flows in.)
     """
 
     averaged: Future
     residuals: Optional[list[Tensor]] = None
     local: Optional[Sequence[Tensor]] = None
+    result_nonfinite: Optional[bool] = None
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,9 @@ class Cast(Compressor):
 
         No concatenated fp32 copy. When the slots lie back to back (every layer is cast by default, so a bucket is
         one span) they are cast through one view, divided by W on the way (:func:`~.half.scaled_cast`), and the sum
-        is widened back with its NaN/Inf check in the same pass (:func:`~.half.widen`, reported in
-        ``ctx.result_nonfinite``); otherwise they are divided in place and concatenated into the 16-bit buffer."""
+        is widened back with its NaN/Inf check in the same pass (:func:`~.half.widen`, reported in the
+        reduction's ``result_nonfinite``); otherwise they are divided in place and concatenated into the 16-bit
+        buffer."""
         counts = [t.numel() for t in tensors]
         span = contiguous_span(tensors)
         flat = torch.empty(sum(counts), dtype=self.dtype, device=tensors[0].device)
@@ -65,15 +66,17 @@ class Cast(Compressor):
             torch._foreach_div_(tensors, ctx.world_size)  # one fused launch on CUDA, not one per slot
             torch.cat(tensors, out=flat)
         fut = ctx.comm.all_reduce(flat, async_op=True, shares=ctx.shares(counts))
+        reduction = Reduction(averaged=fut)
 
         def decode(done: torch.futures.Future) -> list[Tensor]:
             total = done.value()
             if span is not None:
-                ctx.result_nonfinite = widen(total, span)  # None without the kernel: the engine checks
+                reduction.result_nonfinite = widen(total, span)  # None without the kernel: the engine checks
                 return tensors
             return [t.copy_(piece) for t, piece in zip(tensors, split_flat(total, counts))]
 
-        return Reduction(averaged=then_same_numerics(fut, decode, ctx.comm.stats))
+        reduction.averaged = then_same_numerics(fut, decode, ctx.comm.stats)
+        return reduction
 
     def extra_repr(self) -> str:
         return f"dtype={self.dtype}"
