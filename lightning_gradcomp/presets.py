@@ -29,11 +29,12 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Optional
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_gradcomp.checks import ArgumentTypeError
 
-__all__ = ["PRESETS", "UNUSED_SUFFIX", "preset_class", "register_preset", "register_presets"]
+__all__ = ["PRESETS", "UNUSED_SUFFIX", "on_declare", "preset_class", "register_preset", "register_presets"]
 
 Factory = Callable[[], dict[str, Any]]
 
@@ -44,6 +45,8 @@ _CLASSES: dict[str, Optional[type[Strategy]]] = {}
 _VARIANTS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
 UNUSED_SUFFIX = "_find_unused_parameters_true"
 """Suffix of the variants with ``find_unused_parameters=True`` (Lightning's ``ddp_find_unused_parameters_true``)."""
+_LISTENERS: list[Callable[[str], None]] = []
+"""Called with each preset's name as it is declared (:func:`on_declare`)."""
 
 
 class _Builder:
@@ -85,6 +88,19 @@ def register_preset(
     PRESETS[key] = (description, factory)
     _CLASSES[key] = strategy
     _register(StrategyRegistry, key, description, _Builder(factory, strategy, key))
+    for listener in _LISTENERS:
+        listener(key)
+
+
+def on_declare(listener: Callable[[str], None]) -> None:
+    """Call ``listener(name)`` for every preset declared so far, then for each one declared (or re-declared) later.
+
+    How another registry follows the presets: :mod:`lightning_gradcomp.fabric_strategy` registers the
+    ``GradCompStrategy`` presets with Fabric's ``STRATEGY_REGISTRY`` this way.
+    """
+    _LISTENERS.append(listener)
+    for key in list(PRESETS):
+        listener(key)
 
 
 def preset_class(name: str) -> type[Strategy]:
@@ -148,9 +164,10 @@ def _check_declaration(name: str, description: str, factory: Factory, strategy: 
         raise ArgumentTypeError(f"preset `strategy` must be a Lightning Strategy class or None, got {strategy!r}")
     key = name.lower()
     for suffix in (suffix + unused for suffix, _ in _VARIANTS for unused in ("", UNUSED_SUFFIX)):
-        entry = dict.get(StrategyRegistry, key + suffix)
-        if entry is not None and not isinstance(entry["strategy"], _Builder):
-            raise ValueError(f"{key + suffix!r} is already a Lightning strategy name; choose another preset name")
+        for registry in (StrategyRegistry, FABRIC_REGISTRY):  # Fabric's too: the presets are registered there
+            entry = dict.get(registry, key + suffix)
+            if entry is not None and not isinstance(entry["strategy"], _Builder):
+                raise ValueError(f"{key + suffix!r} is already a Lightning strategy name; choose another preset name")
     return key
 
 

@@ -14,7 +14,7 @@ FLOORS = {  # docs/design.md, "Map of the package"
         "advise.costs", "resident"},
     2: {"compressors", "presets", "schedule", "memory", "plan", "observers", "step_transaction"},
     3: {"reduction", "hierarchical_reduction", "hook", "commthread", "hierarchy", "sharded_checkpoints", "replicas"},
-    4: {"strategy", "swarm", "localsgd", "callbacks", "bench", "report", "cli", "__init__", "advise"},
+    4: {"strategy", "fabric_strategy", "swarm", "localsgd", "callbacks", "bench", "report", "cli", "__init__", "advise"},
 }
 
 
