@@ -82,6 +82,7 @@ def test_every_preset_trains_through_fabric(tmp_path: Path, name: str) -> None:
         assert record["stats"]["wire_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_an_instance_under_the_spawn_launcher(tmp_path: Path) -> None:
     records = run_fabric(GradCompFabricStrategy(compressor="topk", start_method="spawn"), tmp_path, 3)
     assert_replicas_identical(records)
