@@ -55,3 +55,21 @@ def test_fabric_save_then_load_resumes_exactly(tmp_path: Path, world: int) -> No
         assert all(torch.equal(a, b) for a, b in zip(rec["params"], tail)), f"rank {rank}: parameters differ"
         assert rec["memory"].keys() == ref["memory"].keys() and rec["memory"]
         assert all(torch.equal(rec["memory"][k], ref["memory"][k]) for k in ref["memory"]), f"rank {rank}: memory"
+
+
+def test_setup_module_then_setup_optimizers_trains_as_setup_does(tmp_path: Path) -> None:
+    joint = run_fabric("scalecom_fork", tmp_path / "joint", 4)
+    separate = run_fabric("scalecom_fork", tmp_path / "separate", 4, separate=True)
+    for a, b in zip(joint, separate):
+        assert a["hook_step"] == b["hook_step"] == 4, "the optimizer set up apart commits the steps too"
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+
+
+def test_load_refuses_another_compressor_and_keeps_the_step_on_another_world_size(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt.pt")
+    run_fabric("scalecom_fork", tmp_path / "first", 3, save=ckpt)
+    with pytest.raises(Exception, match="written with compressor CLTK, but this strategy uses TopK"):
+        run_fabric("gradcomp_topk_fork", tmp_path / "other", 4, start=3, load=ckpt)
+    wider = run_fabric("scalecom_fork", tmp_path / "wider", 4, devices=3, start=3, load=ckpt)
+    assert [r["hook_step"] for r in wider] == [4, 4, 4], "the step counter is replicated state: kept"
+    assert_replicas_identical(wider)

@@ -77,14 +77,19 @@ def _dump(out: Path, name: str, rank: int, record: dict[str, Any], strategy: Any
 
 
 def fabric_loop(fabric: Fabric, model: str, out: Path, steps: int, accumulate: int = 1, start: int = 0,
-                save: Optional[str] = None, load: Optional[str] = None) -> None:
+                save: Optional[str] = None, load: Optional[str] = None, separate: bool = False) -> None:
     """Optimizer steps ``start`` .. ``steps - 1`` of ``accumulate`` micro-batches each (``no_backward_sync`` on all but
     the last), as Lightning's automatic optimization takes them; ``load`` first restores model, optimizer and
-    compression state with ``fabric.load``, ``save`` writes them at the end with ``fabric.save``."""
+    compression state with ``fabric.load``, ``save`` writes them at the end with ``fabric.save``. ``separate``: set
+    up with ``fabric.setup_module`` then ``fabric.setup_optimizers`` instead of ``fabric.setup``."""
     raw = MODELS[model](samples=SAMPLES, batch_size=BATCH)
     optimizer = raw.configure_optimizers()
     data = fabric.setup_dataloaders(loader(raw), use_distributed_sampler=False)
-    module, optimizer = fabric.setup(raw, optimizer)
+    if separate:
+        module = fabric.setup_module(raw)
+        optimizer = fabric.setup_optimizers(optimizer)
+    else:
+        module, optimizer = fabric.setup(raw, optimizer)
     if load is not None:
         fabric.load(load, {"model": module, "optimizer": optimizer})
     record: dict[str, Any] = {"params": [], "wire": []}
