@@ -17,6 +17,7 @@ def test_fabric_loop_matches_the_trainer_step_for_step(tmp_path: Path, world: in
     fabric = run_fabric("scalecom_fork", tmp_path, steps, devices=world)
     trainer = run_trainer("scalecom_fork", tmp_path, steps, devices=world)
     assert_replicas_identical(fabric)
+    assert all(record["released"] for record in fabric), "teardown() releases the hook's process group"
     for rank, (ours, theirs) in enumerate(zip(fabric, trainer)):
         assert ours["wire"] == theirs["wire"], f"rank {rank}: bytes per step differ from the Trainer's"
         assert len(ours["params"]) == len(theirs["params"]) == steps

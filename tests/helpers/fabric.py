@@ -109,6 +109,9 @@ def fabric_loop(fabric: Fabric, model: str, out: Path, steps: int, accumulate: i
             record["wire"].append(fabric.strategy.comm_stats.wire_bytes)
     if save is not None:
         fabric.save(save, {"model": module, "optimizer": optimizer})
+    fabric.barrier()
+    fabric.strategy.teardown()  # stops the hook's thread and destroys its group (Fabric never calls it)
+    record["released"] = fabric.strategy.hook is None or fabric.strategy._released
     _dump(Path(out), "fabric", fabric.global_rank, record, fabric.strategy)
 
 
