@@ -17,7 +17,7 @@ Importing :mod:`lightning_gradcomp` registers every preset that builds a ``GradC
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union, cast
+from typing import Any, Literal, Optional, Union, cast
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -77,7 +77,7 @@ class GradCompFabricStrategy(ShardedCheckpoints, DDPStrategy):
     def __init__(
         self,
         compressor: Union[Compressor, str, None] = None,
-        start_method: str = "popen",
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
         if kwargs.get("layerwise") is not None:
@@ -93,7 +93,7 @@ class GradCompFabricStrategy(ShardedCheckpoints, DDPStrategy):
         super().__init__(
             process_group_backend=backend,
             timeout=self.settings._timeout,
-            start_method=cast(Any, start_method),
+            start_method=start_method,
             **fabric,
             **self.settings._ddp_kwargs,
         )

@@ -87,3 +87,10 @@ def test_an_instance_under_the_spawn_launcher(tmp_path: Path) -> None:
     records = run_fabric(GradCompFabricStrategy(compressor="topk", start_method="spawn"), tmp_path, 3)
     assert_replicas_identical(records)
     assert all(r["stats"]["compressed_steps"] == 1 and r["wire"][-1] < r["stats"]["dense_bytes"] for r in records)
+
+
+def test_hierarchy_under_fabric(tmp_path: Path) -> None:
+    strategy = GradCompFabricStrategy(compressor="topk", hierarchy=2, start_method="fork")
+    records = run_fabric(strategy, tmp_path, 3, devices=4)
+    assert_replicas_identical(records)
+    assert all(r["stats"]["intra_bytes"] > 0 and r["stats"]["compressed_steps"] == 1 for r in records)
