@@ -14,7 +14,8 @@ runs: a preset declared in your own code after ``import lightning_gradcomp`` wor
 with no other call. ``factory()`` returns the keyword arguments of the strategy class (``GradCompStrategy`` unless
 ``strategy=`` names another) and runs each time a strategy is built from the name, so two Trainers never share a
 (stateful) compressor. ``PRESETS`` maps each name to ``(description, factory)``; :func:`preset_class` gives the
-class it builds.
+class it builds. The presets of ``GradCompStrategy`` are Fabric strategy names too (``Fabric(strategy="scalecom")``):
+:mod:`lightning_gradcomp.fabric_strategy` follows every declaration through :func:`on_declare`.
 
 Compressor names are a separate, smaller name space: :func:`lightning_gradcomp.compressors.register` names a
 compressor *class*, so that ``GradCompStrategy(compressor="topk")`` and ``compressors.create("topk", density=0.1)``
@@ -80,7 +81,8 @@ def register_preset(
         strategy: the strategy class; ``None`` means :class:`~lightning_gradcomp.GradCompStrategy`.
 
     Raises:
-        ValueError: ``name`` or a variant is already a Lightning strategy name that is not a preset (``"ddp"``).
+        ValueError: ``name`` or a variant is already a Lightning (Trainer or Fabric) strategy name that is not a
+            preset (``"ddp"``, Fabric's ``"dp"``).
     """
     key = _check_declaration(name, description, factory, strategy)
     if key in PRESETS and (PRESETS[key], _CLASSES[key]) != ((description, factory), strategy):
