@@ -1,16 +1,25 @@
 """lightning_gradcomp: communication-efficient data-parallel training for PyTorch Lightning.
 
 Importing the package declares its strategy presets (``gradcomp_topk``, ``scalecom``, ``diloco``...), each
-registered with Lightning's ``StrategyRegistry`` as it is declared; see :mod:`lightning_gradcomp.presets`.
+registered with Lightning's ``StrategyRegistry`` as it is declared; see :mod:`lightning_gradcomp.presets`. The
+presets of ``GradCompStrategy`` go into Fabric's ``STRATEGY_REGISTRY`` too (:mod:`lightning_gradcomp.fabric_strategy`).
 """
 
 # gradcomp_presets declares GradCompStrategy's presets, before the other strategies' (the order of `list`)
 from lightning_gradcomp import callbacks, compressors, gradcomp_presets  # noqa: F401 - public subpackages
 from lightning_gradcomp.comm import CommStats
+from lightning_gradcomp.fabric_strategy import GradCompFabricStrategy
 from lightning_gradcomp.localsgd import LocalSGDStrategy
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.swarm import SwarmStrategy
 
 __version__ = "0.1.0"
 
-__all__ = ["CommStats", "GradCompStrategy", "LocalSGDStrategy", "SwarmStrategy", "__version__"]
+__all__ = [
+    "CommStats",
+    "GradCompFabricStrategy",
+    "GradCompStrategy",
+    "LocalSGDStrategy",
+    "SwarmStrategy",
+    "__version__",
+]

@@ -16,7 +16,8 @@ runs: a preset declared in your own code after ``import lightning_gradcomp`` wor
 with no other call. ``factory()`` returns the keyword arguments of the strategy class (``GradCompStrategy`` unless
 ``strategy=`` names another) and runs each time a strategy is built from the name, so two Trainers never share a
 (stateful) compressor. ``PRESETS`` maps each name to ``(description, factory)``; :func:`preset_class` gives the
-class it builds.
+class it builds. The presets of ``GradCompStrategy`` are Fabric strategy names too (``Fabric(strategy="scalecom")``):
+:mod:`lightning_gradcomp.fabric_strategy` follows every declaration through :func:`on_declare`.
 
 Compressor names are a separate, smaller name space: :func:`lightning_gradcomp.compressors.register` names a
 compressor *class*, so that ``GradCompStrategy(compressor="topk")`` and ``compressors.create("topk", density=0.1)``
@@ -31,11 +32,12 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Optional
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_gradcomp.checks import ArgumentTypeError
 
-__all__ = ["PRESETS", "UNUSED_SUFFIX", "preset_class", "register_preset", "register_presets"]
+__all__ = ["PRESETS", "UNUSED_SUFFIX", "on_declare", "preset_class", "register_preset", "register_presets"]
 
 Factory = Callable[[], dict[str, Any]]
 
@@ -46,6 +48,8 @@ _CLASSES: dict[str, Optional[type[Strategy]]] = {}
 _VARIANTS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
 UNUSED_SUFFIX = "_find_unused_parameters_true"
 """Suffix of the variants with ``find_unused_parameters=True`` (Lightning's ``ddp_find_unused_parameters_true``)."""
+_LISTENERS: list[Callable[[str], None]] = []
+"""Called with each preset's name as it is declared (:func:`on_declare`)."""
 
 
 class _Builder:
@@ -79,7 +83,8 @@ def register_preset(
         strategy: the strategy class; ``None`` means :class:`~lightning_gradcomp.GradCompStrategy`.
 
     Raises:
-        ValueError: ``name`` or a variant is already a Lightning strategy name that is not a preset (``"ddp"``).
+        ValueError: ``name`` or a variant is already a Lightning (Trainer or Fabric) strategy name that is not a
+            preset (``"ddp"``, Fabric's ``"dp"``).
     """
     key = _check_declaration(name, description, factory, strategy)
     if key in PRESETS and (PRESETS[key], _CLASSES[key]) != ((description, factory), strategy):
@@ -87,6 +92,19 @@ def register_preset(
     PRESETS[key] = (description, factory)
     _CLASSES[key] = strategy
     _register(StrategyRegistry, key, description, _Builder(factory, strategy, key))
+    for listener in _LISTENERS:
+        listener(key)
+
+
+def on_declare(listener: Callable[[str], None]) -> None:
+    """Call ``listener(name)`` for every preset declared so far, then for each one declared (or re-declared) later.
+
+    How another registry follows the presets: :mod:`lightning_gradcomp.fabric_strategy` registers the
+    ``GradCompStrategy`` presets with Fabric's ``STRATEGY_REGISTRY`` this way.
+    """
+    _LISTENERS.append(listener)
+    for key in list(PRESETS):
+        listener(key)
 
 
 def preset_class(name: str) -> type[Strategy]:
@@ -150,9 +168,10 @@ def _check_declaration(name: str, description: str, factory: Factory, strategy: 
         raise ArgumentTypeError(f"preset `strategy` must be a Lightning Strategy class or None, got {strategy!r}")
     key = name.lower()
     for suffix in (suffix + unused for suffix, _ in _VARIANTS for unused in ("", UNUSED_SUFFIX)):
-        entry = dict.get(StrategyRegistry, key + suffix)
-        if entry is not None and not isinstance(entry["strategy"], _Builder):
-            raise ValueError(f"{key + suffix!r} is already a Lightning strategy name; choose another preset name")
+        for registry in (StrategyRegistry, FABRIC_REGISTRY):  # Fabric's too: the presets are registered there
+            entry = dict.get(registry, key + suffix)
+            if entry is not None and not isinstance(entry["strategy"], _Builder):
+                raise ValueError(f"{key + suffix!r} is already a Lightning strategy name; choose another preset name")
     return key
 
 
