@@ -163,7 +163,7 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
             compress_1d=check_bool("compress_1d", compress_1d),
             small_param=_check_small_param(small_param, self.compressor),
         )
-        self.beta = validate_beta_for(beta, self.compressor)
+        self._beta = validate_beta_for(beta, self.compressor)
         self.schedule = as_schedule(schedule, self.compressor)
         self.seed = check_int("seed", seed, 0, 2**63 - 1)
         if nonfinite not in ("dense", "zero"):
@@ -209,11 +209,22 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         """This rank's error-feedback memory (its ``beta`` is settable at run time)."""
         return self._hook.memory if self._hook is not None else None
 
+    @property
+    def beta(self) -> float:
+        """The error-feedback low-pass factor in force: the memory's own once the hook exists (one value, restored with
+        the hook's state), the constructor's before."""
+        hook = getattr(self, "_hook", None)
+        return hook.memory.beta if hook is not None else self._beta
+
+    @beta.setter
+    def beta(self, beta: float) -> None:
+        self.set_beta(beta)
+
     def set_beta(self, beta: float) -> None:
         """Set the memory low-pass factor from now on (below 1 only for an error-feedback compressor)."""
-        self.beta = validate_beta_for(beta, self.compressor)
+        self._beta = validate_beta_for(beta, self.compressor)
         if self._hook is not None:
-            self._hook.memory.beta = self.beta
+            self._hook.memory.beta = self._beta
 
     def set_layer_params(self, params: dict[str, Any]) -> None:
         """Override the compression parameter (density / rank / bits) of named layers on this rank.

@@ -454,3 +454,31 @@ def test_collectives_the_model_issues_during_backward_do_not_meet_the_hooks(tmp_
     assert_replicas_identical(records)
     assert records[0]["stats"]["steps"] == 6
     assert records[0]["stats"]["compressed_steps"] == (0 if name == "none" else 4)
+
+
+def _beta_probe(rank: int, world_size: int) -> list[float]:
+    from lightning_gradcomp.comm import Comm, CommStats
+
+    strategy = GradCompStrategy(compressor="topk", beta=0.3)
+    seen = [strategy.beta]
+    strategy._hook = strategy.make_hook(Comm(None, CommStats()), {}, torch.device("cpu"))
+    seen.append(strategy._hook.memory.beta)
+    state = strategy._hook.state_dict()
+    strategy.set_beta(0.7)
+    seen += [strategy.beta, strategy._hook.memory.beta]
+    strategy._hook.load_state_dict(state)  # a resume restores the saved beta
+    seen.append(strategy.beta)
+    strategy.beta = 0.5
+    seen.append(strategy._hook.memory.beta)
+    try:
+        strategy.beta = 1.5
+    except ValueError as err:
+        seen.append(-1.0 if "beta" in str(err) else -2.0)
+    return seen
+
+
+def test_beta_is_one_value_the_hooks_once_it_exists() -> None:
+    """``strategy.beta`` is the memory's ``beta`` once the hook exists: a restored state's value, not a stale copy."""
+    from lightning_gradcomp.gloo_workers import run_workers
+
+    assert run_workers(_beta_probe, 1)[0] == [0.3, 0.3, 0.7, 0.7, 0.3, 0.5, -1.0]
