@@ -12,7 +12,7 @@ The protocol of one tensor (:meth:`GradientReduction.reduce`; run off the traini
 every rank):
 
 1. Not compressing (before ``start_step``, a dense compressor): the tensor is scaled by ``1 / W`` and all-reduced
-   in one async collective, exactly like DDP (:func:`~.functional.mean.predivide_`: DDP's bits at every W). A
+   in one async collective, exactly like DDP (:func:`~.functional.axpy.predivide_`: DDP's bits at every W). A
    sparse gradient (``nn.Embedding(sparse=True)``) is always reduced so, as a sparse all-reduce.
 2. Otherwise the plan splits the tensor into dense and compressed slots. With error feedback each compressed slot
    is compensated first (``p = m + g``, checking ``g`` for NaN/Inf in the same pass) and its
