@@ -14,8 +14,8 @@ from lightning_gradcomp.functional.quantize import (
     stochastic_quantize,
     terngrad_quantize,
 )
-from lightning_gradcomp.functional.selection import approx_topk_indices, exact_topk_indices
-from lightning_gradcomp.functional.sparsify import kept_count, scatter_dense, stratified_indices, topk_indices
+from lightning_gradcomp.functional.selection import approx_topk_indices, exact_topk_indices, topk_indices
+from lightning_gradcomp.functional.sparsify import kept_count, scatter_dense, stratified_indices
 
 __all__ = [
     "approx_topk_indices",

@@ -1,6 +1,6 @@
 """Systematic samples: every ``d``-th entry of a tensor, at a stride that meets every column of a matrix.
 
-The top-k selections read a threshold from such a sample (:func:`~.sparsify.topk_indices`, the compiled kernel's
+The top-k selections read a threshold from such a sample (:func:`~.selection.topk_indices`, the compiled kernel's
 ``exact``: :func:`~._native.exact_stride`, and :mod:`~.selection`'s approximate selection).
 """
 

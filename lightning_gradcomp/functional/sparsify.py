@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 from collections.abc import Sequence
 from typing import Optional
 
@@ -12,7 +11,9 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.functional import _native
-from lightning_gradcomp.functional.sampling import systematic_stride
+from lightning_gradcomp.functional.sampling import systematic_stride as systematic_stride  # moved: sampling
+from lightning_gradcomp.functional.selection import FILTER_MIN_NUMEL as FILTER_MIN_NUMEL  # moved: top-k selection
+from lightning_gradcomp.functional.selection import topk_indices as topk_indices
 
 __all__ = [
     "decode_delta16",
@@ -29,7 +30,6 @@ __all__ = [
     "scatter_dense",
     "stratified_indices",
     "stratified_layers",
-    "topk_indices",
 ]
 
 
@@ -42,46 +42,6 @@ def kept_count(numel: int, density: float) -> int:
         (10, 1, 10)
     """
     return max(1, min(numel, int(round(density * numel))))
-
-
-FILTER_MIN_NUMEL = 32768
-"""Smallest tensor for which :func:`topk_indices` filters candidates before ``torch.topk``."""
-
-
-def topk_indices(x: Tensor, k: int) -> Tensor:
-    """Indices (int64, unsorted) of the ``k`` largest ``|x|`` of a flat tensor: the set ``torch.topk`` selects.
-
-    ``torch.topk`` over a whole large layer costs 30-60 copies' time on CPU. For tensors of at least
-    :data:`FILTER_MIN_NUMEL` elements (and ``k <= n / 8``) a threshold ``t`` is read from a systematic sample of
-    ``|x|`` (about 4096 entries at a stride coprime to 210, :func:`systematic_stride`, so that it meets every column
-    of a matrix; deterministic) so that about ``1.5 k`` entries are expected at or above it; the entries
-    ``|x| >= t`` are gathered in one pass, and ``torch.topk`` runs on those candidates only. The top-``k`` set lies
-    among the candidates whenever there are at least ``k`` of them (the ``k``-th largest value is then ``>= t``), so
-    the result is exact; with fewer, a second threshold aims at ``4 k``, and only when that too falls short (a
-    sample far from typical) does ``torch.topk`` run on the whole tensor. Ties at the ``k``-th value may resolve to
-    other indices than a plain ``torch.topk`` (any choice among equal magnitudes is a top-``k`` set); the result is
-    deterministic.
-
-    Example::
-
-        >>> topk_indices(torch.tensor([0.5, -3.0, 1.0, 2.0]), 2).sort().values.tolist()  # unsorted: sort to compare
-        [1, 3]
-    """
-    n = x.numel()
-    if k >= n:
-        return torch.arange(n, device=x.device)
-    magnitudes = x.abs()
-    if n < FILTER_MIN_NUMEL or 8 * k > n:
-        return torch.topk(magnitudes, k, sorted=False).indices
-    sample = magnitudes[:: systematic_stride(n, 4096)]
-    for aim in (1.5 * k, 4.0 * k):
-        rank = min(sample.numel(), math.ceil(aim * sample.numel() / n) + 8)
-        threshold = torch.topk(sample, rank, sorted=False).values.min()
-        candidates = magnitudes.lt(threshold).logical_not_().nonzero().squeeze(1)  # NaN too: torch.topk's largest
-        if candidates.numel() >= k:
-            chosen = torch.topk(magnitudes.index_select(0, candidates), k, sorted=False).indices
-            return candidates.index_select(0, chosen)
-    return torch.topk(magnitudes, k, sorted=False).indices
 
 
 def stratified_indices(numel: int, k: int, generator: torch.Generator, device: torch.device) -> tuple[Tensor, Tensor]:

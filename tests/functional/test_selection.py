@@ -275,7 +275,7 @@ def test_exact_topk_uses_the_kernel_for_unique_sets_and_the_torch_steps_otherwis
     """The kernel's radix selection answers when the top-k set is unique; a tie at the cut (the kernel answers
     ``None``) and tensors it does not serve (fp16, strided) take the torch steps; the sets are the same."""
     from lightning_gradcomp.functional import _native, selection
-    from lightning_gradcomp.functional.sparsify import topk_indices
+    from lightning_gradcomp.functional.selection import topk_indices
 
     kernel = _native.load()
     if kernel is None:
