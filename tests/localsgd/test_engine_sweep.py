@@ -33,7 +33,8 @@ from helpers.wire import compressor_bytes
 from lightning_gradcomp import LocalSGDStrategy, compressors
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.compressors import (CLTK, DIANA, QSGD, Cast, Compressor, NoCompression, PowerSGD,
-                                            QuantizedCompressor, RandomK, SignSGD, TernGrad, TopK)
+                                            QuantizedCompressor, RandomK, SharedIndexCompressor, SignSGD,
+                                            SparseCompressor, TernGrad, TopK)
 from lightning_gradcomp.localsgd import OuterSync
 from lightning_gradcomp.plan import BucketPlan
 
@@ -342,7 +343,7 @@ def test_replicas_identical_and_bytes_symmetric_after_every_sync(world: int) -> 
 def test_the_sweep_covers_every_accepted_compressor_sizes_and_options() -> None:
     exported = {getattr(compressors, n) for n in compressors.__all__}
     concrete = {c for c in exported if isinstance(c, type) and issubclass(c, Compressor)} - {
-        Compressor, QuantizedCompressor}
+        Compressor, QuantizedCompressor, SparseCompressor, SharedIndexCompressor}  # the abstract exchange bases
     assert concrete - {type(make()) for make in COMPRESSORS.values()} == {DIANA}
     with pytest.raises(ValueError, match="DIANA"):  # the one compressor the strategy refuses
         LocalSGDStrategy(compressor=DIANA())

@@ -101,7 +101,7 @@ TABLE = [
         r"`aggregation` must be one of \('auto', 'alltoall', 'allgather'\), got 'tree'", "compressor"),
     Bad(DIANA, {"quantizer": "l3:64"}, ValueError, r"`quantizer` 'l3:64': `p` must be 2 or inf, got 'l3'",
         "compressor"),
-    Bad(DIANA, {"quantizer": "linf:0"}, ValueError, r"`quantizer` 'linf:0': `block_size` must be in \[1, inf\), "
+    Bad(DIANA, {"quantizer": "linf:0"}, ValueError, r"`quantizer` 'linf:0': `group_size` must be in \[1, inf\), "
                                                     r"got 0", "compressor"),
     Bad(DIANA, {"alpha": 0.5}, ValueError, r"`alpha` must be a number in \[0, alpha_p = 0.162421\] for quantizer "
                                            r"linf:128 .*got 0.5", "compressor"),
