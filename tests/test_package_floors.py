@@ -13,8 +13,9 @@ FLOORS = {  # docs/design.md, "Map of the package"
     1: {"checks", "distributed", "failures", "atomic_files", "checkpoint_shards", "functional", "comm", "gloo_workers",
         "advise.costs", "resident"},
     2: {"compressors", "presets", "schedule", "memory", "plan", "observers", "step_transaction"},
-    3: {"reduction", "hierarchical_reduction", "hook", "commthread", "hierarchy", "sharded_checkpoints", "replicas"},
-    4: {"strategy", "swarm", "localsgd", "callbacks", "bench", "report", "cli", "__init__", "advise"},
+    3: {"reduction", "hierarchical_reduction", "hook", "commthread", "hierarchy", "sharded_checkpoints", "replicas",
+        "fsdp_reduction"},
+    4: {"strategy", "fsdp_strategy", "swarm", "localsgd", "callbacks", "bench", "report", "cli", "__init__", "advise"},
 }
 
 
