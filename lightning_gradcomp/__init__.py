@@ -6,10 +6,11 @@ registered with Lightning's ``StrategyRegistry`` as it is declared; see :mod:`li
 
 from lightning_gradcomp import callbacks, compressors  # noqa: F401 - public subpackages
 from lightning_gradcomp.comm import CommStats
+from lightning_gradcomp.fsdp_strategy import GradCompFSDPStrategy
 from lightning_gradcomp.localsgd import LocalSGDStrategy
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.swarm import SwarmStrategy
 
 __version__ = "0.1.0"
 
-__all__ = ["CommStats", "GradCompStrategy", "LocalSGDStrategy", "SwarmStrategy", "__version__"]
+__all__ = ["CommStats", "GradCompFSDPStrategy", "GradCompStrategy", "LocalSGDStrategy", "SwarmStrategy", "__version__"]
