@@ -14,7 +14,7 @@ from torch.utils.data import DistributedSampler
 from fsdp.models import Block, ShardedNet, fit_sharded, plan_from_record
 from helpers.wire import hook_call_bytes
 from lightning_gradcomp import GradCompFSDPStrategy
-from lightning_gradcomp.compressors import CLTK, DIANA, QSGD, NoCompression, PowerSGD, SignSGD
+from lightning_gradcomp.compressors import CLTK, DIANA, QSGD, PowerSGD, SignSGD
 from lightning_gradcomp.gloo_workers import run_workers
 
 STEPS = 20
