@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_gradcomp import checkpoint_shards
 from lightning_gradcomp.checks import ArgumentTypeError, check_bool, check_int, check_timeout
 from lightning_gradcomp.comm import Comm, CommStats
+from lightning_gradcomp.compressors import CLTK, QSGD, NoCompression, PowerSGD
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.registry import as_compressor
 from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, release_group
@@ -26,6 +27,7 @@ from lightning_gradcomp.fsdp_reduction import FSDPReplicaReduction, fsdp_modules
 from lightning_gradcomp.functional.selection import prepare_native
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta_for
 from lightning_gradcomp.plan import SlotPolicy, size_rule
+from lightning_gradcomp.presets import register_preset
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 
 __all__ = ["CHECKPOINT_KEY", "GradCompFSDPStrategy"]
@@ -364,3 +366,29 @@ def _check_module_classes(classes: Optional[Sequence[type[nn.Module]]]) -> Optio
     if not found or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in found):
         raise ArgumentTypeError(f"`shard_modules` must be a sequence of nn.Module classes, got {classes!r}")
     return found
+
+
+register_preset(
+    "gradcomp_fsdp",
+    "HSDP: FSDP2 inside a node, the dense all-reduce across nodes (reference; shards itself in configure_model)",
+    lambda: {"compressor": NoCompression()},
+    strategy=GradCompFSDPStrategy,
+)
+register_preset(
+    "scalecom_fsdp",
+    "HSDP: FSDP2 inside a node, ScaleCom CLT-k 1% with error feedback per shard across nodes",
+    lambda: {"compressor": CLTK(density=0.01)},
+    strategy=GradCompFSDPStrategy,
+)
+register_preset(
+    "powersgd_fsdp",
+    "HSDP: FSDP2 inside a node, PowerSGD rank 4 (on each parameter's row shard) across nodes",
+    lambda: {"compressor": PowerSGD(rank=4)},
+    strategy=GradCompFSDPStrategy,
+)
+register_preset(
+    "qsgd_fsdp",
+    "HSDP: FSDP2 inside a node, 4-bit QSGD (bucket 512) across nodes",
+    lambda: {"compressor": QSGD(bits=4)},
+    strategy=GradCompFSDPStrategy,
+)

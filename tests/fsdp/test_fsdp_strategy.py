@@ -115,3 +115,18 @@ def test_arguments_are_checked() -> None:
         GradCompFSDPStrategy(shard_modules=("Block",))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="start_method"):
         GradCompFSDPStrategy(start_method="thread")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["gradcomp_fsdp", "scalecom_fsdp", "powersgd_fsdp", "qsgd_fsdp"])
+def test_presets_build_the_strategy(name: str) -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = StrategyRegistry.get(name + "_fork")
+    assert isinstance(strategy, GradCompFSDPStrategy) and strategy._start_method == "fork"
+
+
+def test_a_preset_on_one_node_is_one_replica(tmp_path: Path) -> None:
+    """shard_size defaults to the processes of a node: on one machine the model is sharded over all of them, and
+    nothing crosses nodes (no replica reduction)."""
+    records = fit_sharded("scalecom_fsdp_fork", tmp_path, devices=2, max_steps=2)
+    assert records[0]["step"] is None and torch.equal(records[0]["params"][-1], records[1]["params"][-1])
