@@ -130,3 +130,23 @@ def test_a_preset_on_one_node_is_one_replica(tmp_path: Path) -> None:
     nothing crosses nodes (no replica reduction)."""
     records = fit_sharded("scalecom_fsdp_fork", tmp_path, devices=2, max_steps=2)
     assert records[0]["step"] is None and torch.equal(records[0]["params"][-1], records[1]["params"][-1])
+
+
+def test_a_compressor_that_needs_the_whole_world_refuses_naming_itself() -> None:
+    class WholeWorld(CLTK):
+        hierarchical = False
+
+    with pytest.raises(ValueError, match="WholeWorld cannot run in GradCompFSDPStrategy"):
+        GradCompFSDPStrategy(compressor=WholeWorld())
+
+
+def test_the_documented_example_runs() -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    try:
+        import fsdp_hsdp
+    finally:
+        sys.path.pop(0)
+    trainer = fsdp_hsdp.main("cltk", 2, max_epochs=1, start_method="fork")
+    assert trainer.state.finished  # the parent of forked ranks does not train (its global_step stays 0)
