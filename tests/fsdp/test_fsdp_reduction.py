@@ -13,7 +13,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightning_gradcomp.comm import Comm, all_reduce_bytes
-from lightning_gradcomp.compressors import CLTK, DIANA, QSGD, NoCompression, PowerSGD, SignSGD
+from lightning_gradcomp.compressors import (
+    CLTK,
+    DIANA,
+    QSGD,
+    Cast,
+    NoCompression,
+    PowerSGD,
+    RandomK,
+    SignSGD,
+    TernGrad,
+    TopK,
+)
 from lightning_gradcomp.fsdp_reduction import FSDPReplicaReduction, ShardLayout, replicate_group, shard_plan
 from lightning_gradcomp.gloo_workers import run_workers
 from lightning_gradcomp.plan import SlotPolicy
@@ -93,6 +104,10 @@ def test_no_compression_matches_native_hsdp(shard: int) -> None:
 
 
 COMPRESSORS = {
+    "cast_bf16": lambda: Cast(torch.bfloat16),
+    "topk": lambda: TopK(density=0.05),
+    "randomk": lambda: RandomK(density=0.05),
+    "terngrad": lambda: TernGrad(bucket_size=16),
     "cltk": lambda: CLTK(density=0.01),
     "qsgd": lambda: QSGD(bits=4, bucket_size=16),
     "signsgd": lambda: SignSGD(bucket_size=16),
