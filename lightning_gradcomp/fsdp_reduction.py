@@ -230,6 +230,7 @@ class FSDPReplicaReduction:
                 parameter on a dim other than 0, or has several parameter groups.
         """
         count = 0
+        self._plans, self._small = [], set()
         for module in fsdp_modules(model):
             group = _param_group(module)
             if group is None:

@@ -72,3 +72,11 @@ def test_a_missing_or_corrupt_rank_state_names_the_file(tmp_path: Path, damage: 
     with pytest.raises(Exception) as info:
         fit_sharded(_strategy("cltk"), tmp_path / "resumed", max_steps=-1, max_epochs=4, ckpt_path=str(path))
     assert victim.name in str(info.value)
+
+
+def test_the_manifest_is_in_the_metadata_and_another_compressor_is_refused(tmp_path: Path) -> None:
+    path = _save_after_two_epochs("cltk", tmp_path)
+    meta = torch.load(path / "meta.pt", weights_only=True)["gradcomp_fsdp"]
+    assert meta["compressor"] == "CLTK" and meta["world_size"] == 4 and len(meta["shards"]) == 4
+    with pytest.raises(Exception, match="written with compressor CLTK"):
+        fit_sharded(_strategy("diana"), tmp_path / "resumed", max_steps=-1, max_epochs=4, ckpt_path=str(path))

@@ -48,7 +48,8 @@ def _batch(rank: int, step: int, width: int = 11) -> tuple[torch.Tensor, torch.T
 
 
 def _train(
-    rank: int, world: int, shard: int, make: Any, steps: int, native: bool, mp: bool, check_every: int
+    rank: int, world: int, shard: int, make: Any, steps: int, native: bool, mp: bool, check_every: int,
+    poison: tuple[int, int] = (-1, -1), nonfinite: str = "dense",
 ) -> dict[str, Any]:
     torch.use_deterministic_algorithms(True)
     mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
@@ -65,12 +66,16 @@ def _train(
     if not native:
         names = {id(p): n for n, p in model.named_parameters()}
         comm = Comm(replicate_group(shard))
-        engine = FSDPReplicaReduction(make(), comm, names, start_step=1, policy=SlotPolicy(min_numel=8))
+        engine = FSDPReplicaReduction(
+            make(), comm, names, start_step=1, policy=SlotPolicy(min_numel=8), nonfinite=nonfinite
+        )
         assert engine.install(model) == len(SIZES)
         engine.attach_optimizer(optimizer)
     snapshots = []
     for step in range(steps):
         x, y = _batch(rank, step)
+        if (rank, step) == poison:
+            x[0, 0] = float("nan")
         loss = ((model(x).float() - y) ** 2).mean()
         loss.backward()
         optimizer.step()
@@ -138,7 +143,9 @@ def test_bytes_across_replicas_match_the_formula() -> None:
         numel = sum(plan.numel for plan in r["plans"])
         assert r["stats"]["wire_bytes"] == pytest.approx(3 * all_reduce_bytes(numel * 4, 2))
         assert r["stats"]["dense_bytes"] == pytest.approx(r["stats"]["wire_bytes"])
-        assert r["stats"]["intra_bytes"] > 0
+        # the shard group (S = 2): per module and step one reduce-scatter of (S - 1) x its output, and two all-gathers
+        # of (S - 1) x its padded shards (forward, and backward after resharding), all fp32
+        assert r["stats"]["intra_bytes"] == pytest.approx(3 * 3 * 4 * numel)
 
 
 def test_bf16_parameters_with_fp32_reduction() -> None:
@@ -161,3 +168,15 @@ def test_a_native_hsdp_module_is_refused() -> None:
         return str(info.value)
 
     assert "fully_shard(mesh=device_mesh['shard'])" in run_workers(refuse, 4)[0]
+
+
+def test_a_nonfinite_gradient_on_one_rank_is_zeroed_on_every_rank() -> None:
+    """Rank 1's batch holds a NaN at step 3: its shard group's reduce-scatter spreads it, the replicas' flag tells the
+    others; with nonfinite="zero" every rank drops that step's gradient alike and no memory takes the NaN."""
+    results = run_workers(_train, 4, 2, lambda: CLTK(density=0.05), 6, False, False, 1, (1, 3), "zero")
+    for snapshots in zip(*(r["snapshots"] for r in results)):
+        for tensors in snapshots[1:]:
+            for key, value in tensors.items():
+                assert torch.equal(value, snapshots[0][key]), key
+    assert all(torch.isfinite(v).all() for v in results[0]["snapshots"][-1].values())
+    assert all(r["stats"]["nonfinite_steps"] > 0 for r in results)
