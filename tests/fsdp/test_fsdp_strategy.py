@@ -150,3 +150,23 @@ def test_the_documented_example_runs() -> None:
         sys.path.pop(0)
     trainer = fsdp_hsdp.main("cltk", 2, max_epochs=1, start_method="fork")
     assert trainer.state.finished  # the parent of forked ranks does not train (its global_step stays 0)
+
+
+class RootOnlyNet(ShardedNet):
+    """One FSDP unit, the LightningModule itself: its hook fires inside FSDP2's end-of-backward callback."""
+
+    def configure_model(self) -> None:
+        fully_shard(self, mesh=self.device_mesh["shard"])
+
+
+@pytest.mark.parametrize("case", ["root_only", "accumulate"])
+def test_root_only_sharding_and_gradient_accumulation(tmp_path: Path, case: str) -> None:
+    """Accumulation: FSDP2 reduce-scatters every micro-batch (no no_sync under ModelParallelStrategy), so each is
+    reduced across replicas; the staged state chains and the counter counts optimizer steps."""
+    model = RootOnlyNet() if case == "root_only" else ShardedNet()
+    options = {"accumulate_grad_batches": 2} if case == "accumulate" else {}
+    strategy = GradCompFSDPStrategy(compressor=CLTK(density=0.05), shard_size=2, start_method="fork", min_numel=8)
+    records = fit_sharded(strategy, tmp_path, model=model, max_steps=6, **options)
+    for record in records[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(records[0]["params"], record["params"]))
+    assert [r["step"] for r in records] == [6] * 4 and records[0]["stats"]["compressed_steps"] == 4
