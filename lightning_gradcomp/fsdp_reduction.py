@@ -23,7 +23,9 @@ scratch probe of ``fully_shard`` on ``Linear(5, 7) -> Linear(7, 3)``, each layer
   possibly fewer rows, possibly none), then zero padding. ``Linear(5, 7)`` over S = 2 gives 24 elements: rank 0 of
   the shard group holds ``weight[0:4]`` (20) and ``bias[0:4]`` (4), rank 1 ``weight[4:7]`` (15), 5 padding,
   ``bias[4:7]`` (3), 1 padding. Only parameters that received a gradient are laid out: the adapter asks FSDP2 to
-  reduce-scatter unused ones too (``set_reduce_scatter_unused_params(True)``), so the layout is fixed.
+  reduce-scatter unused ones too (``set_reduce_scatter_unused_params(True)``), so the layout is fixed; frozen
+  parameters (``requires_grad=False``) are never in it (the plan follows ``requires_grad``). A sharded module that
+  did not run in forward gets no post-backward at all: no hook call, no collective, its ``.grad`` stays ``None``.
 * order: the modules fire in backward order (the last layer first), the same on every rank; a module without
   parameters of its own (a root that only holds sharded children) has no parameter group and never fires. All
   hooks of a backward pass run on the autograd thread before the autograd engine's final callbacks, and FSDP2's
@@ -186,7 +188,7 @@ class FSDPReplicaReduction:
         self.policy = policy or SlotPolicy()
         self.device = device
         self.layer_params: dict[str, Any] = {}
-        self._plans: list[BucketPlan] = []
+        self._plans: dict[int, tuple[tuple[int, ...], BucketPlan]] = {}
         self._small: set[str] = set()
         memory = ErrorFeedback(beta)
         self.reduction = GradientReduction(compressor, comm, memory, self.param_of, seed=seed, nonfinite=nonfinite)
@@ -218,8 +220,8 @@ class FSDPReplicaReduction:
         return self.layer_params.get(name, default)
 
     def plans(self) -> list[BucketPlan]:
-        """The plans of the hooked modules, in installation order."""
-        return list(self._plans)
+        """The current plans of the hooked modules that were reduced so far, in installation order."""
+        return [self._plans[index][1] for index in sorted(self._plans)]
 
     # ------------------------------------------------------------------ installation
     def install(self, model: nn.Module) -> int:
@@ -230,7 +232,7 @@ class FSDPReplicaReduction:
                 parameter on a dim other than 0, or has several parameter groups.
         """
         count = 0
-        self._plans, self._small = [], set()
+        self._plans, self._small = {}, set()
         for module in fsdp_modules(model):
             group = _param_group(module)
             if group is None:
@@ -240,22 +242,32 @@ class FSDPReplicaReduction:
                     f"{type(module).__name__} is sharded on a 2-D mesh (FSDP2's native HSDP), whose own all-reduce "
                     "runs before the hook: shard it with fully_shard(mesh=device_mesh['shard']) instead"
                 )
-            layout = []
             for fsdp_param in group.fsdp_params:
                 if fsdp_param.fsdp_placement.dim != 0:
                     raise ValueError(
                         f"parameter {self._name(fsdp_param)} is sharded on dim {fsdp_param.fsdp_placement.dim}: the "
                         "compressed replica reduction supports FSDP2's default Shard(0) only"
                     )
-                padded = _numel(fsdp_param.padded_sharded_param_size)
-                layout.append(ShardLayout(self._name(fsdp_param), tuple(fsdp_param.sharded_size), padded))
-            plan = shard_plan(len(self._plans), layout, self.policy, self.compressor.accepts)
-            self._small.update(slot.name for slot in plan.slots if slot.small)
-            self._plans.append(plan)
             module.set_reduce_scatter_unused_params(True, recurse=False)  # a fixed layout, used or not
-            module.set_all_reduce_hook(self._hook_for(plan, group))
+            module.set_all_reduce_hook(self._hook_for(count, group))
             count += 1
         return count
+
+    def plan_for(self, index: int, group: Any) -> tuple[BucketPlan, list[Tensor]]:
+        """The (cached) plan of hooked module ``index`` and its reduced parameters: those that require a gradient
+        (FSDP2 leaves frozen ones out of the reduce-scatter, unused ones in, as zeros); rebuilt when that changes."""
+        reduced = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
+        key = tuple(id(fp) for fp in reduced)
+        cached = self._plans.get(index)
+        if cached is None or cached[0] != key:
+            layout = [
+                ShardLayout(self._name(fp), tuple(fp.sharded_size), _numel(fp.padded_sharded_param_size))
+                for fp in reduced
+            ]
+            plan = shard_plan(index, layout, self.policy, self.compressor.accepts)
+            self._small.update(slot.name for slot in plan.slots if slot.small)
+            self._plans[index] = cached = (key, plan)
+        return cached[1], [fp.sharded_param for fp in reduced]
 
     def _name(self, fsdp_param: Any) -> str:
         return self.param_names.get(id(fsdp_param.sharded_param), f"param{id(fsdp_param.sharded_param)}")
@@ -265,12 +277,10 @@ class FSDPReplicaReduction:
         self.transaction.attach_optimizer(optimizer)
 
     # ------------------------------------------------------------------ the hook
-    def _hook_for(self, plan: BucketPlan, group: Any) -> Callable[[Tensor], None]:
-        params = [fsdp_param.sharded_param for fsdp_param in group.fsdp_params]
-
+    def _hook_for(self, index: int, group: Any) -> Callable[[Tensor], None]:
         def hook(output: Tensor) -> None:
             self._count_shard_group(group, output)
-            self.reduce(output, plan, params)
+            self.reduce(output, *self.plan_for(index, group))
 
         return hook
 

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DistributedSampler
 
-from fsdp.models import Block, ShardedNet, fit_sharded, plan_from_record
+from fsdp.models import SIZES, Block, ShardedNet, fit_sharded, plan_from_record
 from helpers.wire import hook_call_bytes
 from lightning_gradcomp import GradCompFSDPStrategy
 from lightning_gradcomp.compressors import CLTK, DIANA, QSGD, PowerSGD, SignSGD
@@ -170,3 +170,28 @@ def test_root_only_sharding_and_gradient_accumulation(tmp_path: Path, case: str)
     for record in records[1:]:
         assert all(torch.equal(a, b) for a, b in zip(records[0]["params"], record["params"]))
     assert [r["step"] for r in records] == [6] * 4 and records[0]["stats"]["compressed_steps"] == 4
+
+
+class FrozenNet(ShardedNet):
+    """The first block's weight frozen (FSDP2 leaves it out of the reduce-scatter, so of the plan) and a sharded block
+    never used in forward (FSDP2 runs no post-backward for it on any rank: no hook call, no collective)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[0].linear.weight.requires_grad_(False)
+        self.spare = Block(SIZES[-1], SIZES[-1])
+
+    def configure_model(self) -> None:
+        for module in (*self.blocks, self.spare):
+            fully_shard(module, mesh=self.device_mesh["shard"])
+        fully_shard(self, mesh=self.device_mesh["shard"])
+
+
+def test_frozen_and_unused_parameters(tmp_path: Path) -> None:
+    strategy = GradCompFSDPStrategy(compressor=CLTK(density=0.05), shard_size=2, start_method="fork", min_numel=8)
+    records = fit_sharded(strategy, tmp_path, model=FrozenNet(), max_steps=4)
+    for record in records[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(records[0]["params"], record["params"]))
+    names = {slot[0] for plan in records[0]["plans"] for slot in plan["slots"]}
+    assert "blocks.0.linear.weight" not in names and "blocks.0.linear.bias" in names
+    assert not any(name.startswith("spare.") for name in names)
