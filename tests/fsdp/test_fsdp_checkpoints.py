@@ -19,23 +19,26 @@ STATEFUL = {
 }
 
 
-def _strategy(name: str) -> GradCompFSDPStrategy:
+def _strategy(name: str, distributed: bool = True) -> GradCompFSDPStrategy:
     return GradCompFSDPStrategy(compressor=STATEFUL[name](), shard_size=2, start_method="fork", min_numel=8,
-                                start_step=2)
+                                start_step=2, save_distributed_checkpoint=distributed)
 
 
-def _save_after_two_epochs(name: str, out: Path) -> Path:
+def _save_after_two_epochs(name: str, out: Path, distributed: bool = True) -> Path:
     """12 steps (two epochs of 6), checkpointed at the end of the fit; the checkpoint's path."""
     ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True)
-    fit_sharded(_strategy(name), out / "first", max_steps=-1, max_epochs=2, callbacks=[ckpt], enable_checkpointing=True)
+    fit_sharded(_strategy(name, distributed), out / "first", max_steps=-1, max_epochs=2, callbacks=[ckpt],
+                enable_checkpointing=True)
     return out / "ckpt" / "last.ckpt"
 
 
-@pytest.mark.parametrize("name", sorted(STATEFUL))
-def test_resume_equals_the_uninterrupted_run(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize(("name", "distributed"), [(name, True) for name in sorted(STATEFUL)] + [("cltk", False)])
+def test_resume_equals_the_uninterrupted_run(tmp_path: Path, name: str, distributed: bool) -> None:
+    """``distributed=False``: Lightning gathers the full model and optimizer into rank 0's file instead."""
     straight = fit_sharded(_strategy(name), tmp_path / "straight", max_steps=-1, max_epochs=4)
-    path = _save_after_two_epochs(name, tmp_path)
-    resumed = fit_sharded(_strategy(name), tmp_path / "resumed", max_steps=-1, max_epochs=4, ckpt_path=str(path))
+    path = _save_after_two_epochs(name, tmp_path, distributed)
+    resumed = fit_sharded(_strategy(name, distributed), tmp_path / "resumed", max_steps=-1, max_epochs=4,
+                          ckpt_path=str(path))
     for rank, (rec, ref) in enumerate(zip(resumed, straight)):
         assert len(rec["params"]) == 12
         for step, (a, b) in enumerate(zip(rec["params"], ref["params"][12:])):
