@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -119,19 +120,20 @@ def fsdp_modules(model: nn.Module) -> list[Any]:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
-def replicate_group(shard_size: int) -> Any:
+def replicate_group(shard_size: int, timeout: Optional[timedelta] = None) -> Any:
     """A new process group of the ranks holding this rank's shard index (``rank % shard_size``), for the replica
     reduction alone; every rank must call it (it creates one group per shard index, in order).
 
     Ranks ``r * shard_size + s`` form replica ``r``'s shard group; the replicate group of shard index ``s`` is
     ``[s, s + shard_size, s + 2 shard_size, ...]``, the layout of a ``("replicate", "shard")`` device mesh.
+    ``timeout``: the groups' timeout (``None``: the backend's default).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if shard_size < 1 or world % shard_size:
         raise ValueError(f"shard_size must divide the world size {world}, got {shard_size}")
     mine = None
     for index in range(shard_size):
-        group = dist.new_group(list(range(index, world, shard_size)))
+        group = dist.new_group(list(range(index, world, shard_size)), timeout=timeout)
         if rank % shard_size == index:
             mine = group
     return mine

@@ -241,7 +241,7 @@ class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
     def _install(self) -> None:
         """Build this rank's replica reduction (once per fit; it keeps its state over fits) and hook the model."""
         assert self.model is not None and self.lightning_module is not None
-        group = replicate_group(self._shard_size())  # collective: every rank, every fit
+        group = replicate_group(self._shard_size(), self._timeout)  # collective: every rank, every fit
         if self.num_replicas == 1:  # one replica: FSDP2's reduce-scatter is the whole mean, nothing crosses nodes
             release_group(group)
             return
