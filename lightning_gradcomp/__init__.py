@@ -9,6 +9,7 @@ presets of ``GradCompStrategy`` go into Fabric's ``STRATEGY_REGISTRY`` too (:mod
 from lightning_gradcomp import callbacks, compressors, gradcomp_presets  # noqa: F401 - public subpackages
 from lightning_gradcomp.comm import CommStats
 from lightning_gradcomp.fabric_strategy import GradCompFabricStrategy
+from lightning_gradcomp.fsdp_strategy import GradCompFSDPStrategy
 from lightning_gradcomp.localsgd import LocalSGDStrategy
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.swarm import SwarmStrategy
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CommStats",
+    "GradCompFSDPStrategy",
     "GradCompFabricStrategy",
     "GradCompStrategy",
     "LocalSGDStrategy",

@@ -17,9 +17,10 @@ FLOORS = {  # docs/design.md, "Map of the package"
     1: {"checks", "distributed", "failures", "atomic_files", "shard_files", "checkpoint_shards", "functional", "comm",
         "wire_bytes", "comm_stats", "futures", "gloo_workers", "advise.costs", "resident"},
     2: {"compressors", "schedule", "memory", "plan", "observers", "step_transaction"},
-    3: {"reduction", "hierarchical_reduction", "hook", "commthread", "hierarchy", "sharded_checkpoints", "replicas"},
-    4: {"strategy", "fabric_strategy", "presets", "gradcomp_presets", "swarm", "localsgd", "callbacks", "bench", "report",
-        "cli", "__init__", "advise"},
+    3: {"reduction", "hierarchical_reduction", "hook", "fsdp_reduction", "commthread", "hierarchy", "sharded_checkpoints",
+        "replicas"},
+    4: {"strategy", "fabric_strategy", "fsdp_strategy", "presets", "gradcomp_presets", "swarm", "localsgd", "callbacks",
+        "bench", "report", "cli", "__init__", "advise"},
 }
 
 LATE_BINDINGS = {  # (importer, imported): why the import sits in a function. Keep this list tiny.

@@ -1,0 +1,351 @@
+"""The FSDP2 front-end of the reduction pipeline: an all-reduce hook per ``FSDPModule`` that averages the module's
+reduce-scatter output over the replicas through :class:`~lightning_gradcomp.reduction.GradientReduction`.
+
+HSDP the way this module builds it: every replica of the model is sharded with ``fully_shard`` over a *shard group*
+(fast links, usually one node) on a 1-D mesh; the replicas are joined by a *replicate group* (slow links) that FSDP2
+itself knows nothing of. FSDP2 reduce-scatters each module's gradients over the shard group and hands the result to
+the module's all-reduce hook (``FSDPModule.set_all_reduce_hook``), which averages it over the replicate group
+here, compressed: the same pipeline (plan, error feedback, compressor, non-finite policy, byte accounting) and the
+same :class:`~lightning_gradcomp.step_transaction.StepTransaction` as the DDP hook. A rank's error-feedback memory
+and compressor state belong to its own shard.
+
+What ``set_all_reduce_hook`` passes, measured with torch 2.13 (CPU, gloo; 4 processes as 2 replicas x 2 shards, a
+scratch probe of ``fully_shard`` on ``Linear(5, 7) -> Linear(7, 3)``, each layer and the root sharded):
+
+* one **flat, contiguous** tensor per call: the reduce-scatter output of the module's one parameter group, in the
+  reduce dtype (``float32`` under ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``;
+  the parameters' dtype without a policy). It is FSDP2's own buffer, not a copy: the hook writes its result into
+  it in place, and FSDP2 then views it as the sharded gradients (``.grad`` of the ``DTensor`` parameters).
+* it holds the **mean over the shard group** (FSDP2 reduce-scatters fp32 and bf16 with ``ReduceOp.AVG``); after a
+  1-D mesh FSDP2 does no all-reduce of its own, so averaging over the replicas gives the global mean.
+* layout: the module's parameters in registration order, each taking ``padded_sharded_param_size`` elements (FSDP2
+  shards dim 0 in ``torch.chunk`` pieces of ``ceil(rows / S)`` rows): this rank's rows first (``sharded_size``,
+  possibly fewer rows, possibly none), then zero padding. ``Linear(5, 7)`` over S = 2 gives 24 elements: rank 0 of
+  the shard group holds ``weight[0:4]`` (20) and ``bias[0:4]`` (4), rank 1 ``weight[4:7]`` (15), 5 padding,
+  ``bias[4:7]`` (3), 1 padding. Only parameters that received a gradient are laid out: the adapter asks FSDP2 to
+  reduce-scatter unused ones too (``set_reduce_scatter_unused_params(True)``), so the layout is fixed; frozen
+  parameters (``requires_grad=False``) are never in it (the plan follows ``requires_grad``). A sharded module that
+  did not run in forward gets no post-backward at all: no hook call, no collective, its ``.grad`` stays ``None``.
+* order: the modules fire in backward order (the last layer first), the same on every rank; a module without
+  parameters of its own (a root that only holds sharded children) has no parameter group and never fires. All
+  hooks of a backward pass run on the autograd thread before the autograd engine's final callbacks, and FSDP2's
+  root callback (queued before the first hook) runs before one the first hook queues.
+* with FSDP2's *native* HSDP (a 2-D mesh) the hook runs **after** the built-in all-reduce, so it cannot replace
+  it: this adapter refuses such modules.
+
+The hook waits for the pipeline's Future before it returns (FSDP2 reads the buffer right after the hook): the
+replica reduction of one module runs on the autograd thread, while FSDP2's reduce-scatters and all-gathers of
+other modules use other groups. Every collective is issued from the hook body in module order, the same on every
+rank, and no Future callback issues one (the gloo rule of docs/design.md).
+
+Byte accounting: the pipeline counts the replica collectives (``wire_bytes``, against ``dense_bytes``: the fp32 or
+reduce-dtype all-reduce of the reduce-scatter output that native HSDP would send); the hook adds the shard group's
+collectives to ``intra_bytes`` by the formulas of :mod:`lightning_gradcomp.comm`: the reduce-scatter, ``(S - 1)``
+times the output's bytes, and the all-gathers of the module's parameters, ``(S - 1)`` times the padded shard's bytes
+in the all-gather dtype, once for forward and once more for backward when the module reshards after forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_gradcomp.comm import Comm, CommStats, all_gather_bytes
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.memory import ErrorFeedback
+from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy
+from lightning_gradcomp.reduction import GradientReduction
+from lightning_gradcomp.resident import resident_nbytes
+from lightning_gradcomp.step_transaction import StepTransaction
+
+__all__ = ["FSDPReplicaReduction", "ShardLayout", "fsdp_modules", "replicate_group", "shard_plan"]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """One parameter's place in an FSDP2 reduce-scatter output.
+
+    Attributes:
+        name: the parameter's qualified name.
+        shape: this rank's shard (``sharded_size``: rows of dim 0, possibly none).
+        padded_numel: elements the parameter takes in the output (its padded shard).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    padded_numel: int
+
+
+def shard_plan(
+    index: int,
+    layout: Sequence[ShardLayout],
+    policy: SlotPolicy,
+    accepts: Callable[[LayerSlot], bool] = lambda slot: True,
+) -> BucketPlan:
+    """The layer plan of one reduce-scatter output: one slot per parameter's local shard, at the start of its padded
+    piece (the padding belongs to no slot).
+
+    The size rule judges the shard's own shape (what is compressed); ranks of one replicate group hold the same shard
+    index, hence the same shapes and the same plan.
+
+    Example::
+
+        >>> plan = shard_plan(0, [ShardLayout("w", (3, 5), 20), ShardLayout("b", (3,), 4)], SlotPolicy(min_numel=8))
+        >>> [(s.name, s.offset, s.numel, s.compressed) for s in plan.slots], plan.numel
+        ([('w', 0, 15, True), ('b', 20, 3, False)], 24)
+    """
+    slots: list[LayerSlot] = []
+    offset = 0
+    for piece in layout:
+        slot = LayerSlot(piece.name, offset, piece.shape, compressed=False)
+        if slot.numel > 0 and policy.wants(piece.shape) and accepts(slot):
+            slot = LayerSlot(piece.name, offset, piece.shape, compressed=True)
+        elif policy.small_param is not None and slot.numel > 0 and accepts(slot):
+            slot = LayerSlot(piece.name, offset, piece.shape, compressed=True, small=True)
+        slots.append(slot)
+        offset += piece.padded_numel
+    return BucketPlan(index=index, numel=offset, slots=tuple(slots))
+
+
+def fsdp_modules(model: nn.Module) -> list[Any]:
+    """The ``FSDPModule`` s of ``model`` (``fully_shard`` applied), in ``modules()`` order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def replicate_group(shard_size: int, timeout: Optional[timedelta] = None) -> Any:
+    """A new process group of the ranks holding this rank's shard index (``rank % shard_size``), for the replica
+    reduction alone; every rank must call it (it creates one group per shard index, in order).
+
+    Ranks ``r * shard_size + s`` form replica ``r``'s shard group; the replicate group of shard index ``s`` is
+    ``[s, s + shard_size, s + 2 shard_size, ...]``, the layout of a ``("replicate", "shard")`` device mesh.
+    ``timeout``: the groups' timeout (``None``: the backend's default).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if shard_size < 1 or world % shard_size:
+        raise ValueError(f"shard_size must divide the world size {world}, got {shard_size}")
+    mine = None
+    for index in range(shard_size):
+        group = dist.new_group(list(range(index, world, shard_size)), timeout=timeout)
+        if rank % shard_size == index:
+            mine = group
+    return mine
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _param_group(module: Any) -> Optional[Any]:
+    """The module's one FSDP2 parameter group (``None`` when it holds no parameters of its own)."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if len(groups) > 1:
+        raise ValueError(
+            f"{type(module).__name__}: FSDP2 gave it {len(groups)} parameter groups (a per-parameter mesh from "
+            "shard_placement_fn); the compressed replica reduction needs one group per module"
+        )
+    return groups[0] if groups else None
+
+
+class FSDPReplicaReduction:
+    """Per-rank state of the replica reduction of an FSDP2-sharded model (the FSDP2 side of the pipeline).
+
+    Args:
+        compressor: the compressor (owned: a private clone).
+        comm: byte-counting collectives over the replicate group (R ranks holding the same shard index).
+        param_names: ``id(sharded parameter) -> qualified name``.
+        start_step: first optimizer step that is compressed (dense all-reduce of the shard before it).
+        policy: which shards are compressed (the size rule judges the local shard's shape).
+        seed: base seed of the compressors' generators.
+        beta: low-pass factor of the error-feedback memory.
+        nonfinite: ``"dense"`` or ``"zero"``: what a shard holding NaN/Inf on some replica becomes.
+        device: where restored state tensors go.
+    """
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        comm: Comm,
+        param_names: dict[int, str],
+        *,
+        start_step: int = 2,
+        policy: Optional[SlotPolicy] = None,
+        seed: int = 0,
+        beta: float = 1.0,
+        nonfinite: str = "dense",
+        device: Optional[torch.device] = None,
+    ) -> None:
+        self.param_names = param_names
+        self.start_step = start_step
+        self.policy = policy or SlotPolicy()
+        self.device = device
+        self.layer_params: dict[str, Any] = {}
+        self._plans: dict[int, tuple[tuple[int, ...], BucketPlan]] = {}
+        self._small: set[str] = set()
+        memory = ErrorFeedback(beta)
+        self.reduction = GradientReduction(compressor, comm, memory, self.param_of, seed=seed, nonfinite=nonfinite)
+        self.transaction = StepTransaction(memory, compressor, param_names, self._count_step)
+
+    compressor = property(lambda self: self.reduction.compressor, doc="The compressor.")
+    memory = property(lambda self: self.reduction.memory, doc="The error-feedback memories.")
+
+    @property
+    def stats(self) -> CommStats:
+        """This rank's cumulative communication figures (``intra_bytes``: the shard group's)."""
+        return self.reduction.stats
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps so far."""
+        return self.transaction.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.transaction.step = value
+
+    def _count_step(self, compressed: bool) -> None:
+        self.stats.steps, self.stats.compressed_steps = self.stats.steps + 1, self.stats.compressed_steps + compressed
+
+    def param_of(self, name: str) -> Any:
+        """The compression parameter of layer ``name``."""
+        default = self.policy.small_param if name in self._small else self.compressor.default_param
+        return self.layer_params.get(name, default)
+
+    def plans(self) -> list[BucketPlan]:
+        """The current plans of the hooked modules that were reduced so far, in installation order."""
+        return [self._plans[index][1] for index in sorted(self._plans)]
+
+    # ------------------------------------------------------------------ installation
+    def install(self, model: nn.Module) -> int:
+        """Set the all-reduce hook of every ``FSDPModule`` of ``model`` that holds parameters; how many were hooked.
+
+        Raises:
+            ValueError: a module is sharded on a 2-D mesh (native HSDP all-reduces before the hook), shards a
+                parameter on a dim other than 0, or has several parameter groups.
+        """
+        count = 0
+        self._plans, self._small = {}, set()
+        for module in fsdp_modules(model):
+            group = _param_group(module)
+            if group is None:
+                continue
+            if type(group.mesh_info).__name__ == "HSDPMeshInfo":
+                raise ValueError(
+                    f"{type(module).__name__} is sharded on a 2-D mesh (FSDP2's native HSDP), whose own all-reduce "
+                    "runs before the hook: shard it with fully_shard(mesh=device_mesh['shard']) instead"
+                )
+            for fsdp_param in group.fsdp_params:
+                if fsdp_param.fsdp_placement.dim != 0:
+                    raise ValueError(
+                        f"parameter {self._name(fsdp_param)} is sharded on dim {fsdp_param.fsdp_placement.dim}: the "
+                        "compressed replica reduction supports FSDP2's default Shard(0) only"
+                    )
+            module.set_reduce_scatter_unused_params(True, recurse=False)  # a fixed layout, used or not
+            module.set_all_reduce_hook(self._hook_for(count, group))
+            count += 1
+        return count
+
+    def plan_for(self, index: int, group: Any) -> tuple[BucketPlan, list[Tensor]]:
+        """The (cached) plan of hooked module ``index`` and its reduced parameters: those that require a gradient
+        (FSDP2 leaves frozen ones out of the reduce-scatter, unused ones in, as zeros); rebuilt when that changes."""
+        reduced = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
+        key = tuple(id(fp) for fp in reduced)
+        cached = self._plans.get(index)
+        if cached is None or cached[0] != key:
+            layout = [
+                ShardLayout(self._name(fp), tuple(fp.sharded_size), _numel(fp.padded_sharded_param_size))
+                for fp in reduced
+            ]
+            plan = shard_plan(index, layout, self.policy, self.compressor.accepts)
+            self._small.update(slot.name for slot in plan.slots if slot.small)
+            self._plans[index] = cached = (key, plan)
+        return cached[1], [fp.sharded_param for fp in reduced]
+
+    def _name(self, fsdp_param: Any) -> str:
+        return self.param_names.get(id(fsdp_param.sharded_param), f"param{id(fsdp_param.sharded_param)}")
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Commit staged state when ``optimizer`` steps (:meth:`StepTransaction.attach_optimizer`)."""
+        self.transaction.attach_optimizer(optimizer)
+
+    # ------------------------------------------------------------------ the hook
+    def _hook_for(self, index: int, group: Any) -> Callable[[Tensor], None]:
+        def hook(output: Tensor) -> None:
+            self._count_shard_group(group, output)
+            self.reduce(output, *self.plan_for(index, group))
+
+        return hook
+
+    def reduce(self, output: Tensor, plan: BucketPlan, params: Sequence[Tensor]) -> None:
+        """Average one module's reduce-scatter ``output`` (laid out by ``plan``) over the replicas, in place."""
+        if output.numel() != plan.numel:
+            raise RuntimeError(
+                f"FSDP2 passed a reduce-scatter output of {output.numel()} elements to the all-reduce hook of "
+                f"{[s.name for s in plan.slots]}, whose layout has {plan.numel}"
+            )
+        transaction = self.transaction
+        if not transaction.in_backward:
+            transaction.begin_backward()
+            torch.autograd.Variable._execution_engine.queue_callback(transaction.end_backward)  # after every hook
+        if transaction.carrying:
+            transaction.carry_or_drop(list(params))
+        step = self.step
+        compresses = step >= self.start_step and not self.compressor.dense
+        transaction.compressed(compresses)
+        result = self.reduction.reduce(output, plan, step, compresses and bool(plan.compressed), None).wait()
+        if result.data_ptr() != output.data_ptr():
+            output.copy_(result)
+
+    def _count_shard_group(self, group: Any, output: Tensor) -> None:
+        """Add the shard group's collectives of this module to ``intra_bytes`` (by the formulas, not measured)."""
+        size = group.mesh_info.shard_mesh_size
+        if size <= 1:
+            return
+        self.stats.add_intra(all_gather_bytes(output.numel() * output.element_size(), size))  # the reduce-scatter
+        dtype = group.mp_policy.param_dtype or group.fsdp_params[0].sharded_param.dtype
+        numel = 0
+        for fsdp_param in group.fsdp_params:
+            numel += _numel(fsdp_param.padded_sharded_param_size)
+        gathered = numel * torch.empty((), dtype=dtype).element_size()
+        gathers = 1 + (group.post_forward_mesh_info is not None)  # forward, and backward after a reshard
+        for _ in range(gathers):
+            self.stats.add_intra(all_gather_bytes(gathered, size))
+
+    # ------------------------------------------------------------------ state
+    def state_nbytes(self) -> int:
+        """Bytes of this rank's compression state (memories, compressor state)."""
+        return resident_nbytes(self.memory, self.compressor)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: step, memories, compressor state, per-layer parameters, stats."""
+        return {
+            "step": self.step,
+            "beta": self.memory.beta,
+            "memory": self.memory.state_dict(),
+            "compressor": self.compressor.state_dict(),
+            "layer_params": dict(self.layer_params),
+            "stats": self.stats.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], per_rank: bool = True) -> None:
+        """Restore :meth:`state_dict`; with ``per_rank=False`` only the replicated parts (step, beta, parameters)."""
+        self.step = int(state.get("step", 0))
+        self.memory.beta = float(state.get("beta", self.memory.beta))
+        self.layer_params = dict(state.get("layer_params", {}))
+        if per_rank:
+            self.memory.load_state_dict(state.get("memory", {}), device=self.device)
+            self.compressor.load_state_dict(state.get("compressor", {}))
+            self.stats.load_state_dict(state.get("stats", {}))
+        else:
+            self.memory.reset()
+            self.compressor.reset_state()
