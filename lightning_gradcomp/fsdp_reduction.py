@@ -198,6 +198,8 @@ class FSDPReplicaReduction:
 
     compressor = property(lambda self: self.reduction.compressor, doc="The compressor.")
     memory = property(lambda self: self.reduction.memory, doc="The error-feedback memories.")
+    observers = property(lambda self: self.reduction.observers, doc="Observers of the compressed shards (callbacks).")
+    comm = property(lambda self: self.reduction.comm, doc="Byte-counting collectives over the replicate group.")
 
     @property
     def stats(self) -> CommStats:

@@ -119,7 +119,7 @@ class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
         self.policy = SlotPolicy(
             min_numel=check_int("min_numel", min_numel, 1), compress_1d=check_bool("compress_1d", compress_1d)
         )
-        self.beta = validate_beta_for(beta, self.compressor)
+        self._beta = validate_beta_for(beta, self.compressor)
         self.seed = check_int("seed", seed, 0, 2**63 - 1)
         if nonfinite not in ("dense", "zero"):
             raise ValueError(f"`nonfinite` must be 'dense' or 'zero', got {nonfinite!r}")
@@ -140,6 +140,28 @@ class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
     def reduction(self) -> Optional[FSDPReplicaReduction]:
         """This rank's replica reduction (``None`` before setup, in the worker; and with one replica)."""
         return self._reduction
+
+    @property
+    def hook(self) -> Optional[FSDPReplicaReduction]:
+        """The replica reduction under the name the callbacks read (``CompressionLogger``, the guard): it has the
+        surface of :class:`~lightning_gradcomp.hook.GradCompHook` they use."""
+        return self._reduction
+
+    @property
+    def beta(self) -> float:
+        """The error-feedback low-pass factor in force (the memory's own once the reduction exists)."""
+        reduction = getattr(self, "_reduction", None)
+        return reduction.memory.beta if reduction is not None else self._beta
+
+    @beta.setter
+    def beta(self, beta: float) -> None:
+        self.set_beta(beta)
+
+    def set_beta(self, beta: float) -> None:
+        """Set the memory low-pass factor from now on (``LowPassMemoryFilter`` calls this)."""
+        self._beta = validate_beta_for(beta, self.compressor)
+        if self._reduction is not None:
+            self._reduction.memory.beta = self._beta
 
     @property
     def comm_stats(self) -> CommStats:

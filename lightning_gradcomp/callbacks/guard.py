@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gradcomp.checks import check_int, check_number
 from lightning_gradcomp.comm import compression_ratio
+from lightning_gradcomp.fsdp_strategy import GradCompFSDPStrategy
 from lightning_gradcomp.hook import GradCompHook
 from lightning_gradcomp.plan import SlotPolicy
 from lightning_gradcomp.strategy import GradCompStrategy
@@ -42,13 +43,17 @@ def loud(headline: str, why: str) -> str:
     return f"\n{bar}\nGradComp: {headline}\n{why}\n{bar}"
 
 
+COMPRESSING_STRATEGIES = (GradCompStrategy, GradCompFSDPStrategy)
+"""The strategies whose gradient reduction compresses (their ``hook`` has the surface the callbacks read)."""
+
+
 def diagnose_strategy(strategy: Any) -> Optional[str]:
     """Problems visible before any step: wrong strategy, a single process, no hook.
 
     Returns:
         A human explanation with a fix, or ``None`` when the strategy can compress.
     """
-    if not isinstance(strategy, GradCompStrategy):
+    if not isinstance(strategy, COMPRESSING_STRATEGIES):
         return (
             f"trainer.strategy is {type(strategy).__name__}, not GradCompStrategy, so gradients are "
             f"reduced densely (or not communicated at all).\nFix: Trainer(strategy=GradCompStrategy("
@@ -57,6 +62,19 @@ def diagnose_strategy(strategy: Any) -> Optional[str]:
         )
     if strategy.world_size < 2:
         return single_process_note(strategy)
+    if isinstance(strategy, GradCompFSDPStrategy):
+        if strategy.num_replicas < 2:
+            return (
+                f"GradCompFSDPStrategy shards the model over all {strategy.world_size} processes: one replica, "
+                "so no gradient crosses replicas and nothing is compressed (FSDP2's reduce-scatter is dense).\nFix: "
+                "shard_size= a divisor of the world size below it (the processes of one node), so that replicas exist."
+            )
+        if strategy.hook is None:
+            return (
+                "GradCompFSDPStrategy has no replica reduction: no FSDPModule of the model holds parameters.\nFix: "
+                "call fully_shard(module, mesh=self.device_mesh['shard']) in configure_model, or pass shard_modules=."
+            )
+        return None
     if strategy.hook is None:
         return (
             "GradCompStrategy has no communication hook: the model was not wrapped in "
@@ -167,12 +185,12 @@ class CompressionGuard(Callback):
         self._done, self._baseline = False, None
         strategy = trainer.strategy
         problem = diagnose_strategy(strategy)
-        if isinstance(strategy, GradCompStrategy) and strategy.world_size < 2:  # by design: say it, quietly
+        if isinstance(strategy, COMPRESSING_STRATEGIES) and strategy.world_size < 2:  # by design: say it, quietly
             self._done = True
             rank_zero_info(f"GradComp: {single_process_note(strategy)}")
         elif problem is not None:
             self._warn("NOTHING IS BEING COMPRESSED.", problem)
-        elif isinstance(strategy, GradCompStrategy) and strategy.compressor.dense:  # no problem: a GradCompStrategy
+        elif isinstance(strategy, COMPRESSING_STRATEGIES) and strategy.compressor.dense:  # no problem: by design
             self._done = True
             rank_zero_info(
                 f"GradComp: {type(strategy.compressor).__name__} sends dense gradients "

@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import Callback
 from torchmetrics import MaxMetric, MeanMetric, SumMetric
 
 from lightning_gradcomp.callbacks.error_probe import ErrorProbe, StepError, _relative_error
-from lightning_gradcomp.callbacks.guard import CompressionGuard
+from lightning_gradcomp.callbacks.guard import COMPRESSING_STRATEGIES, CompressionGuard
 from lightning_gradcomp.callbacks.metric_names import (
     COMPRESSION_STEP,
     COMPRESSION_WHOLE_RUN,
@@ -43,6 +43,7 @@ from lightning_gradcomp.callbacks.metric_names import (
     EPOCH_WIRE_BYTES,
     ERROR,
     HOOK_MS,
+    INTRA_BYTES,
     LAYER_COMPRESSION,
     LAYER_ERROR,
     LAYER_METRICS,
@@ -63,7 +64,6 @@ from lightning_gradcomp.checks import check_bool, check_int
 from lightning_gradcomp.comm import CommStats, compression_ratio
 from lightning_gradcomp.hook import GradCompHook
 from lightning_gradcomp.memory import ErrorFeedback
-from lightning_gradcomp.strategy import GradCompStrategy
 
 __all__ = [
     "CompressionLogger",
@@ -108,11 +108,12 @@ class _Snapshot:
     dense: float
     hook_s: float
     layers: dict[str, tuple[float, float]]
+    intra: float = 0.0
 
     @classmethod
     def of(cls, stats: CommStats, per_layer: bool) -> _Snapshot:
         layers = {n: (s.wire_bytes, s.dense_bytes) for n, s in stats.layers.items()} if per_layer else {}
-        return cls(stats.steps, stats.wire_bytes, stats.dense_bytes, stats.hook_seconds, layers)
+        return cls(stats.steps, stats.wire_bytes, stats.dense_bytes, stats.hook_seconds, layers, stats.intra_bytes)
 
 
 def memory_norm(memory: Optional[ErrorFeedback]) -> Optional[float]:
@@ -230,7 +231,7 @@ class CompressionLogger(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Attach the error probe to the engine and take the first snapshots."""
         self._hook = getattr(trainer.strategy, "hook", None)
-        if self.guard is not None and (self._hook is None or isinstance(trainer.strategy, GradCompStrategy)):
+        if self.guard is not None and (self._hook is None or isinstance(trainer.strategy, COMPRESSING_STRATEGIES)):
             self.guard.on_train_start(trainer, pl_module)  # skipped for another strategy's engine (LocalSGD)
         self._show_bar = self.prog_bar and trainer.progress_bar_callback is not None
         if self._hook is None:
@@ -366,6 +367,8 @@ class CompressionLogger(Callback):
             HOOK_MS: 1e3 * (now.hook_s - last.hook_s) / steps,
             NONFINITE_BUCKETS: float(stats.nonfinite_steps),
         }
+        if now.intra:  # two-level reductions: the node-internal bytes beside the cross-node ones
+            out[INTRA_BYTES] = (now.intra - last.intra) / steps
         if trainer.is_global_zero:
             norm = memory_norm(hook.memory) if hook.compressor.uses_error_feedback else None
             if norm is not None:

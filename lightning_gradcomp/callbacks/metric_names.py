@@ -31,11 +31,13 @@ __all__ = [
     "RATIO_TOTAL",
     "WIRE_BYTES",
     "WIRE_BYTES_TOTAL",
+    "INTRA_BYTES",
 ]
 
 WIRE_BYTES = "gradcomp/wire_bytes"
 DENSE_BYTES = "gradcomp/dense_bytes"
 WIRE_BYTES_TOTAL = "gradcomp/wire_bytes_total"
+INTRA_BYTES = "gradcomp/intra_bytes"
 DENSE_BYTES_TOTAL = "gradcomp/dense_bytes_total"
 COMPRESSION_STEP = "gradcomp/compression_step"
 COMPRESSION_WHOLE_RUN = "gradcomp/compression_whole_run"
@@ -67,6 +69,8 @@ METRICS: dict[str, str] = {
     WIRE_BYTES: "bytes rank 0 sent per step (mean over the steps since the previous log)",
     DENSE_BYTES: "bytes a dense fp32 ring all-reduce would have sent per step (same steps)",
     WIRE_BYTES_TOTAL: "cumulative bytes rank 0 sent since the start of training",
+    INTRA_BYTES: "bytes rank 0 sent per step inside its node or shard group (hierarchy= or GradCompFSDPStrategy: "
+    "logged only there; the wire bytes are then the ones across nodes or replicas)",
     DENSE_BYTES_TOTAL: "cumulative dense-equivalent bytes",
     COMPRESSION_STEP: "compression dense / wire of the recent steps, those since the previous log: the rate per "
     "compressed step once the dense warm-up is over (progress bar)",

@@ -154,6 +154,11 @@ def print_summary(
         whole += f" ({dense_steps} dense warm-up steps included)"
     if compressed_steps_compression is not None and math.isfinite(compressed_steps_compression):
         whole += f", {_times(compressed_steps_compression)} over the compressed steps alone"
+    if stats.intra_bytes:  # hierarchy= or FSDP2: the bytes inside the node / shard group, beside the wire's
+        whole += (
+            f"; wire bytes cross nodes (replicas), and {format_bytes(stats.intra_bytes / max(stats.steps, 1))}/step "
+            "more stay inside the node (shard group)"
+        )
     caption = (
         f"{whole}; {stats.steps} steps ({stats.compressed_steps} compressed), "
         f"hook {1e3 * stats.hook_seconds / max(stats.steps, 1):.2f} ms/step, "

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import csv
+import warnings
 from pathlib import Path
 from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger
 
 import pytest
 import torch
@@ -14,6 +19,8 @@ from torch.utils.data import DistributedSampler
 from fsdp.models import SIZES, Block, ShardedNet, fit_sharded, plan_from_record
 from helpers.wire import hook_call_bytes
 from lightning_gradcomp import GradCompFSDPStrategy
+from lightning_gradcomp.callbacks import CompressionLogger, LowPassMemoryFilter
+from lightning_gradcomp.callbacks.guard import CompressionWarning
 from lightning_gradcomp.compressors import CLTK, DIANA, QSGD, PowerSGD, SignSGD
 from lightning_gradcomp.gloo_workers import run_workers
 
@@ -195,3 +202,40 @@ def test_frozen_and_unused_parameters(tmp_path: Path) -> None:
     names = {slot[0] for plan in records[0]["plans"] for slot in plan["slots"]}
     assert "blocks.0.linear.weight" not in names and "blocks.0.linear.bias" in names
     assert not any(name.startswith("spare.") for name in names)
+
+
+class _CallbackProbe(pl.Callback):
+    """At the end of the fit: what the callbacks saw (the guard's message, the logger's ratio, the beta in force)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        logger = next(c for c in trainer.callbacks if isinstance(c, CompressionLogger))
+        torch.save({"guard": logger.guard.message if logger.guard is not None else "no guard",
+                    "ratio": float(logger.compressed_steps_compression()), "beta": trainer.strategy.beta,
+                    "memory_beta": trainer.strategy.error_feedback.beta},
+                   self.out / f"probe{trainer.global_rank}.pt")
+
+
+def test_the_callbacks_work_with_it(tmp_path: Path) -> None:
+    """CompressionLogger (with its guard) reads the replica reduction as it reads the DDP hook, and
+    LowPassMemoryFilter sets the memory's beta through the strategy."""
+    strategy = GradCompFSDPStrategy(compressor=CLTK(density=0.05), shard_size=2, start_method="fork", min_numel=8)
+    callbacks = [CompressionLogger(log_every_n_steps=1, error_every_n_steps=2, prog_bar=False,
+                                   summary=False), LowPassMemoryFilter(beta=1.0, schedule={3: 0.5}),
+                 _CallbackProbe(tmp_path)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompressionWarning)
+        fit_sharded(strategy, tmp_path, max_steps=6, callbacks=callbacks,
+                    logger=CSVLogger(tmp_path, name="log", version=0), log_every_n_steps=1)
+    with open(tmp_path / "log" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    intra = [float(r["gradcomp/intra_bytes"]) for r in rows if r.get("gradcomp/intra_bytes")]
+    wire = [float(r["gradcomp/wire_bytes"]) for r in rows if r.get("gradcomp/wire_bytes")]
+    assert len(intra) == len(wire) == 6 and all(x > 0 for x in intra)  # the shard group's bytes, beside the wire
+    for rank in range(4):
+        probe = torch.load(tmp_path / f"probe{rank}.pt", weights_only=True)
+        assert probe["guard"] is None, probe["guard"]
+        assert probe["ratio"] > 5.0
+        assert probe["beta"] == probe["memory_beta"] == 0.5
