@@ -51,7 +51,8 @@ from lightning_gradcomp.compressors.quantized import (
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional.axpy import add_scaled
-from lightning_gradcomp.functional.quantize import Quantized, alpha_p, rows_mean
+from lightning_gradcomp.functional.dequantize import Quantized, rows_mean
+from lightning_gradcomp.functional.quantization_groups import alpha_p
 
 __all__ = ["DIANA", "BlockQuantizer"]
 

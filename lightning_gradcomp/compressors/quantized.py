@@ -44,18 +44,12 @@ from lightning_gradcomp.comm import completed_future
 from lightning_gradcomp.compressors.base import Capabilities, Compressor, ReduceContext, Reduction
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional import _native
+from lightning_gradcomp.functional.dequantize import Quantized, rows_mean
 from lightning_gradcomp.functional.layerwise import quantization_errors, quantized_sizes
 from lightning_gradcomp.functional.packing import pack_bits, packed_nbytes, unpack_bits
-from lightning_gradcomp.functional.quantize import (
-    PNorm,
-    Quantized,
-    code_bits,
-    num_groups,
-    parse_p,
-    rows_mean,
-    sign_quantize,
-    stochastic_quantize,
-)
+from lightning_gradcomp.functional.quantization_groups import PNorm, code_bits, num_groups, parse_p
+from lightning_gradcomp.functional.scaled_sign import sign_quantize
+from lightning_gradcomp.functional.stochastic_rounding import stochastic_quantize
 
 __all__ = [
     "AGGREGATIONS",

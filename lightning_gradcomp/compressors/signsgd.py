@@ -21,7 +21,8 @@ from lightning_gradcomp.compressors.quantized import (
 )
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
-from lightning_gradcomp.functional.quantize import Quantized, sign_quantize
+from lightning_gradcomp.functional.dequantize import Quantized
+from lightning_gradcomp.functional.scaled_sign import sign_quantize
 
 __all__ = ["SignSGD"]
 
