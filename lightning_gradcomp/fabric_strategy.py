@@ -33,12 +33,14 @@ from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.distributed import release_group
 from lightning_gradcomp.functional.realview import real_view_numel
+from lightning_gradcomp.gradcomp_checkpoints import _PER_RANK_KEYS, CHECKPOINT_KEY
+from lightning_gradcomp.gradcomp_groups import _private_group
 from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, group_size_for
 from lightning_gradcomp.hook import PYTHON_REDUCER_REFUSAL, GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.presets import UNUSED_SUFFIX, on_declare, preset_class, register_presets
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
-from lightning_gradcomp.strategy import _PER_RANK_KEYS, CHECKPOINT_KEY, GradCompStrategy, _private_group
+from lightning_gradcomp.strategy import GradCompStrategy
 
 __all__ = ["GradCompFabricStrategy"]
 

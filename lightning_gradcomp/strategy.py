@@ -10,32 +10,36 @@ from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_gradcomp import shard_files
-from lightning_gradcomp.callbacks.lgreco import LGreCo
-from lightning_gradcomp.callbacks.lowpass import LowPassMemoryFilter
 from lightning_gradcomp.checks import ArgumentTypeError, check_bool, check_int, check_single_process, check_timeout
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.registry import as_compressor
 from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, release_group
 from lightning_gradcomp.failures import failure_hint, is_collective_failure
-from lightning_gradcomp.functional.realview import real_view_numel
 from lightning_gradcomp.functional.selection import prepare_native
-from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout, HierarchySpec, check_hierarchy, group_size_for
+from lightning_gradcomp.gradcomp_checkpoints import _PER_RANK_KEYS as _PER_RANK_KEYS
+from lightning_gradcomp.gradcomp_checkpoints import CHECKPOINT_KEY, GradCompCheckpoints
+from lightning_gradcomp.gradcomp_checks import (
+    _check_hierarchy_callbacks,
+    _check_hierarchy_combination,
+    _check_small_param,
+    _warn_unused_without_views,
+)
+from lightning_gradcomp.gradcomp_groups import GradCompGroups
+from lightning_gradcomp.gradcomp_groups import _private_group as _private_group
+from lightning_gradcomp.hierarchy import Hierarchy, HierarchySpec, check_hierarchy
 from lightning_gradcomp.hook import PYTHON_REDUCER_REFUSAL, GradCompHook, gradcomp_comm_hook
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta_for
 from lightning_gradcomp.plan import SlotPolicy, size_rule
 from lightning_gradcomp.presets import PRESETS, UNUSED_SUFFIX, preset_class, register_presets
 from lightning_gradcomp.schedule import CompressionSchedule, as_schedule
 from lightning_gradcomp.shard_files import load_verified, verify_checkpoint_file
-from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -48,19 +52,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_KEY = "gradcomp"
-"""Top-level checkpoint key holding the manifest of the compression-state shards (see :mod:`.shard_files`)."""
-
-_CHECKPOINT_VERSION = 1
-"""Version of the old single-file entry (every rank's state inline); still loaded, no longer written."""
-_PER_RANK_KEYS = ("memory", "compressor", "stats")
-"""Keys of ``GradCompHook.state_dict()`` that differ per rank (the rest is replicated and kept in the manifest)."""
-_SHARD: dict[str, Any] = {}
-"""Stand-in for the state held in this rank's shard (``_select_state`` -> ``load_checkpoint`` reads it)."""
 _INCOMPATIBLE = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 
 
-class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
+class GradCompStrategy(GradCompCheckpoints, GradCompGroups, DDPStrategy):
     """DDP whose gradient all-reduce is replaced by a compressor, on CPU (gloo) and GPU (NCCL) alike.
 
     A drop-in replacement for :class:`~lightning.pytorch.strategies.DDPStrategy`, with three defaults of its own:
@@ -291,25 +286,6 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         """Make ``hook`` this strategy's engine (what a fit does; the bench, which has no Trainer, calls it)."""
         self._hook = hook
 
-    def _hierarchy_layout(self) -> HierarchyLayout:
-        """The node layout ``hierarchy`` means here (in the worker, once the world is known).
-
-        Raises:
-            ValueError: the group size does not divide the world size, or (``"node"``) Lightning's ranks are not
-                numbered ``node_rank * devices + local_rank``.
-        """
-        size = group_size_for(self.hierarchy, self.world_size, self.num_processes)
-        if self.hierarchy == "node" and (
-            self.world_size != self.num_nodes * size or self.global_rank != self.node_rank * size + self.local_rank
-        ):
-            raise ValueError(
-                f"`hierarchy='node'` needs ranks numbered node_rank * devices + local_rank over "
-                f"num_nodes * devices processes; rank {self.global_rank} of {self.world_size} has "
-                f"node_rank {self.node_rank}, local_rank {self.local_rank} ({self.num_nodes} nodes x "
-                f"{size} devices): pass an int `hierarchy` or fix the launcher's rank order"
-            )
-        return HierarchyLayout(self.world_size, size)
-
     def _loss_scale(self) -> Optional[torch.Tensor]:
         """The fp16 AMP GradScaler's current scale (a one-element tensor, read without a host sync), if any."""
         scaler = getattr(self._precision_plugin, "scaler", None)
@@ -401,121 +377,6 @@ class GradCompStrategy(ShardedCheckpoints, DDPStrategy):
         self._released = False
         self.model.register_comm_hook(self._hook, gradcomp_comm_hook)
 
-    def _new_groups(self, stats: CommStats) -> tuple[Comm, Optional[Hierarchy]]:
-        """The hook's collectives on a new private group of DDP's ranks, and (``hierarchy=``) new node and cross-node
-        groups, all counting into ``stats`` (collective: every rank calls it, at setup)."""
-        assert isinstance(self.model, DistributedDataParallel) and self.lightning_module is not None
-        hierarchy = None
-        if self.hierarchy is not None:
-            named = self.lightning_module.named_parameters()
-            numels = {n: real_view_numel(p) for n, p in named if p.requires_grad}  # DDP reduces complex as real
-            hierarchy = Hierarchy.create(self._hierarchy_layout(), self.global_rank, numels, stats, self._timeout)
-        return Comm(_private_group(self.model.process_group, self._timeout), stats), hierarchy
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write this rank's compression state to its shard next to ``filepath`` (must run on all ranks).
-
-        Rank 0's checkpoint file gets only the manifest (sizes and checksums of the shards) and the replicated
-        state; see :mod:`lightning_gradcomp.shard_files`. Every rank gets the same error if one cannot write.
-        """
-        state = self._hook.state_dict() if self._hook is not None else {}
-        replicated = {key: value for key, value in state.items() if key not in _PER_RANK_KEYS}
-        self._save_with_shards(
-            checkpoint, filepath, storage_options, CHECKPOINT_KEY, state, type(self.compressor).__name__, replicated
-        )
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load the checkpoint and stash this rank's compression state for the hook.
-
-        A sharded checkpoint (format version 2) is read from this rank's shard only, when fitting on the same
-        number of ranks; an old single-file checkpoint (version 1, every rank's state inline) still loads.
-
-        Raises:
-            RuntimeError: the file is truncated or corrupted (CRC check of a local file), or unreadable; a shard
-                (any rank's: every rank raises) does not match the manifest's size and checksum. The message names
-                the file.
-            FileNotFoundError: a shard (any rank's) is missing; the message names it.
-            ValueError: the checkpoint was written with another compressor, or its ``"gradcomp"`` entry is
-                malformed.
-        """
-        checkpoint_path = shard_files.resumable_hpc_checkpoint(checkpoint_path)
-        checkpoint = load_verified(
-            lambda: super(GradCompStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only),
-            checkpoint_path,
-        )
-        try:
-            self._pending = self._select_state(checkpoint.get(CHECKPOINT_KEY))
-        except ValueError as err:
-            raise ValueError(f"cannot resume from '{checkpoint_path}': {err}") from None
-        if self._pending is not None and self._pending[0] is _SHARD:
-            self._pending = self._load_own_shard(checkpoint_path, checkpoint[CHECKPOINT_KEY], weights_only), True
-        if self._pending is not None and self._hook is not None:
-            self._hook.load_state_dict(*self._pending)
-            self._pending = None
-        return checkpoint
-
-    def _select_state(self, saved: Optional[dict[str, Any]]) -> Optional[tuple[dict[str, Any], bool]]:
-        """This rank's ``(state, per_rank)`` from a ``"gradcomp"`` entry, or ``None`` (nothing to restore).
-
-        ``state`` is ``_SHARD`` when it is in this rank's shard, which :meth:`load_checkpoint` then reads.
-        """
-        if shard_files.is_sharded(saved):
-            return self._select_sharded(saved)  # type: ignore[arg-type]
-        if saved is None:
-            if self._fitting():
-                rank_zero_warn(
-                    f"GradCompStrategy: the checkpoint has no {CHECKPOINT_KEY!r} entry (written by plain "
-                    f"DDP or another strategy): compression state (error-feedback memories, compressor "
-                    f"state, per-layer parameters, step counter) starts fresh"
-                )
-            return None
-        per_rank = saved.get("per_rank") if isinstance(saved, dict) else None
-        if (
-            not isinstance(saved, dict)
-            or saved.get("version") != _CHECKPOINT_VERSION
-            or not isinstance(per_rank, list)
-            or len(per_rank) != saved.get("world_size")
-            or not all(isinstance(entry, dict) for entry in per_rank)
-            or "compressor" not in saved
-        ):
-            raise ValueError(
-                f"checkpoint entry {CHECKPOINT_KEY!r} is malformed or from an unknown version "
-                f"(expected version {shard_files.FORMAT_VERSION} with one shard per rank, or "
-                f"version {_CHECKPOINT_VERSION} with one state per rank)"
-            )
-        if not self._same_ranks(saved):
-            return saved["per_rank"][0], False
-        return saved["per_rank"][self.global_rank], True
-
-    def _select_sharded(self, saved: dict[str, Any]) -> Optional[tuple[dict[str, Any], bool]]:
-        shard_files.check_manifest(saved)
-        if not self._same_ranks(saved):
-            return saved["replicated"], False
-        return (_SHARD, True) if self._fitting() else None  # evaluation needs no shard: the folder may be absent
-
-    def _same_ranks(self, saved: dict[str, Any]) -> bool:
-        """Refuse another compressor; warn and say ``False`` when the world size changed (replicated state only)."""
-        ours = type(self.compressor).__name__
-        if saved["compressor"] != ours:
-            raise ValueError(
-                f"checkpoint was written with compressor {saved['compressor']}, but this strategy "
-                f"uses {ours}; resume with the same compressor or start a new run"
-            )
-        if saved["world_size"] != self.world_size:
-            rank_zero_warn(
-                f"GradCompStrategy: checkpoint was written by {saved['world_size']} ranks, resuming on "
-                f"{self.world_size}: per-rank state (error-feedback memories, compressor state) is reset; "
-                f"the step counter and per-layer parameters are kept"
-            )
-            return False
-        return True
-
-    def _fitting(self) -> bool:
-        trainer = getattr(self._lightning_module, "_trainer", None)
-        return trainer is None or trainer.state.fn in (None, "fit")
-
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Say what a failed collective most likely means (a rank died or hung) in front of its message
@@ -578,77 +439,3 @@ def _is_unused_parameter_error(exception: BaseException) -> bool:
     """DDP's error for a parameter that got no gradient (``find_unused_parameters=False``), or Lightning's version."""
     first = exception.args[0] if exception.args else None
     return isinstance(first, str) and any(text in first for text in _UNUSED_MESSAGES)
-
-
-def _private_group(group: Any, timeout: Optional[timedelta]) -> Any:
-    """A new process group of ``group``'s ranks, for the hook alone (every rank of ``group`` calls this at setup).
-
-    The hook issues its collectives on the communication thread while backward goes on. Collectives that other code
-    issues on DDP's group during backward (SyncBatchNorm's backward, a model's own differentiable all-reduce) would
-    otherwise share one sequence with them, in an order that differs between ranks: a deadlock, or gloo pairing
-    buffers of different collectives. On a group of its own the hook's order is its bucket order, the same on every
-    rank.
-    """
-    ranks = dist.get_process_group_ranks(group)
-    if len(ranks) == dist.get_world_size():  # every rank calls new_group, in the same order
-        return dist.new_group(ranks, timeout=timeout)
-    return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)  # only the group's ranks call it
-
-
-def _warn_unused_without_views(compressor: Compressor) -> None:
-    """Warn that a stateful compressor under ``gradient_as_bucket_view=False`` and ``find_unused_parameters=True``
-    needs ``zero_grad(set_to_none=True)``: DDP leaves the ``.grad`` of a parameter unused on every rank untouched,
-    so with an old (zeroed) ``.grad`` the optimizer steps it and the state staged for it is committed, although
-    what the hook sent for it never reached the ``.grad``."""
-    if compressor.uses_error_feedback or compressor._staged_stores():
-        rank_zero_warn(
-            f"GradCompStrategy: {type(compressor).__name__} keeps state, and with gradient_as_bucket_view=False and "
-            "find_unused_parameters=True DDP leaves the .grad of a parameter unused on every rank as it was. Keep "
-            "optimizer.zero_grad() at set_to_none=True (its default): with set_to_none=False what the compressor "
-            "sent for such a parameter in that step is lost. gradient_as_bucket_view=True (this strategy's default) "
-            "has no such limit"
-        )
-
-
-def _check_hierarchy_combination(
-    hierarchy: HierarchySpec, compressor: Compressor, layerwise: Optional[Callback]
-) -> HierarchySpec:
-    """Refuse ``hierarchy=`` with a compressor or ``layerwise`` callback that needs every layer on every rank."""
-    if hierarchy is None:
-        return None
-    if not compressor.hierarchical:
-        raise ValueError(
-            f"{type(compressor).__name__} cannot run with `hierarchy={hierarchy!r}`: it needs every rank "
-            f"of the world (hierarchical mode hands each compressor node-mean gradients over the "
-            f"cross-node group); use hierarchy=None"
-        )
-    if layerwise is not None:
-        raise ValueError(
-            f"`layerwise={type(layerwise).__name__}(...)` cannot be combined with `hierarchy="
-            f"{hierarchy!r}`: each rank only compresses the layers it owns, and the per-layer tuning "
-            f"averages statistics of every layer over all ranks; use hierarchy=None"
-        )
-    return hierarchy
-
-
-def _check_hierarchy_callbacks(callbacks: list[Callback]) -> None:
-    """Refuse callbacks that exchange every layer's compression state between all ranks (each rank owns some)."""
-    for cb in callbacks:
-        if isinstance(cb, LGreCo) or (isinstance(cb, LowPassMemoryFilter) and cb.similarity_every_n_steps):
-            what = "LGreCo" if isinstance(cb, LGreCo) else "LowPassMemoryFilter(similarity_every_n_steps=...)"
-            raise ValueError(
-                f"{what} cannot be combined with GradCompStrategy(hierarchy=...): each rank holds the "
-                f"compression state of the layers it owns only; use hierarchy=None"
-                + ("" if isinstance(cb, LGreCo) else " or similarity_every_n_steps=0")
-            )
-
-
-def _check_small_param(value: Any, compressor: Compressor) -> Any:
-    """``small_param`` checked against the compressor's parameter range (``None`` passes)."""
-    if value is None:
-        return None
-    compressor.require_param("small_param")
-    try:
-        return compressor.check_param(value)
-    except (TypeError, ValueError) as err:
-        raise type(err)(f"`small_param`: {err}") from None

@@ -15,26 +15,29 @@ math only. Randomness comes from :meth:`ReduceContext.generator` only.
 Layer semantics must not depend on how DDP groups layers into buckets: DDP re-buckets after its first
 iteration, so the first step after a resume sees a different grouping than the uninterrupted run did.
 Select, quantize and seed *per layer* (keyed by ``slot.name``); batching is for transport only.
+
+This module holds :class:`Compressor`; it re-exports the rest of the contract: the two ends of a ``reduce`` call
+(:mod:`.reduce_call`: :class:`ReduceContext`, :class:`Reduction`), the fast paths a compressor opts into
+(:mod:`.capabilities`) and the views over a bucket's slots (:mod:`.slot_views`).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import math
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional
 
-import torch
 from torch import Tensor
-from torch.futures import Future
 
-from lightning_gradcomp.checks import check_bool, check_number
-from lightning_gradcomp.comm import Comm
+from lightning_gradcomp.checks import check_number
+from lightning_gradcomp.compressors.capabilities import CAPABILITY_NAMES, Capabilities
+from lightning_gradcomp.compressors.reduce_call import ReduceContext, Reduction
+from lightning_gradcomp.compressors.slot_views import contiguous_span as contiguous_span
+from lightning_gradcomp.compressors.slot_views import split_flat, storage_window
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.plan import LayerSlot
 
@@ -49,163 +52,6 @@ __all__ = [
     "storage_window",
 ]
 
-
-@dataclass
-class ReduceContext:
-    """What a compressor may use while reducing one bucket.
-
-    Attributes:
-        comm: byte-counting collectives.
-        step: global optimizer-step counter (identical on all ranks).
-        bucket_index: DDP bucket index.
-        slots: the compressed slots, in buffer order.
-        params: per-slot compression parameter (``ratio``, ``rank``, ``bits``...), in slot order.
-        seed: the strategy's seed.
-        observed: whether an observer reads this reduction's :attr:`Reduction.local` (a compressor may skip
-            computing it when not).
-        outputs: per slot, the bucket's flat fp32 slice, which the compressor may fill with its averaged result and
-            return once it no longer reads its inputs: the engine then copies nothing back. Its contents are dead,
-            except for a compressor that borrows its inputs (:attr:`Compressor.borrows_inputs`): then these are the
-            inputs themselves. ``None`` when there are none (see :meth:`output`).
-        outputs_zeroed: whether the engine already zeroed :attr:`outputs` (for a compressor with
-            :attr:`Compressor.sparse_outputs`, while it compensated): :meth:`output` then hands them out as they are.
-        early: per slot, what :meth:`Compressor.precompute` returned when the engine called it ahead of
-            :meth:`Compressor.reduce` (see :meth:`precomputed`); ``None`` when it did not.
-    """
-
-    comm: Comm
-    step: int
-    bucket_index: int
-    slots: Sequence[LayerSlot]
-    params: Sequence[Any]
-    seed: int = 0
-    observed: bool = True
-    outputs: Optional[Sequence[Tensor]] = None
-    outputs_zeroed: bool = False
-    early: Optional[list[Any]] = None
-
-    def precomputed(self, index: int) -> Any:
-        """What :meth:`Compressor.precompute` returned for slot ``index`` ahead of the reduction, or ``None`` (not
-        called, or nothing to do on this rank): the compressor then does that work itself."""
-        return None if self.early is None else self.early[index]
-
-    def output(self, index: int, like: Tensor) -> Tensor:
-        """A zeroed fp32 tensor for slot ``index``'s averaged result: :attr:`outputs` ``[index]`` when there is one,
-        else a fresh one of ``like``'s size and device."""
-        if self.outputs is not None:
-            return self.outputs[index] if self.outputs_zeroed else self.outputs[index].zero_()
-        return torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
-
-    @property
-    def rank(self) -> int:
-        """This rank in the reducing group."""
-        return self.comm.rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of ranks."""
-        return self.comm.world_size
-
-    def generator(self, device: torch.device, *, shared: bool, salt: Union[int, str]) -> torch.Generator:
-        """A generator seeded from ``(seed, step, rank or "shared", salt)``, identical across runs.
-
-        ``shared=True`` gives every rank the same stream (shared indices, shared initialisation);
-        ``shared=False`` gives independent per-rank streams (stochastic rounding). Pass the layer name
-        as ``salt`` for per-layer streams: they then do not depend on how DDP groups layers into buckets
-        (which differs in the first step after a resume), so resumed runs reproduce uninterrupted ones.
-        """
-        who = "shared" if shared else f"rank{self.rank}"
-        key = f"{self.seed}/{self.step}/{who}/{salt}".encode()
-        gen = torch.Generator(device=device)
-        gen.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1))
-        return gen
-
-    def shares(self, counts: Sequence[int]) -> list[tuple[str, int]]:
-        """Attribution of a concatenated payload (``counts[i]`` elements of slot ``i``)."""
-        return [(slot.name, int(c)) for slot, c in zip(self.slots, counts)]
-
-
-@dataclass
-class Reduction:
-    """The result of :meth:`Compressor.reduce`.
-
-    Attributes:
-        averaged: resolves to one flat fp32 tensor per slot: ``(1/W) * sum_i c_i``.
-        residuals: per-slot ``p - c`` for error feedback (``None`` when unused).
-        local: optionally, this rank's decoded contribution ``c`` per slot, for compressors without
-            error feedback; observers (compression-error logging) use it when present.
-        result_nonfinite: set, by the time :attr:`averaged` resolves, by a compressor that
-            :attr:`Capabilities.propagates_nonfinite` and checked its averaged values for NaN/Inf while decoding
-            (whether it found any); the engine then checks only the dense slots itself. ``None``: the engine checks
-            the whole bucket. (The compressor reports through its result; :class:`ReduceContext` only flows in.)
-    """
-
-    averaged: Future
-    residuals: Optional[list[Tensor]] = None
-    local: Optional[Sequence[Tensor]] = None
-    result_nonfinite: Optional[bool] = None
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What the engine may assume about a compressor: the fast paths it may take. Every field defaults to the safe
-    choice, so a compressor declares only what it opts into (``capabilities = Capabilities(borrows_inputs=True)``).
-
-    Attributes:
-        dense: the compressor is a plain dense all-reduce (the engine takes its fast path).
-        borrows_inputs: :meth:`Compressor.reduce` uses its inputs only until its result resolves (it may read or
-            overwrite them, for example with the result itself, but keeps no reference to them or to views of them
-            afterwards): without error feedback the engine then passes views of the bucket (fp32, no loss scale)
-            instead of fresh copies, saving a pass over the gradient; the bucket's compressed slots are overwritten
-            with the result anyway (a result that is those very views is not copied again).
-        compresses_small_layers: the compressor suits the layers the default size rule keeps dense (vectors, layers
-            under 1024 elements) as well as the large ones: a cast rounds every element alike, whatever its layer.
-            The strategies then compress every layer unless the user sets ``min_numel`` / ``compress_1d``; a bucket
-            is then one slot back to back, with no dense part to all-reduce beside it.
-        sparse_outputs: the compressor writes its averaged results through :meth:`ReduceContext.output` (zeroed
-            tensors it adds a few entries into: a sparsifier) and uses error feedback. The engine then zeroes the
-            bucket's compressed slots in the same pass that compensates them (the gradient is dead once
-            ``p = m + g`` is formed), instead of a second pass over the bucket when :meth:`ReduceContext.output` is
-            called.
-        propagates_nonfinite: the compressor keeps no state (no error feedback, nothing it stages or commits) and
-            its averaged result is non-finite wherever some rank's input was (a plain cast: NaN and Inf survive the
-            sum). The engine then sends no NaN/Inf flag ahead of the payload: it checks the averaged bucket
-            afterwards, which holds the same bits on every rank and so gives every rank the same decision. That
-            saves a pass over the gradient and a blocking collective per bucket.
-        bucket_cap_mb: the DDP bucket size (MB) the compressor runs best with, which
-            :class:`~lightning_gradcomp.GradCompStrategy` passes to DDP when the user sets no ``bucket_cap_mb``
-            (``None``: DDP's own default, 25 MB). A compressor whose payload stays large (the quantizers send 1/16
-            to 1/8 of the dense bytes) prefers smaller buckets: the exchange of a bucket can then overlap the
-            backward pass of the next, whereas with 25 MB buckets most of a model's gradient arrives in the last
-            bucket, after backward has finished.
-        hierarchical: whether it can run under ``GradCompStrategy(hierarchy=...)``: on the node-mean gradients of
-            the slots a rank owns, over the cross-node group (``ctx.comm``, ``ctx.rank`` = node,
-            ``ctx.world_size`` = number of nodes). Any compressor that communicates only through ``ctx.comm`` and
-            keys its state by ``slot.name`` can; ``False`` when it needs every rank of the world (collectives outside
-            ``ctx.comm``, or state that must see each rank's own gradient), and the strategy refuses the
-            combination at construction.
-
-    Leave a field at its default when unsure.
-    """
-
-    dense: bool = False
-    borrows_inputs: bool = False
-    compresses_small_layers: bool = False
-    sparse_outputs: bool = False
-    propagates_nonfinite: bool = False
-    bucket_cap_mb: Optional[float] = None
-    hierarchical: bool = True
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if f.name != "bucket_cap_mb":
-                check_bool(f.name, getattr(self, f.name))
-        if self.bucket_cap_mb is not None:
-            check_number("bucket_cap_mb", self.bucket_cap_mb, 0.0, math.inf, high_open=True)
-
-
-CAPABILITY_NAMES = tuple(f.name for f in dataclasses.fields(Capabilities))
-"""The fields of :class:`Capabilities`, also readable as (deprecated-to-set) attributes of a compressor."""
 
 _UNSET = object()
 
@@ -456,73 +302,3 @@ class Compressor(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"
-
-
-def split_flat(flat: Tensor, counts: Sequence[int]) -> list[Tensor]:
-    """Split a 1-D tensor into consecutive pieces of ``counts`` elements."""
-    return list(torch.split(flat, list(counts)))
-
-
-def contiguous_span(tensors: Sequence[Tensor]) -> Optional[Tensor]:
-    """One 1-D view covering ``tensors`` when they lie back to back in one storage (the slots of a bucket), else
-    ``None``; a compressor then reads or writes them all without a concatenated copy.
-
-    Example::
-
-        >>> buf = torch.arange(6.0)
-        >>> contiguous_span([buf[0:2], buf[2:5]]).tolist(), contiguous_span([buf[0:2], buf[3:5]])
-        ([0.0, 1.0, 2.0, 3.0, 4.0], None)
-    """
-    if not tensors:
-        return None
-    first = tensors[0]
-    storage = first.untyped_storage().data_ptr()
-    offset = first.storage_offset()
-    for t in tensors:
-        if (
-            t.dim() != 1
-            or t.dtype != first.dtype
-            or (t.numel() > 1 and t.stride(0) != 1)
-            or t.storage_offset() != offset
-            or t.untyped_storage().data_ptr() != storage
-        ):
-            return None
-        offset += t.numel()
-    return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
-
-
-def storage_window(tensors: Sequence[Tensor]) -> Optional[tuple[Tensor, list[int]]]:
-    """``(window, offsets)`` when ``tensors`` are non-overlapping 1-D dense views of one storage with one dtype (the
-    slots of a bucket, back to back or not): ``window`` is one 1-D view from the first element of any of them to the
-    last, and ``tensors[i]`` is ``window[offsets[i] : offsets[i] + tensors[i].numel()]``. Else ``None``.
-
-    An index op on ``window`` at positions inside the tensors touches nothing between them, so one gather or
-    scatter serves all the slots of a bucket instead of one call per slot.
-
-    Example::
-
-        >>> buf = torch.arange(8.0)
-        >>> window, offsets = storage_window([buf[1:3], buf[5:8]])
-        >>> window.tolist(), offsets
-        ([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], [0, 4])
-        >>> storage_window([buf[0:2], torch.zeros(2)]) is None
-        True
-    """
-    if not tensors:
-        return None
-    first = tensors[0]
-    storage = first.untyped_storage().data_ptr()
-    for t in tensors:
-        if (
-            t.dim() != 1
-            or t.dtype != first.dtype
-            or (t.numel() > 1 and t.stride(0) != 1)
-            or t.untyped_storage().data_ptr() != storage
-        ):
-            return None
-    offsets = [int(t.storage_offset()) for t in tensors]
-    spans = sorted((o, o + t.numel()) for o, t in zip(offsets, tensors))
-    if any(nxt[0] < prev[1] for prev, nxt in zip(spans, spans[1:])):  # overlapping views
-        return None
-    start, end = spans[0][0], max(stop for _, stop in spans)
-    return first.as_strided((end - start,), (1,), start), [o - start for o in offsets]

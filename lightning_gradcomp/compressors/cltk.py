@@ -40,8 +40,9 @@ from torch import Tensor
 
 from lightning_gradcomp.checks import check_bool
 from lightning_gradcomp.comm import then_same_numerics
-from lightning_gradcomp.compressors.base import ReduceContext, Reduction, split_flat
+from lightning_gradcomp.compressors.base import ReduceContext, Reduction
 from lightning_gradcomp.compressors.registry import register
+from lightning_gradcomp.compressors.slot_views import split_flat
 from lightning_gradcomp.compressors.sparse import (
     SparseCompressor,
     check_index_coding,

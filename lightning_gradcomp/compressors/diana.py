@@ -37,21 +37,15 @@ from torch import Tensor
 
 from lightning_gradcomp.checks import ArgumentTypeError, check_group_size, is_number, renamed_argument
 from lightning_gradcomp.compressors.base import ReduceContext
-from lightning_gradcomp.compressors.quantized import (
-    DecodedMessages,
-    QuantizedCompressor,
-    Segment,
-    SlotCodec,
-    check_p,
-    owned_moved,
-    owned_state,
-    stage_owned,
-    state_copy,
-)
+from lightning_gradcomp.compressors.owned_state import owned_moved, owned_state, stage_owned, state_copy
+from lightning_gradcomp.compressors.quantized import DecodedMessages, QuantizedCompressor
+from lightning_gradcomp.compressors.quantized_arguments import check_p
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
+from lightning_gradcomp.compressors.wire_layout import Segment, SlotCodec
 from lightning_gradcomp.functional.axpy import add_scaled
-from lightning_gradcomp.functional.quantize import Quantized, alpha_p, rows_mean
+from lightning_gradcomp.functional.dequantize import Quantized, rows_mean
+from lightning_gradcomp.functional.quantization_groups import alpha_p
 
 __all__ = ["DIANA", "BlockQuantizer"]
 

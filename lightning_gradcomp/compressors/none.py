@@ -6,7 +6,8 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.comm import then_same_numerics
-from lightning_gradcomp.compressors.base import Capabilities, Compressor, ReduceContext, Reduction, split_flat
+from lightning_gradcomp.compressors.base import Capabilities, Compressor, ReduceContext, Reduction
+from lightning_gradcomp.compressors.slot_views import split_flat
 from lightning_gradcomp.functional.axpy import predivide_
 
 __all__ = ["NoCompression"]

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from lightning_gradcomp.checks import check_bucket_size, check_group_size, check_int
-from lightning_gradcomp.compressors.quantized import QuantizedCompressor, SlotCodec, check_p, resolve_group_size
+from lightning_gradcomp.compressors.quantized import QuantizedCompressor
+from lightning_gradcomp.compressors.quantized_arguments import check_p, resolve_group_size
 from lightning_gradcomp.compressors.registry import register
-from lightning_gradcomp.functional.quantize import levels_for_bits
+from lightning_gradcomp.compressors.wire_layout import SlotCodec
+from lightning_gradcomp.functional.quantization_groups import levels_for_bits
 
 __all__ = ["QSGD", "check_bits", "check_bucket_size", "check_group_size"]
 

@@ -9,19 +9,14 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import ReduceContext
-from lightning_gradcomp.compressors.quantized import (
-    DecodedMessages,
-    QuantizedCompressor,
-    Segment,
-    SlotCodec,
-    owned_state,
-    resolve_group_size,
-    stage_owned,
-    state_copy,
-)
+from lightning_gradcomp.compressors.owned_state import owned_state, stage_owned, state_copy
+from lightning_gradcomp.compressors.quantized import DecodedMessages, QuantizedCompressor
+from lightning_gradcomp.compressors.quantized_arguments import resolve_group_size
 from lightning_gradcomp.compressors.registry import register
 from lightning_gradcomp.compressors.staged import StagedState
-from lightning_gradcomp.functional.quantize import Quantized, sign_quantize
+from lightning_gradcomp.compressors.wire_layout import Segment, SlotCodec
+from lightning_gradcomp.functional.dequantize import Quantized
+from lightning_gradcomp.functional.scaled_sign import sign_quantize
 
 __all__ = ["SignSGD"]
 

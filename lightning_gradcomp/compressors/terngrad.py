@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from lightning_gradcomp.compressors.quantized import QuantizedCompressor, SlotCodec, resolve_group_size
+from lightning_gradcomp.compressors.quantized import QuantizedCompressor
+from lightning_gradcomp.compressors.quantized_arguments import resolve_group_size
 from lightning_gradcomp.compressors.registry import register
+from lightning_gradcomp.compressors.wire_layout import SlotCodec
 
 __all__ = ["TernGrad"]
 

@@ -32,7 +32,8 @@ from torch import Tensor
 
 from lightning_gradcomp.checks import is_int, is_number, renamed_keywords
 from lightning_gradcomp.functional.lowrank import matrix_shape
-from lightning_gradcomp.functional.quantize import PNorm, levels_for_bits, quantization_variance
+from lightning_gradcomp.functional.quantization_groups import PNorm, levels_for_bits
+from lightning_gradcomp.functional.stochastic_rounding import quantization_variance
 
 __all__ = [
     "error_units",

@@ -284,7 +284,7 @@ def test_largest_uniform_draw_never_rounds_past_the_top_level(
     (``y = L``) must still get code ``2L`` (or ``0`` if negative, which used to wrap to 255 as ``uint8``). The key is
     chosen so that the draw at the tested position is ``1 - 2**-24``, on the kernel and on the torch steps."""
     import lightning_gradcomp.functional._native as native
-    import lightning_gradcomp.functional.quantize as quantize
+    import lightning_gradcomp.functional.stochastic_rounding as stochastic_rounding
 
     if path == "torch":
         monkeypatch.setattr(native, "load", lambda: None)
@@ -294,7 +294,7 @@ def test_largest_uniform_draw_never_rounds_past_the_top_level(
     assert torch.tensor(float(levels), dtype=torch.float32) + torch.tensor(top) == levels + 1  # the fp32 rounding
     x = torch.tensor([-2.0, 2.0, 0.5, -1.0, 0.0, 0.25])  # groups of 3: scales 2 and 1
     for index, code in ((0, 0), (1, 2 * levels), (3, 0)):
-        monkeypatch.setattr(quantize, "_draw_key", lambda generator, i=index: _top_draw_key(i))
+        monkeypatch.setattr(stochastic_rounding, "_draw_key", lambda generator, i=index: _top_draw_key(i))
         q = stochastic_quantize(x, levels, 3, math.inf, torch.Generator())
         assert int(q.codes.max()) <= 2 * levels and int(q.codes[index]) == code
         out = dequantize(q.codes, q.scales, q.levels, q.group_size)
