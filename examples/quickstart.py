@@ -22,6 +22,12 @@ class MLP(pl.LightningModule):
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
 
+    def configure_model(self):  # the FSDP2 names (*_fsdp) give a device mesh: shard inside each replica
+        if self.device_mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.net, mesh=self.device_mesh["shard"])
+
     def training_step(self, batch, _):
         return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
 

@@ -18,7 +18,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gradcomp.checks import check_int, check_number
 from lightning_gradcomp.comm import compression_ratio
-from lightning_gradcomp.fsdp_strategy import GradCompFSDPStrategy
 from lightning_gradcomp.hook import GradCompHook
 from lightning_gradcomp.plan import SlotPolicy
 from lightning_gradcomp.strategy import GradCompStrategy
@@ -43,8 +42,14 @@ def loud(headline: str, why: str) -> str:
     return f"\n{bar}\nGradComp: {headline}\n{why}\n{bar}"
 
 
-COMPRESSING_STRATEGIES = (GradCompStrategy, GradCompFSDPStrategy)
-"""The strategies whose gradient reduction compresses (their ``hook`` has the surface the callbacks read)."""
+def compressing_strategies() -> tuple[Any, ...]:
+    """The strategies whose gradient reduction compresses (their ``hook`` has the surface the callbacks read).
+
+    Imported here, not at the top: importing ``fsdp_strategy`` declares its presets, which must come after the
+    ``GradCompStrategy`` ones in ``lightning-gradcomp list``."""
+    from lightning_gradcomp.fsdp_strategy import GradCompFSDPStrategy
+
+    return (GradCompStrategy, GradCompFSDPStrategy)
 
 
 def diagnose_strategy(strategy: Any) -> Optional[str]:
@@ -53,7 +58,7 @@ def diagnose_strategy(strategy: Any) -> Optional[str]:
     Returns:
         A human explanation with a fix, or ``None`` when the strategy can compress.
     """
-    if not isinstance(strategy, COMPRESSING_STRATEGIES):
+    if not isinstance(strategy, compressing_strategies()):
         return (
             f"trainer.strategy is {type(strategy).__name__}, not GradCompStrategy, so gradients are "
             f"reduced densely (or not communicated at all).\nFix: Trainer(strategy=GradCompStrategy("
@@ -62,7 +67,7 @@ def diagnose_strategy(strategy: Any) -> Optional[str]:
         )
     if strategy.world_size < 2:
         return single_process_note(strategy)
-    if isinstance(strategy, GradCompFSDPStrategy):
+    if not isinstance(strategy, GradCompStrategy):  # GradCompFSDPStrategy
         if strategy.num_replicas < 2:
             return (
                 f"GradCompFSDPStrategy shards the model over all {strategy.world_size} processes: one replica, "
@@ -185,12 +190,12 @@ class CompressionGuard(Callback):
         self._done, self._baseline = False, None
         strategy = trainer.strategy
         problem = diagnose_strategy(strategy)
-        if isinstance(strategy, COMPRESSING_STRATEGIES) and strategy.world_size < 2:  # by design: say it, quietly
+        if isinstance(strategy, compressing_strategies()) and strategy.world_size < 2:  # by design: say it, quietly
             self._done = True
             rank_zero_info(f"GradComp: {single_process_note(strategy)}")
         elif problem is not None:
             self._warn("NOTHING IS BEING COMPRESSED.", problem)
-        elif isinstance(strategy, COMPRESSING_STRATEGIES) and strategy.compressor.dense:  # no problem: by design
+        elif isinstance(strategy, compressing_strategies()) and strategy.compressor.dense:  # no problem: by design
             self._done = True
             rank_zero_info(
                 f"GradComp: {type(strategy.compressor).__name__} sends dense gradients "
