@@ -18,7 +18,7 @@ Select, quantize and seed *per layer* (keyed by ``slot.name``); batching is for 
 
 This module holds :class:`Compressor`; it re-exports the rest of the contract: the two ends of a ``reduce`` call
 (:mod:`.reduce_call`: :class:`ReduceContext`, :class:`Reduction`), the fast paths a compressor opts into
-(:mod:`.capabilities`) and the views over a bucket's slots (:mod:`.slot_views`).
+(:mod:`.capabilities`) and the views over a bucket's slots (:mod:`lightning_gradcomp.functional.slot_views`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from torch import Tensor
 from lightning_gradcomp.checks import check_number
 from lightning_gradcomp.compressors.capabilities import CAPABILITY_NAMES, Capabilities
 from lightning_gradcomp.compressors.reduce_call import ReduceContext, Reduction
-from lightning_gradcomp.compressors.slot_views import contiguous_span as contiguous_span
-from lightning_gradcomp.compressors.slot_views import split_flat, storage_window
 from lightning_gradcomp.compressors.staged import StagedState
+from lightning_gradcomp.functional.slot_views import contiguous_span as contiguous_span
+from lightning_gradcomp.functional.slot_views import split_flat, storage_window
 from lightning_gradcomp.plan import LayerSlot
 
 __all__ = [

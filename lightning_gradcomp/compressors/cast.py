@@ -14,9 +14,9 @@ from lightning_gradcomp.compressors.base import (
     Reduction,
 )
 from lightning_gradcomp.compressors.registry import register
-from lightning_gradcomp.compressors.slot_views import contiguous_span, split_flat
 from lightning_gradcomp.functional.half import scaled_cast, widen
 from lightning_gradcomp.functional.selection import prepare_native
+from lightning_gradcomp.functional.slot_views import contiguous_span, split_flat
 
 __all__ = ["Cast"]
 

@@ -42,7 +42,6 @@ from lightning_gradcomp.checks import check_bool
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction
 from lightning_gradcomp.compressors.registry import register
-from lightning_gradcomp.compressors.slot_views import split_flat
 from lightning_gradcomp.compressors.sparse import (
     SparseCompressor,
     check_index_coding,
@@ -53,6 +52,7 @@ from lightning_gradcomp.compressors.sparse import (
     unpack_bytes,
 )
 from lightning_gradcomp.functional.selection import approx_topk_indices, exact_topk_indices, prepare_native
+from lightning_gradcomp.functional.slot_views import split_flat
 from lightning_gradcomp.functional.sparsify import (
     decode_delta16,
     decode_int32_indices,

@@ -7,8 +7,8 @@ from torch import Tensor
 
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import Capabilities, Compressor, ReduceContext, Reduction
-from lightning_gradcomp.compressors.slot_views import split_flat
 from lightning_gradcomp.functional.axpy import predivide_
+from lightning_gradcomp.functional.slot_views import split_flat
 
 __all__ = ["NoCompression"]
 

@@ -19,8 +19,8 @@ from lightning_gradcomp.compressors.base import (
     ReduceContext,
     Reduction,
 )
-from lightning_gradcomp.compressors.slot_views import split_flat, storage_window
 from lightning_gradcomp.functional.layerwise import randomk_errors, sparse_sizes, topk_errors
+from lightning_gradcomp.functional.slot_views import split_flat, storage_window
 from lightning_gradcomp.functional.sparsify import int32_index_words, kept_count, repeated_offsets, scatter_dense
 
 __all__ = [
@@ -95,9 +95,9 @@ def unpack_bytes(raw: Tensor, specs: Sequence[tuple[torch.dtype, int]]) -> list[
 
 
 def slot_shift(tensors: Sequence[Tensor], counts: Sequence[int]) -> Optional[tuple[Tensor, Tensor]]:
-    """``(window, shift)``: one view over ``tensors`` (:func:`~.slot_views.storage_window`) and each slot's offset in it
-    repeated ``counts[l]`` times, which turns concatenated per-slot indices (``counts[l]`` of them in slot ``l``) into
-    positions in the window; ``None`` when ``tensors`` are not views of one buffer.
+    """``(window, shift)``: one view over ``tensors`` (:func:`~.functional.slot_views.storage_window`) and each slot's
+    offset in it repeated ``counts[l]`` times, which turns concatenated per-slot indices (``counts[l]`` of them in slot
+    ``l``) into positions in the window; ``None`` when ``tensors`` are not views of one buffer.
 
     Example::
 
@@ -252,8 +252,8 @@ class SharedIndexCompressor(SparseCompressor):
         """Shared indices, one all-reduce of the concatenated values.
 
         The sums are scattered into the outputs (the bucket's slices) by one call for the whole bucket
-        (:func:`~.slot_views.storage_window`); inputs that are slices of one buffer are gathered and given their
-        residuals by one call each too. Otherwise one call per slot."""
+        (:func:`~.functional.slot_views.storage_window`); inputs that are slices of one buffer are gathered and given
+        their residuals by one call each too. Otherwise one call per slot."""
         ks = [kept_count(t.numel(), r) for t, r in zip(tensors, ctx.params)]
         numels = [t.numel() for t in tensors]
         local, weights = self.shared_indices(tensors, ks, ctx)  # indices within each slot

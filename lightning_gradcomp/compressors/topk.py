@@ -17,7 +17,6 @@ from torch.futures import Future
 from lightning_gradcomp.comm import then_same_numerics
 from lightning_gradcomp.compressors.base import ReduceContext, Reduction
 from lightning_gradcomp.compressors.registry import register
-from lightning_gradcomp.compressors.slot_views import split_flat
 from lightning_gradcomp.compressors.sparse import (
     SparseCompressor,
     check_index_coding,
@@ -30,6 +29,7 @@ from lightning_gradcomp.compressors.sparse import (
 )
 from lightning_gradcomp.functional.layerwise import topk_errors
 from lightning_gradcomp.functional.selection import exact_topk_indices, prepare_native
+from lightning_gradcomp.functional.slot_views import split_flat
 from lightning_gradcomp.functional.sparsify import (
     decode_delta16_layers,
     decode_int32_indices,
@@ -106,7 +106,7 @@ class TopK(SparseCompressor):
 
         While the payload travels, this rank writes its residuals and zeroes its output slots. When the inputs (and
         the outputs) are slices of one buffer, gathering, residuals and sums take one call each for the whole bucket
-        (:func:`~.slot_views.storage_window`), not one per slot."""
+        (:func:`~.functional.slot_views.storage_window`), not one per slot."""
         numels = [t.numel() for t in tensors]
         ks = [kept_count(n, r) for n, r in zip(numels, ctx.params)]
         indices = [self._chosen(i, t, ctx) for i, t in enumerate(tensors)]  # sorted

@@ -120,7 +120,7 @@ def repeated_offsets(
     """``offsets[l]`` repeated ``counts[l]`` times (int64 on ``device``, the CPU by default; cached per device, so a
     GPU bucket copies it to the device once: never modify it). Added to the concatenated per-layer indices of several
     layers, it turns them into positions in one window over all of them
-    (:func:`~lightning_gradcomp.compressors.slot_views.storage_window`).
+    (:func:`~lightning_gradcomp.functional.slot_views.storage_window`).
 
     Example::
 

@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 MODULES = ["axpy", "dequantize", "hashed_draws", "lattice", "layerwise", "lowrank", "packing", "quantization_groups",
-           "realview", "sampling", "scaled_sign", "selection", "sparsify", "stochastic_rounding"]
+           "realview", "sampling", "scaled_sign", "selection", "slot_views", "sparsify", "stochastic_rounding"]
 # ``quantize`` re-exports the quantizers of ``dequantize``, ``hashed_draws``, ``quantization_groups``, ``scaled_sign``
 # and ``stochastic_rounding``, whose examples run above.
 NO_EXAMPLE = {"selection": {"prepare_native"}}  # builds the compiled kernel (7-20 s): not a pure function

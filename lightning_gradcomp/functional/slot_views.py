@@ -14,7 +14,13 @@ __all__ = ["contiguous_span", "split_flat", "storage_window"]
 
 
 def split_flat(flat: Tensor, counts: Sequence[int]) -> list[Tensor]:
-    """Split a 1-D tensor into consecutive pieces of ``counts`` elements."""
+    """Split a 1-D tensor into consecutive pieces of ``counts`` elements (views).
+
+    Example::
+
+        >>> [piece.tolist() for piece in split_flat(torch.arange(5.0), [2, 0, 3])]
+        [[0.0, 1.0], [], [2.0, 3.0, 4.0]]
+    """
     return list(torch.split(flat, list(counts)))
 
 
