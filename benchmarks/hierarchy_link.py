@@ -53,7 +53,7 @@ from lightning_gradcomp.compressors import CLTK, Compressor, NoCompression
 from lightning_gradcomp.hierarchy import Hierarchy, HierarchyLayout
 from lightning_gradcomp.hook import gradcomp_comm_hook
 
-__all__ = ["CONFIGS", "summarise"]
+__all__ = ["CONFIGS", "launch", "merge_rounds", "summarise", "torchrun_commands"]
 
 CONFIGS: dict[str, tuple[str, bool]] = {  # name: (compressor, hierarchical)
     "cltk": ("cltk", False),
@@ -181,17 +181,18 @@ def merge_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- parent
-def torchrun_commands(spec_path: Path, nodes: int, per_node: int, port: int, link: Optional[EmulatedLink]
-                      ) -> list[tuple[list[str], dict[str, str]]]:
+def torchrun_commands(spec_path: Path, nodes: int, per_node: int, port: int, link: Optional[EmulatedLink],
+                      script: Path = Path(__file__)) -> list[tuple[list[str], dict[str, str]]]:
     """One ``torchrun`` per node (inside the node's namespace when ``link`` is given): ``(argv, extra env)``.
 
-    Static rendezvous at node 0's address; torchrun sets ``RANK = node * per_node + local rank``.
+    Static rendezvous at node 0's address; torchrun sets ``RANK = node * per_node + local rank``. Each process runs
+    ``script --worker spec_path`` (this file; ``fsdp_link.py`` passes its own).
     """
     out = []
     for node in range(nodes):
         argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}",
                 f"--node-rank={node}", f"--master-addr={rank_address(0) if link else '127.0.0.1'}",
-                f"--master-port={port}", str(Path(__file__).resolve()), "--worker", str(spec_path)]
+                f"--master-port={port}", str(script.resolve()), "--worker", str(spec_path)]
         env = {"OMP_NUM_THREADS": "1"}
         if link is not None:
             argv = ["ip", "netns", "exec", link.namespace(node), *argv]
@@ -200,12 +201,14 @@ def torchrun_commands(spec_path: Path, nodes: int, per_node: int, port: int, lin
     return out
 
 
-def _launch(spec: dict[str, Any], link: Optional[EmulatedLink], timeout: float) -> list[dict[str, Any]]:
+def launch(spec: dict[str, Any], link: Optional[EmulatedLink], timeout: float, script: Path = Path(__file__)
+            ) -> list[dict[str, Any]]:
     """Run one torchrun per node; return every rank's ``rank<r>.json``."""
     spec_path = Path(spec["out_dir"]) / "spec.json"
     spec_path.write_text(json.dumps(spec))
     procs = [subprocess.Popen(argv, env={**os.environ, **env})
-             for argv, env in torchrun_commands(spec_path, spec["nodes"], spec["per_node"], free_port(), link)]
+             for argv, env in torchrun_commands(spec_path, spec["nodes"], spec["per_node"], free_port(), link,
+                                                  script)]
     wait_all(procs, timeout, "torchrun")
     world = spec["nodes"] * spec["per_node"]
     return [json.loads((Path(spec["out_dir"]) / f"rank{r}.json").read_text()) for r in range(world)]
@@ -293,7 +296,7 @@ def main() -> None:
                 "batch_size": args.batch_size, "ratio": args.ratio, "bucket_cap_mb": args.bucket_cap_mb,
                 "steps": args.steps, "warmup": args.warmup, "out_dir": tmp}
         with EmulatedLink(args.nodes, args.link) if emulate else nullcontext() as link:
-            ranks = _launch(spec, link, args.timeout)
+            ranks = launch(spec, link, args.timeout)
     summary = summarise(ranks, args.per_node)
     report(summary, where)
     if args.out is not None:

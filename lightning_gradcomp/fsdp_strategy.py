@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
+import torch
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -269,20 +270,7 @@ class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
             return
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         if self._reduction is None:
-            compressor = self.compressor.clone()
-            compressor.prepare()
-            prepare_native()
-            self._reduction = FSDPReplicaReduction(
-                compressor,
-                Comm(group),
-                names,
-                start_step=self.start_step,
-                policy=self.policy,
-                seed=self.seed,
-                beta=self.beta,
-                nonfinite=self.nonfinite,
-                device=self.root_device,
-            )
+            self._reduction = self.make_reduction(Comm(group), names, self.root_device)
         else:
             self._reduction.reduction.comm = Comm(group, self._reduction.stats)
             self._reduction.param_names.update(names)
@@ -292,6 +280,35 @@ class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
         if self._pending is not None:
             self._reduction.load_state_dict(self._pending)
             self._pending = None
+
+    def make_reduction(
+        self, comm: Comm, param_names: dict[int, str], device: Optional[torch.device] = None
+    ) -> FSDPReplicaReduction:
+        """Build this strategy's replica reduction for one rank: the single place one is assembled.
+
+        The strategy itself and ``benchmarks/fsdp_link.py`` (FSDP2 without Lightning) call this, so what is
+        benchmarked is what users run. The compressor is a private clone, prepared here, before any backward pass;
+        install the result with :meth:`FSDPReplicaReduction.install` and ``attach_optimizer``.
+
+        Args:
+            comm: byte-counting collectives over this rank's replicate group (:func:`replicate_group`).
+            param_names: ``id(sharded parameter) -> qualified name``.
+            device: where restored state tensors go (the gradients' device).
+        """
+        compressor = self.compressor.clone()
+        compressor.prepare()
+        prepare_native()  # the NaN/Inf scan of every compressed shard runs in the compiled kernel too
+        return FSDPReplicaReduction(
+            compressor,
+            comm,
+            param_names,
+            start_step=self.start_step,
+            policy=self.policy,
+            seed=self.seed,
+            beta=self.beta,
+            nonfinite=self.nonfinite,
+            device=device,
+        )
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
