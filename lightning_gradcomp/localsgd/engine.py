@@ -353,7 +353,7 @@ class OuterSync:
         plans = [self.fragments[i] for i in job.indices]
         deltas = job.deltas
         dense = [s for plan in plans for s in plan.dense]
-        comp = [s for plan in plans for s in plan.compressed]
+        compressed = [s for plan in plans for s in plan.compressed]
         out: dict[str, Tensor] = {}
         buffers: dict[str, Tensor] = {}
         names = list(job.buffer_values)
@@ -367,11 +367,11 @@ class OuterSync:
                 out[slot.name] = piece.view(slot.shape)
             for name, piece in zip(names, pieces[len(dense) :]):
                 buffers[name] = piece.to(self.buffers[name].dtype)
-        if not comp:
+        if not compressed:
             return out, buffers
-        gradients = [deltas[s.name].reshape(-1) for s in comp]
-        reduction = self.reduction.reduce_layers(gradients, comp, job.step, plans[0].index, comm)
-        for slot, avg in zip(comp, reduction.averaged.wait()):
+        gradients = [deltas[s.name].reshape(-1) for s in compressed]
+        reduction = self.reduction.reduce_layers(gradients, compressed, job.step, plans[0].index, comm)
+        for slot, avg in zip(compressed, reduction.averaged.wait()):
             out[slot.name] = avg.reshape(slot.shape).to(torch.float32)
         return out, buffers
 
