@@ -107,7 +107,7 @@ class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
         self.compressor = as_compressor(compressor)
         if not self.compressor.hierarchical:
             raise ValueError(
-                f"{type(self.compressor).__name__} cannot run in GradCompFSDPStrategy: it needs every rank of the "
+                f"{type(self.compressor).__name__} cannot run in {type(self).__name__}: it needs every rank of the "
                 "world, and here it gets one shard of each layer over the replicate group; use another compressor"
             )
         self.shard_size = None if shard_size is None else check_int("shard_size", shard_size, 1)
@@ -204,7 +204,7 @@ class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
         if not fsdp_modules(self.model):
             configured = is_overridden("configure_model", self.lightning_module)
             raise TypeError(
-                "GradCompFSDPStrategy found no module sharded with FSDP2: "
+                f"{type(self).__name__} found no module sharded with FSDP2: "
                 + (
                     "the LightningModule's configure_model() applied no fully_shard; "
                     if configured
