@@ -1,0 +1,163 @@
+"""LocalSGDFSDPStrategy (DiLoCo on FSDP2 replicas) in Lightning fits: 4 forked CPU ranks as 2 replicas x 2 shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from fsdp.models import FullRecorder, ShardedNet, fit_sharded, plan_from_record, plan_record
+from helpers.wire import compressor_bytes
+from lightning_gradcomp import GradCompFSDPStrategy
+from lightning_gradcomp.comm import all_reduce_bytes
+from lightning_gradcomp.compressors import CLTK, DIANA, NoCompression, SignSGD
+from lightning_gradcomp.localsgd.fsdp import LocalSGDFSDPStrategy
+
+REPLICAS, SHARDS = 2, 2
+
+
+class EngineRecorder(FullRecorder):
+    """FullRecorder (every rank's full parameters after every batch), with the engine's figures at the end."""
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        engine = strategy.hook
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save({"params": self.params, "stats": strategy.comm_stats.state_dict(), "syncs": engine.step,
+                    "memory": engine.memory.state_dict(), "plans": [plan_record(p) for p in engine.plans()],
+                    "theta": engine.theta},
+                   self.out / f"rank{trainer.global_rank}.pt")
+
+
+def _fit(strategy: Any, out: Path, *, max_steps: int = -1, ckpt_path: Optional[str] = None,
+         callbacks: Optional[list] = None, **trainer_kwargs: Any) -> list[dict[str, Any]]:
+    out = Path(out)
+    options: dict[str, Any] = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                               "enable_model_summary": False, **trainer_kwargs}
+    trainer = pl.Trainer(accelerator="cpu", devices=REPLICAS * SHARDS, strategy=strategy, max_steps=max_steps,
+                         callbacks=[EngineRecorder(out), *(callbacks or [])], default_root_dir=str(out), **options)
+    trainer.fit(ShardedNet(), ckpt_path=ckpt_path)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(REPLICAS * SHARDS)]
+
+
+def _diloco(**kwargs: Any) -> LocalSGDFSDPStrategy:
+    options: dict[str, Any] = {"shard_size": SHARDS, "start_method": "fork", "min_numel": 8, **kwargs}
+    return LocalSGDFSDPStrategy(**options)
+
+
+@pytest.mark.parametrize(("outer", "compressor"), [("nesterov", CLTK(density=0.1)), ("average", None),
+                                                    ("nesterov", SignSGD(group_size=16))])
+def test_full_parameters_identical_on_every_rank_after_each_outer_step(tmp_path: Path, outer: str,
+                                                                       compressor: Any) -> None:
+    """Between syncs the two replicas drift apart (no cross-replica reduction on inner steps), the two shards of one
+    replica hold one model; after every outer step all four ranks hold the same full parameters."""
+    local_steps, steps = 4, 12
+    records = _fit(_diloco(local_steps=local_steps, outer=outer, compressor=compressor), tmp_path, max_steps=steps)
+    for step in range(steps):
+        full = [record["params"][step] for record in records]
+        assert torch.equal(full[0], full[1]) and torch.equal(full[2], full[3]), f"a replica split at step {step}"
+        synced = (step + 1) % local_steps == 0
+        assert torch.equal(full[0], full[2]) == synced, f"step {step + 1}: identical={not synced}"
+    assert records[0]["syncs"] == steps // local_steps
+    assert torch.isfinite(records[0]["params"][-1]).all()
+
+
+def _per_sync_bytes(record: dict[str, Any], compressor: Any) -> float:
+    total = 0.0
+    for plan in (plan_from_record(p) for p in record["plans"]):
+        dense = sum(s.numel for s in plan.dense)
+        total += all_reduce_bytes(4 * dense, REPLICAS) if dense else 0.0
+        if plan.compressed:
+            params = [compressor.default_param] * len(plan.compressed)
+            total += compressor_bytes(compressor, plan.compressed, params, REPLICAS)
+    return total
+
+
+def test_cross_replica_bytes_follow_the_formula_and_are_100x_below_per_step_hsdp(tmp_path: Path) -> None:
+    """DiLoCo with H = 20 and 1-bit pseudo-gradients against per-step HSDP (GradCompFSDPStrategy with NoCompression)
+    over the same 40 steps: the same FSDP2 traffic inside the shard groups, >= 100x fewer bytes across replicas."""
+    steps = 40
+    comp = SignSGD(group_size=16)
+    ours = _fit(_diloco(local_steps=20, compressor=comp, min_numel=1, compress_1d=True), tmp_path / "diloco",
+                max_steps=steps)
+    hsdp = fit_sharded(GradCompFSDPStrategy(NoCompression(), shard_size=SHARDS, start_method="fork"),
+                       tmp_path / "hsdp", max_steps=steps)
+    for rank, (mine, theirs) in enumerate(zip(ours, hsdp)):
+        stats, reference = mine["stats"], theirs["stats"]
+        assert mine["syncs"] == 2 and stats["steps"] == steps
+        assert stats["wire_bytes"] == pytest.approx(2 * _per_sync_bytes(mine, comp), rel=1e-12)
+        assert stats["intra_bytes"] == reference["intra_bytes"] > 0
+        assert stats["dense_bytes"] <= reference["wire_bytes"]  # HSDP also all-reduces FSDP2's shard padding
+        ratio = reference["wire_bytes"] / stats["wire_bytes"]
+        assert ratio >= 100, f"rank {rank}: only {ratio:.1f}x fewer cross-replica bytes than per-step HSDP"
+
+
+def test_dense_diloco_sends_one_shard_all_reduce_per_sync(tmp_path: Path) -> None:
+    records = _fit(_diloco(local_steps=3), tmp_path, max_steps=6)
+    for record in records:
+        numel = sum(s.numel for p in record["plans"] for s in plan_from_record(p).slots)
+        assert record["stats"]["wire_bytes"] == 2 * all_reduce_bytes(4 * numel, REPLICAS)
+        assert record["stats"]["dense_bytes"] == 6 * all_reduce_bytes(4 * numel, REPLICAS)
+
+
+def _checkpointing(out: Path) -> ModelCheckpoint:
+    return ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1)
+
+
+def test_resume_mid_cycle_is_exact(tmp_path: Path) -> None:
+    """Six steps an epoch, a sync every 5: the checkpoint after epoch 2 (step 12) falls two steps after a sync."""
+    def strategy() -> LocalSGDFSDPStrategy:
+        return _diloco(local_steps=5, compressor=CLTK(density=0.1))
+
+    straight = _fit(strategy(), tmp_path / "straight", max_epochs=4, callbacks=[_checkpointing(tmp_path / "ck")],
+                    enable_checkpointing=True)
+    path = next((tmp_path / "ck").glob("epoch=1*.ckpt"))
+    resumed = _fit(strategy(), tmp_path / "resumed", max_epochs=4, ckpt_path=str(path))
+    for rank, (rec, ref) in enumerate(zip(resumed, straight)):
+        assert len(rec["params"]) == 12 and len(ref["params"]) == 24
+        for step, (a, b) in enumerate(zip(rec["params"], ref["params"][12:])):
+            assert torch.equal(a, b), f"rank {rank} differs after resumed step {step + 13}"
+        assert rec["syncs"] == ref["syncs"] == 4
+        assert rec["memory"].keys() == ref["memory"].keys() and rec["memory"]
+        assert all(torch.equal(rec["memory"][k], ref["memory"][k]) for k in rec["memory"])
+        assert all(torch.equal(rec["theta"][k], ref["theta"][k]) for k in rec["theta"])
+        assert rec["stats"]["wire_bytes"] == ref["stats"]["wire_bytes"]
+    with pytest.raises(Exception, match="local_steps"):
+        _fit(_diloco(local_steps=4, compressor=CLTK(density=0.1)), tmp_path / "other", max_epochs=4,
+             ckpt_path=str(path))
+
+
+class WholeWorld(CLTK):
+    hierarchical = False
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"overlap": 1}, "`overlap` must be 0 in LocalSGDFSDPStrategy"),
+    ({"save_distributed_checkpoint": False}, "`save_distributed_checkpoint` must be True"),
+    ({"compressor": DIANA()}, "`compressor` DIANA cannot reduce pseudo-gradients"),
+    ({"compressor": WholeWorld()}, "WholeWorld cannot run in LocalSGDFSDPStrategy"),
+    ({"local_steps": 6, "fragments": 4}, "`fragments` must divide `local_steps`"),
+    ({"outer": "adam"}, "`outer` must be one of"),
+    ({"shard_size": 0}, "shard_size"),
+])
+def test_unsupported_options_are_refused_naming_the_argument(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LocalSGDFSDPStrategy(**kwargs)
+
+
+def test_sync_batchnorm_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(Exception, match="sync_batchnorm"):
+        _fit(_diloco(), tmp_path, max_steps=1, sync_batchnorm=True)
+
+
+@pytest.mark.parametrize("name", ["diloco_fsdp", "diloco_cltk_fsdp"])
+def test_presets_build_the_strategy(name: str) -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = StrategyRegistry.get(name + "_fork")
+    assert isinstance(strategy, LocalSGDFSDPStrategy) and strategy._start_method == "fork"
+    assert strategy.outer == "nesterov" and strategy.local_steps == 20
