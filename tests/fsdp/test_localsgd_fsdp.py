@@ -161,3 +161,72 @@ def test_presets_build_the_strategy(name: str) -> None:
     strategy = StrategyRegistry.get(name + "_fork")
     assert isinstance(strategy, LocalSGDFSDPStrategy) and strategy._start_method == "fork"
     assert strategy.outer == "nesterov" and strategy.local_steps == 20
+
+
+class EvalRecorder(pl.Callback):
+    """Every rank's full parameters at the start of each validation (a collective)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.evals = Path(out), []
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in pl_module.parameters()]
+        self.evals.append(torch.cat([t.detach().float().reshape(-1).clone() for t in full]))
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.save(self.evals, self.out / f"evals{trainer.global_rank}.pt")
+
+
+class ValShardedNet(ShardedNet):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x).float(), y), sync_dist=True)
+
+    def val_dataloader(self) -> Any:
+        return self.train_dataloader()
+
+
+def test_validation_runs_on_the_global_model(tmp_path: Path) -> None:
+    """Validation after step 3 (mid-cycle, H = 4): every rank evaluates the same global model, then trains on from its
+    own local shards."""
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=_diloco(local_steps=4), max_steps=8,
+                         val_check_interval=3, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                         callbacks=[EngineRecorder(tmp_path), EvalRecorder(tmp_path)])
+    trainer.fit(ValShardedNet())
+    records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    evals = [torch.load(tmp_path / f"evals{r}.pt", weights_only=True) for r in range(4)]
+    assert len(evals[0]) >= 1
+    assert all(torch.equal(evals[0][0], e[0]) for e in evals[1:])  # one global model, on every rank
+    assert not torch.equal(records[0]["params"][2], records[2]["params"][2])  # the local models had drifted
+    assert not torch.equal(evals[0][0], records[0]["params"][2])
+    assert torch.equal(records[0]["params"][3], records[2]["params"][3])  # the sync at step 4 still joins them
+
+
+def test_shard_modules_with_bf16_parameters(tmp_path: Path) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fsdp.models import Block
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    strategy = _diloco(local_steps=3, compressor=CLTK(density=0.1), shard_modules=(Block,), mp_policy=policy)
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=6, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path), callbacks=[EngineRecorder(tmp_path)])
+    trainer.fit(ShardedNet(self_shard=False))
+    records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    for step in (2, 5):
+        assert all(torch.equal(records[0]["params"][step], r["params"][step]) for r in records[1:])
+    assert records[0]["syncs"] == 2
+
+
+def test_the_documented_example_runs() -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    try:
+        import fsdp_diloco
+    finally:
+        sys.path.pop(0)
+    trainer = fsdp_diloco.main("cltk", 4, max_epochs=1, start_method="fork")
+    assert trainer.state.finished
