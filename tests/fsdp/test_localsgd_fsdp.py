@@ -230,3 +230,22 @@ def test_the_documented_example_runs() -> None:
         sys.path.pop(0)
     trainer = fsdp_diloco.main("cltk", 4, max_epochs=1, start_method="fork")
     assert trainer.state.finished
+
+
+class NativeHSDPNet(ShardedNet):
+    """Sharded on the whole 2-D mesh: FSDP2's own HSDP, which would all-reduce across replicas every step."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in self.blocks:
+            fully_shard(block, mesh=self.device_mesh)
+        fully_shard(self, mesh=self.device_mesh)
+
+
+def test_a_module_on_the_2d_mesh_is_refused(tmp_path: Path) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=_diloco(), max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path))
+    with pytest.raises(Exception, match="2-D mesh"):
+        trainer.fit(NativeHSDPNet())
