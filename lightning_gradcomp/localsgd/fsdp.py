@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp import shard_files
+from lightning_gradcomp.checks import check_bool
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors import CLTK, NoCompression
 from lightning_gradcomp.compressors.base import Compressor
@@ -137,7 +138,7 @@ class LocalSGDFSDPStrategy(DivergentReplicas, GradCompFSDPStrategy):
                 "`save_distributed_checkpoint` must be True in LocalSGDFSDPStrategy: the replicas' local models are "
                 "saved per rank beside Lightning's distributed checkpoint of the global model"
             )
-        self.sync_at_end = bool(sync_at_end)
+        self.sync_at_end = check_bool("sync_at_end", sync_at_end)
         super().__init__(
             compressor=resolved,
             shard_size=shard_size,
