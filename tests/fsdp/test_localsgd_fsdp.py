@@ -249,3 +249,11 @@ def test_a_module_on_the_2d_mesh_is_refused(tmp_path: Path) -> None:
                          default_root_dir=str(tmp_path))
     with pytest.raises(Exception, match="2-D mesh"):
         trainer.fit(NativeHSDPNet())
+
+
+def test_one_replica_sends_nothing_across(tmp_path: Path) -> None:
+    """A preset on one machine: shard_size is the node's processes, so the model is one replica sharded over both;
+    the outer step still runs (on dense pseudo-gradients), and no byte crosses replicas."""
+    records = fit_sharded("diloco_cltk_fsdp_fork", tmp_path, devices=2, max_steps=4)
+    assert torch.equal(records[0]["params"][-1], records[1]["params"][-1])
+    assert records[0]["stats"]["wire_bytes"] == 0 and records[0]["stats"]["intra_bytes"] > 0
