@@ -257,3 +257,16 @@ def test_one_replica_sends_nothing_across(tmp_path: Path) -> None:
     records = fit_sharded("diloco_cltk_fsdp_fork", tmp_path, devices=2, max_steps=4)
     assert torch.equal(records[0]["params"][-1], records[1]["params"][-1])
     assert records[0]["stats"]["wire_bytes"] == 0 and records[0]["stats"]["intra_bytes"] > 0
+
+
+def test_streaming_fragments_on_shards(tmp_path: Path) -> None:
+    """fragments=2, H = 4: one fragment every 2 steps; the ranks holding the same shard index agree on theta."""
+    records = _fit(_diloco(local_steps=4, fragments=2, compressor=CLTK(density=0.1)), tmp_path, max_steps=12)
+    assert [r["syncs"] for r in records] == [6] * 4
+    for a, b in ((0, 2), (1, 3)):  # the replicate groups
+        assert records[a]["theta"].keys() == records[b]["theta"].keys()
+        assert all(torch.equal(records[a]["theta"][k], records[b]["theta"][k]) for k in records[a]["theta"])
+    assert records[0]["theta"]["blocks.0.linear.weight"].shape == (7, 11)  # theta is a shard: rows 0-6 of 13
+    assert records[1]["theta"]["blocks.0.linear.weight"].shape == (6, 11)
+    for step in range(12):
+        assert not torch.equal(records[0]["params"][step], records[2]["params"][step])  # never all synced at once
