@@ -10,7 +10,7 @@ from lightning_gradcomp import callbacks, compressors, gradcomp_presets  # noqa:
 from lightning_gradcomp.comm import CommStats
 from lightning_gradcomp.fabric_strategy import GradCompFabricStrategy
 from lightning_gradcomp.fsdp_strategy import GradCompFSDPStrategy
-from lightning_gradcomp.localsgd import LocalSGDStrategy
+from lightning_gradcomp.localsgd import LocalSGDFSDPStrategy, LocalSGDStrategy
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.swarm import SwarmStrategy
 
@@ -21,6 +21,7 @@ __all__ = [
     "GradCompFSDPStrategy",
     "GradCompFabricStrategy",
     "GradCompStrategy",
+    "LocalSGDFSDPStrategy",
     "LocalSGDStrategy",
     "SwarmStrategy",
     "__version__",

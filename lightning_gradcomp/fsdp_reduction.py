@@ -64,7 +64,15 @@ from lightning_gradcomp.reduction import GradientReduction
 from lightning_gradcomp.resident import resident_nbytes
 from lightning_gradcomp.step_transaction import StepTransaction
 
-__all__ = ["FSDPReplicaReduction", "ShardLayout", "fsdp_modules", "replicate_group", "shard_plan"]
+__all__ = [
+    "FSDPReplicaReduction",
+    "ShardLayout",
+    "count_shard_group",
+    "count_shard_traffic",
+    "fsdp_modules",
+    "replicate_group",
+    "shard_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,56 @@ def _param_group(module: Any) -> Optional[Any]:
     return groups[0] if groups else None
 
 
+def _refuse_native_hsdp(module: Any, group: Any) -> None:
+    if type(group.mesh_info).__name__ == "HSDPMeshInfo":
+        raise ValueError(
+            f"{type(module).__name__} is sharded on a 2-D mesh (FSDP2's native HSDP), whose own all-reduce "
+            "runs before the hook: shard it with fully_shard(mesh=device_mesh['shard']) instead"
+        )
+
+
+def count_shard_group(stats: CommStats, group: Any, output: Tensor) -> None:
+    """Add the shard group's collectives of one module's backward to ``stats.intra_bytes`` (by the formulas of
+    :mod:`lightning_gradcomp.comm`, not measured): the reduce-scatter that produced ``output``, and the all-gathers
+    of the module's parameters (forward, and backward again when the module reshards after forward)."""
+    size = group.mesh_info.shard_mesh_size
+    if size <= 1:
+        return
+    stats.add_intra(all_gather_bytes(output.numel() * output.element_size(), size))  # the reduce-scatter
+    dtype = group.mp_policy.param_dtype or group.fsdp_params[0].sharded_param.dtype
+    numel = 0
+    for fsdp_param in group.fsdp_params:
+        numel += _numel(fsdp_param.padded_sharded_param_size)
+    gathered = numel * torch.empty((), dtype=dtype).element_size()
+    gathers = 1 + (group.post_forward_mesh_info is not None)  # forward, and backward after a reshard
+    for _ in range(gathers):
+        stats.add_intra(all_gather_bytes(gathered, size))
+
+
+def count_shard_traffic(model: nn.Module, stats: CommStats) -> int:
+    """Set an all-reduce hook on every ``FSDPModule`` of ``model`` holding parameters that only counts the shard
+    group's collectives into ``stats`` (:func:`count_shard_group`) and leaves FSDP2's reduce-scatter output as it is:
+    nothing crosses replicas. For strategies that reduce across replicas less often than every step (DiLoCo on
+    sharded replicas); how many modules were hooked.
+
+    Raises:
+        ValueError: a module is sharded on a 2-D mesh (FSDP2's native HSDP would all-reduce across replicas).
+    """
+    count = 0
+    for module in fsdp_modules(model):
+        group = _param_group(module)
+        if group is None:
+            continue
+        _refuse_native_hsdp(module, group)
+
+        def hook(output: Tensor, group: Any = group) -> None:
+            count_shard_group(stats, group, output)
+
+        module.set_all_reduce_hook(hook)
+        count += 1
+    return count
+
+
 class FSDPReplicaReduction:
     """Per-rank state of the replica reduction of an FSDP2-sharded model (the FSDP2 side of the pipeline).
 
@@ -241,11 +299,7 @@ class FSDPReplicaReduction:
             group = _param_group(module)
             if group is None:
                 continue
-            if type(group.mesh_info).__name__ == "HSDPMeshInfo":
-                raise ValueError(
-                    f"{type(module).__name__} is sharded on a 2-D mesh (FSDP2's native HSDP), whose own all-reduce "
-                    "runs before the hook: shard it with fully_shard(mesh=device_mesh['shard']) instead"
-                )
+            _refuse_native_hsdp(module, group)
             for fsdp_param in group.fsdp_params:
                 if fsdp_param.fsdp_placement.dim != 0:
                     raise ValueError(
@@ -283,7 +337,7 @@ class FSDPReplicaReduction:
     # ------------------------------------------------------------------ the hook
     def _hook_for(self, index: int, group: Any) -> Callable[[Tensor], None]:
         def hook(output: Tensor) -> None:
-            self._count_shard_group(group, output)
+            count_shard_group(self.stats, group, output)
             self.reduce(output, *self.plan_for(index, group))
 
         return hook
@@ -307,21 +361,6 @@ class FSDPReplicaReduction:
         result = self.reduction.reduce(output, plan, step, compresses and bool(plan.compressed), None).wait()
         if result.data_ptr() != output.data_ptr():
             output.copy_(result)
-
-    def _count_shard_group(self, group: Any, output: Tensor) -> None:
-        """Add the shard group's collectives of this module to ``intra_bytes`` (by the formulas, not measured)."""
-        size = group.mesh_info.shard_mesh_size
-        if size <= 1:
-            return
-        self.stats.add_intra(all_gather_bytes(output.numel() * output.element_size(), size))  # the reduce-scatter
-        dtype = group.mp_policy.param_dtype or group.fsdp_params[0].sharded_param.dtype
-        numel = 0
-        for fsdp_param in group.fsdp_params:
-            numel += _numel(fsdp_param.padded_sharded_param_size)
-        gathered = numel * torch.empty((), dtype=dtype).element_size()
-        gathers = 1 + (group.post_forward_mesh_info is not None)  # forward, and backward after a reshard
-        for _ in range(gathers):
-            self.stats.add_intra(all_gather_bytes(gathered, size))
 
     # ------------------------------------------------------------------ state
     def state_nbytes(self) -> int:

@@ -108,7 +108,7 @@ class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
         self.compressor = as_compressor(compressor)
         if not self.compressor.hierarchical:
             raise ValueError(
-                f"{type(self.compressor).__name__} cannot run in GradCompFSDPStrategy: it needs every rank of the "
+                f"{type(self.compressor).__name__} cannot run in {type(self).__name__}: it needs every rank of the "
                 "world, and here it gets one shard of each layer over the replicate group; use another compressor"
             )
         self.shard_size = None if shard_size is None else check_int("shard_size", shard_size, 1)
@@ -142,10 +142,14 @@ class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
         """This rank's replica reduction (``None`` before setup, in the worker; and with one replica)."""
         return self._reduction
 
+    per_step_reduction = True
+    """Whether gradients are reduced across replicas at every step (``CompressionGuard`` judges only such runs)."""
+
     @property
-    def hook(self) -> Optional[FSDPReplicaReduction]:
-        """The replica reduction under the name the callbacks read (``CompressionLogger``, the guard): it has the
-        surface of :class:`~lightning_gradcomp.hook.GradCompHook` they use."""
+    def hook(self) -> Any:
+        """The replica reduction (:class:`FSDPReplicaReduction`) under the name the callbacks read
+        (``CompressionLogger``, the guard): it has the surface of :class:`~lightning_gradcomp.hook.GradCompHook` they
+        use. ``None`` before setup and with one replica."""
         return self._reduction
 
     @property
@@ -227,7 +231,7 @@ class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
         if not fsdp_modules(self.model):
             configured = is_overridden("configure_model", self.lightning_module)
             raise TypeError(
-                "GradCompFSDPStrategy found no module sharded with FSDP2: "
+                f"{type(self).__name__} found no module sharded with FSDP2: "
                 + (
                     "the LightningModule's configure_model() applied no fully_shard; "
                     if configured

@@ -52,13 +52,19 @@ def compressing_strategies() -> tuple[Any, ...]:
     return (GradCompStrategy, GradCompFSDPStrategy)
 
 
+def judged(strategy: Any) -> bool:
+    """Whether the guard judges ``strategy``: one of :func:`compressing_strategies` that reduces at every step (not
+    Local SGD on FSDP2, whose replicas meet every ``local_steps`` steps)."""
+    return isinstance(strategy, compressing_strategies()) and getattr(strategy, "per_step_reduction", True)
+
+
 def diagnose_strategy(strategy: Any) -> Optional[str]:
     """Problems visible before any step: wrong strategy, a single process, no hook.
 
     Returns:
         A human explanation with a fix, or ``None`` when the strategy can compress.
     """
-    if not isinstance(strategy, compressing_strategies()):
+    if not judged(strategy):
         return (
             f"trainer.strategy is {type(strategy).__name__}, not GradCompStrategy, so gradients are "
             f"reduced densely (or not communicated at all).\nFix: Trainer(strategy=GradCompStrategy("
@@ -188,14 +194,14 @@ class CompressionGuard(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the strategy itself."""
         self._done, self._baseline = False, None
-        strategy = trainer.strategy
+        strategy: Any = trainer.strategy  # a GradCompStrategy or GradCompFSDPStrategy when judged
         problem = diagnose_strategy(strategy)
-        if isinstance(strategy, compressing_strategies()) and strategy.world_size < 2:  # by design: say it, quietly
+        if judged(strategy) and strategy.world_size < 2:  # by design: say it, quietly
             self._done = True
             rank_zero_info(f"GradComp: {single_process_note(strategy)}")
         elif problem is not None:
             self._warn("NOTHING IS BEING COMPRESSED.", problem)
-        elif isinstance(strategy, compressing_strategies()) and strategy.compressor.dense:  # no problem: by design
+        elif judged(strategy) and strategy.compressor.dense:  # no problem: by design
             self._done = True
             rank_zero_info(
                 f"GradComp: {type(strategy.compressor).__name__} sends dense gradients "

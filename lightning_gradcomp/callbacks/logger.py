@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import Callback
 from torchmetrics import MaxMetric, MeanMetric, SumMetric
 
 from lightning_gradcomp.callbacks.error_probe import ErrorProbe, StepError, _relative_error
-from lightning_gradcomp.callbacks.guard import CompressionGuard, compressing_strategies
+from lightning_gradcomp.callbacks.guard import CompressionGuard, judged
 from lightning_gradcomp.callbacks.metric_names import (
     COMPRESSION_STEP,
     COMPRESSION_WHOLE_RUN,
@@ -231,7 +231,7 @@ class CompressionLogger(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Attach the error probe to the engine and take the first snapshots."""
         self._hook = getattr(trainer.strategy, "hook", None)
-        if self.guard is not None and (self._hook is None or isinstance(trainer.strategy, compressing_strategies())):
+        if self.guard is not None and (self._hook is None or judged(trainer.strategy)):
             self.guard.on_train_start(trainer, pl_module)  # skipped for another strategy's engine (LocalSGD)
         self._show_bar = self.prog_bar and trainer.progress_bar_callback is not None
         if self._hook is None:

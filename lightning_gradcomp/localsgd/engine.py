@@ -46,11 +46,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_gradcomp.comm import Comm, CommStats, all_reduce_bytes
 from lightning_gradcomp.compressors.base import Compressor
@@ -111,7 +112,8 @@ class OuterSync:
     Args:
         compressor: a private compressor (the strategy clones it per rank).
         comm: byte-counting collectives of this rank.
-        params: ``(name, parameter)`` of every trainable parameter, in model order.
+        params: ``(name, parameter)`` of every trainable parameter, in model order (or of this rank's shard of it:
+            any tensor the engine may read and write in place).
         buffers: ``(name, buffer)`` of the floating-point buffers (averaged with the last fragment).
         fragments: number of fragments the parameters are cut into.
         policy: which tensors are compressed.
@@ -132,7 +134,7 @@ class OuterSync:
         self,
         compressor: Compressor,
         comm: Comm,
-        params: list[tuple[str, nn.Parameter]],
+        params: Sequence[tuple[str, Tensor]],
         buffers: list[tuple[str, Tensor]],
         *,
         fragments: int = 1,

@@ -51,11 +51,50 @@ from lightning_gradcomp.presets import register_preset, register_presets
 from lightning_gradcomp.replicas import DivergentReplicas
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 
-__all__ = ["CHECKPOINT_KEY", "LocalSGDStrategy"]
+__all__ = ["CHECKPOINT_KEY", "LocalSGDStrategy", "check_outer_settings"]
 
 log = logging.getLogger(__name__)
 
 _REJECTED = (DIANA,)
+
+
+def check_outer_settings(
+    local_steps: int,
+    outer: str,
+    outer_lr: float,
+    outer_momentum: float,
+    compressor: Union[Compressor, str, None],
+    fragments: int,
+    overlap: int,
+) -> tuple[int, Literal["average", "nesterov"], float, float, Compressor, int, int]:
+    """The outer-loop arguments of :class:`LocalSGDStrategy` checked (the messages name the argument), in order,
+    with the compressor resolved; shared by the strategies built on :class:`~lightning_gradcomp.localsgd.OuterSync`.
+    """
+    local_steps = check_int("local_steps", local_steps, 1)
+    if outer not in OUTERS:
+        raise ValueError(f"`outer` must be one of {OUTERS}, got {outer!r}")
+    lr = float(check_number("outer_lr", outer_lr, 0.0, float("inf"), high_open=True))
+    momentum = float(check_number("outer_momentum", outer_momentum, 0, 1, low_open=False, high_open=True))
+    resolved = as_compressor(compressor)
+    if isinstance(resolved, _REJECTED):
+        raise ValueError(
+            f"`compressor` {type(resolved).__name__} cannot reduce pseudo-gradients: its "
+            f"shifts assume stationary per-step gradients; use an unbiased quantizer (QSGD, "
+            f"TernGrad) or a compressor with error feedback (CLTK, TopK, PowerSGD, SignSGD)"
+        )
+    fragments = check_int("fragments", fragments, 1)
+    if local_steps % fragments:
+        raise ValueError(
+            f"`fragments` must divide `local_steps` ({local_steps}): one fragment is synced "
+            f"every local_steps / fragments steps; got fragments={fragments}"
+        )
+    overlap = check_int("overlap", overlap, 0)
+    if overlap > local_steps // fragments:
+        raise ValueError(
+            f"`overlap` must be at most local_steps / fragments ({local_steps // fragments}"
+            f"): one fragment exchange is in flight at a time; got overlap={overlap}"
+        )
+    return local_steps, outer, lr, momentum, resolved, fragments, overlap  # type: ignore[return-value]
 
 
 class LocalSGDStrategy(LocalSGDCheckpoints, DivergentReplicas, ShardedCheckpoints, DDPStrategy):
@@ -153,33 +192,9 @@ class LocalSGDStrategy(LocalSGDCheckpoints, DivergentReplicas, ShardedCheckpoint
         timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        self.local_steps = check_int("local_steps", local_steps, 1)
-        if outer not in OUTERS:
-            raise ValueError(f"`outer` must be one of {OUTERS}, got {outer!r}")
-        self.outer = outer
-        self.outer_lr = float(check_number("outer_lr", outer_lr, 0.0, float("inf"), high_open=True))
-        self.outer_momentum = float(
-            check_number("outer_momentum", outer_momentum, 0, 1, low_open=False, high_open=True)
-        )
-        self.compressor = as_compressor(compressor)
-        if isinstance(self.compressor, _REJECTED):
-            raise ValueError(
-                f"`compressor` {type(self.compressor).__name__} cannot reduce pseudo-gradients: its "
-                f"shifts assume stationary per-step gradients; use an unbiased quantizer (QSGD, "
-                f"TernGrad) or a compressor with error feedback (CLTK, TopK, PowerSGD, SignSGD)"
-            )
-        self.fragments = check_int("fragments", fragments, 1)
-        if self.local_steps % self.fragments:
-            raise ValueError(
-                f"`fragments` must divide `local_steps` ({self.local_steps}): one fragment is synced "
-                f"every local_steps / fragments steps; got fragments={self.fragments}"
-            )
-        self.overlap = check_int("overlap", overlap, 0)
-        if self.overlap > self.local_steps // self.fragments:
-            raise ValueError(
-                f"`overlap` must be at most local_steps / fragments ({self.local_steps // self.fragments}"
-                f"): one fragment exchange is in flight at a time; got overlap={self.overlap}"
-            )
+        settings = check_outer_settings(local_steps, outer, outer_lr, outer_momentum, compressor, fragments, overlap)
+        self.local_steps, self.outer, self.outer_lr, self.outer_momentum = settings[:4]
+        self.compressor, self.fragments, self.overlap = settings[4:]
         min_numel, compress_1d = size_rule(self.compressor.compresses_small_layers, min_numel, compress_1d)
         self.policy = SlotPolicy(
             min_numel=check_int("min_numel", min_numel, 1), compress_1d=check_bool("compress_1d", compress_1d)

@@ -32,12 +32,12 @@ WORLD_SIZES = (2, 3, 4)
 PRESET_NAMES = (
     "gradcomp_fp16", "gradcomp_bf16", "scalecom", "scalecom_compact", "diana", "gradcomp_none", "powersgd_gc", "qsgd",
     "gradcomp_randomk", "signsgd", "terngrad", "gradcomp_topk", "lgreco", "gradcomp_fsdp", "scalecom_fsdp",
-    "powersgd_fsdp", "qsgd_fsdp", "localsgd", "diloco", "diloco_cltk", "swarmsgd",
+    "powersgd_fsdp", "qsgd_fsdp", "localsgd", "diloco", "diloco_cltk", "diloco_fsdp", "diloco_cltk_fsdp", "swarmsgd",
 )
 """The presets ``import lightning_gradcomp`` registers (``test_golden`` checks this in a fresh interpreter; a test
 process may hold more, registered by other tests)."""
-SHARDED = ("gradcomp_fsdp", "scalecom_fsdp", "powersgd_fsdp", "qsgd_fsdp")
-"""GradCompFSDPStrategy presets: not recorded (they need a model that shards itself; tests/fsdp checks them)."""
+SHARDED = ("gradcomp_fsdp", "scalecom_fsdp", "powersgd_fsdp", "qsgd_fsdp", "diloco_fsdp", "diloco_cltk_fsdp")
+"""GradCompFSDPStrategy and LocalSGDFSDPStrategy presets: not recorded (they need a model that shards itself; tests/fsdp checks them)."""
 HIERARCHICAL = ("scalecom", "powersgd_gc", "qsgd", "gradcomp_topk")
 """Presets also recorded with ``hierarchy=2`` (two nodes of two ranks) at W = 4."""
 
