@@ -24,7 +24,7 @@ class Recipe:
     """One task: its CLI module and the configs that exist for it.
 
     Attributes:
-        name: task name, also the config sub-folder (``image``, ``translation``, ``speech``).
+        name: task name, also the config sub-folder (``image``, ``translation``, ``speech``, ``language``).
         module: the module run with ``python -m`` (``recipes.image``...).
         description: one line.
     """
@@ -43,7 +43,8 @@ RECIPES: dict[str, Recipe] = {
     r.name: r for r in (
         Recipe("image", "recipes.image", "ResNet on ImageNet (ImageFolder) / Fashion-MNIST offline"),
         Recipe("translation", "recipes.translation", "Transformer on WMT-style parallel text / number words offline"),
-        Recipe("speech", "recipes.speech", "BiLSTM-CTC on a wav/flac corpus / synthesised digit strings offline"),
+        Recipe("speech", "recipes.speech", "BiLSTM-CTC on a wav/flac corpus / synthesised digits or words offline"),
+        Recipe("language", "recipes.language", "byte-level Transformer LM on a text file / Ding EN-DE sentences"),
     )
 }
 

@@ -1,4 +1,5 @@
-"""The speech recipe's data: a wav/flac + ``*.trans.txt`` corpus at a local path, or generated digit strings."""
+"""The speech recipe's data: a wav/flac + ``*.trans.txt`` corpus at a local path, or generated digit strings or
+spoken words."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from recipes.data.audio import LogMel, read_audio, resample
 from recipes.data.digit_speech import DIGIT_WORDS, Engine, corpus_info, make_digit_corpus
 from recipes.data.speech_corpus import check_corpus_folder, scan_corpus
 from recipes.data.translation_data import default_cache_dir
+from recipes.data.word_speech import WORDS, make_word_corpus
 
 __all__ = ["CHARACTERS", "SpeechDataModule", "TranscribedAudio", "collate_speech"]
 
@@ -73,19 +75,26 @@ class SpeechDataModule(pl.LightningDataModule):
 
     * ``digits``: generated connected digit strings (:mod:`recipes.data.digit_speech`) in
       ``cache_dir/digits-<engine>-<sizes>-<seed>``, made once in ``prepare_data``; test voices are held out.
+    * ``words``: generated phrases of ``min_words``-``max_words`` words over the first ``vocab_size`` of
+      :data:`recipes.data.word_speech.WORDS`, spoken by espeak-ng (:mod:`recipes.data.word_speech`; needs
+      ``espeak-ng``), in ``cache_dir/words-<sizes>-<seed>``, made once in ``prepare_data``; test voices are held out.
     * ``corpus``: ``root/<train_dir>`` and ``root/<val_dir>`` in LibriSpeech's layout (``*.trans.txt`` next to
       ``.flac``/``.wav``), e.g. ``root=/data/LibriSpeech, train_dir=train-clean-100, val_dir=dev-clean``.
 
     Args:
-        source: ``digits`` or ``corpus``.
+        source: ``digits``, ``words`` or ``corpus``.
         root: corpus folder (``corpus``).
         train_dir: training sub-folder of ``root``.
         val_dir: validation sub-folder of ``root``.
-        units: ``words`` (digit words) or ``chars`` (letters, apostrophe, word boundary).
+        units: ``words`` (the digit words, or the vocabulary of ``words``) or ``chars`` (letters, apostrophe,
+            word boundary).
         engine: synthesiser for ``digits`` (``auto``: espeak-ng when installed, else tones).
-        num_train: generated training utterances (``digits``) or a cap (``corpus``).
-        num_val: generated test utterances (``digits``) or a cap (``corpus``).
-        held_out: voices reserved for the test split (``digits``).
+        num_train: generated training utterances (``digits``, ``words``) or a cap (``corpus``).
+        num_val: generated test utterances (``digits``, ``words``) or a cap (``corpus``).
+        held_out: voices reserved for the test split (``digits``, ``words``).
+        vocab_size: words the phrases draw from (``words``).
+        min_words: shortest phrase (``words``).
+        max_words: longest phrase (``words``).
         n_mels: log-mel bins.
         batch_size: per-process utterances per batch.
         cache_features: keep features in memory after the first epoch.
@@ -93,14 +102,18 @@ class SpeechDataModule(pl.LightningDataModule):
         seed: corpus generator seed.
     """
 
-    def __init__(self, source: Literal["digits", "corpus"] = "digits", root: Optional[str] = None,
+    def __init__(self, source: Literal["digits", "words", "corpus"] = "digits", root: Optional[str] = None,
                  train_dir: str = "train", val_dir: str = "test", units: Literal["words", "chars"] = "words",
                  engine: Engine = "auto", num_train: Optional[int] = 3000, num_val: Optional[int] = 300,
-                 held_out: int = 20, n_mels: int = 40, batch_size: int = 32, num_workers: int = 0,
+                 held_out: int = 20, vocab_size: int = 300, min_words: int = 1, max_words: int = 3,
+                 n_mels: int = 40, batch_size: int = 32, num_workers: int = 0,
                  cache_features: bool = True, cache_dir: Optional[str] = None, seed: int = 0) -> None:
         super().__init__()
-        if source not in ("digits", "corpus"):
-            raise ValueError(f"`source` must be 'digits' or 'corpus', got {source!r}")
+        if source not in ("digits", "words", "corpus"):
+            raise ValueError(f"`source` must be 'digits', 'words' or 'corpus', got {source!r}")
+        if source == "words" and not (2 <= vocab_size <= len(WORDS) and 1 <= min_words <= max_words):
+            raise ValueError(f"source='words' needs 2 <= vocab_size <= {len(WORDS)} and 1 <= min_words <= max_words, "
+                             f"got {vocab_size}, {min_words}, {max_words}")
         if units not in ("words", "chars"):
             raise ValueError(f"`units` must be 'words' or 'chars', got {units!r}")
         if source == "corpus" and root is None:
@@ -108,7 +121,9 @@ class SpeechDataModule(pl.LightningDataModule):
         if n_mels < 8 or batch_size < 1:
             raise ValueError(f"`n_mels` must be >= 8 and `batch_size` >= 1, got {n_mels}, {batch_size}")
         self.source, self.root, self.train_dir, self.val_dir = source, root, train_dir, val_dir
-        self.units = DIGIT_WORDS if units == "words" else CHARACTERS
+        words = WORDS[:vocab_size] if source == "words" else DIGIT_WORDS
+        self.units = words if units == "words" else CHARACTERS
+        self.vocab_size, self.min_words, self.max_words = vocab_size, min_words, max_words
         self.unit_kind, self.engine = units, engine
         self.num_train, self.num_val, self.held_out, self.seed = num_train, num_val, held_out, seed
         self.n_mels, self.batch_size, self.num_workers = n_mels, batch_size, num_workers
@@ -119,8 +134,14 @@ class SpeechDataModule(pl.LightningDataModule):
 
     def check_data(self) -> None:
         """Raise ``FileNotFoundError`` naming the argument and the path when a corpus split folder is missing
-        (``source='corpus'``; the generated digits need nothing); the recipes' CLI calls this before training starts
-        any process. Lists no folder."""
+        (``source='corpus'``; the generated digits need nothing), or ``espeak-ng`` for spoken words not generated
+        yet; the recipes' CLI calls this before training starts any process. Lists no folder."""
+        if self.source == "words" and corpus_info(self.corpus_root) is None:
+            from recipes.data.digit_speech import espeak_available
+
+            if not espeak_available():
+                raise FileNotFoundError("`data.source`: 'words' is synthesised by espeak-ng, which is not installed "
+                                        "(apt-get install -y espeak-ng)")
         if self.source != "corpus":
             return
         for name, split in (("train_dir", self.train_dir), ("val_dir", self.val_dir)):
@@ -139,23 +160,31 @@ class SpeechDataModule(pl.LightningDataModule):
         """Folder holding the train / validation sub-folders."""
         if self.source == "corpus":
             return Path(self.root)  # type: ignore[arg-type]
+        if self.source == "words":
+            return self.cache_dir / (f"words-{self.vocab_size}-{self.min_words}-{self.max_words}-{self.num_train}-"
+                                     f"{self.num_val}-{self.held_out}-{self.seed}")
         from recipes.data.digit_speech import resolve_engine
 
         engine = resolve_engine(self.engine)
         return self.cache_dir / f"digits-{engine}-{self.num_train}-{self.num_val}-{self.held_out}-{self.seed}"
 
     def prepare_data(self) -> None:
-        """Generate the digit corpus once (local rank 0)."""
-        if self.source == "digits" and corpus_info(self.corpus_root) is None:
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
+        """Generate the digit or spoken-words corpus once (local rank 0)."""
+        if self.source == "corpus" or corpus_info(self.corpus_root) is not None:
+            return
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        if self.source == "digits":
             make_digit_corpus(self.corpus_root, self.num_train or 3000, self.num_val or 300, self.engine,
                               self.seed, self.held_out)
+        else:
+            make_word_corpus(self.corpus_root, self.vocab_size, self.num_train or 8000, self.num_val or 400,
+                             self.seed, self.held_out, self.min_words, self.max_words)
 
     def setup(self, stage: str) -> None:
         if self.train_set is not None:
             return
         root = self.corpus_root
-        train_dir, val_dir = ("train", "test") if self.source == "digits" else (self.train_dir, self.val_dir)
+        train_dir, val_dir = (self.train_dir, self.val_dir) if self.source == "corpus" else ("train", "test")
         feats = LogMel(n_mels=self.n_mels)
         train = scan_corpus(root / train_dir)[: self.num_train]
         val = scan_corpus(root / val_dir)[: self.num_val]

@@ -29,8 +29,18 @@ def _tiny(task: str, tmp_path: Path) -> list[str]:
                 "--data.val_subset=32"]
     if task == "translation":
         return ["--data.num_train=128", "--data.num_val=16", "--data.batch_size=16"]
+    if task == "language":
+        return ["--data.source=text", f"--data.root={_text_file(tmp_path)}", "--data.context=32",
+                "--data.batch_size=4"]
     return ["--data.engine=tones", "--data.num_train=32", "--data.num_val=8", "--data.held_out=2",
             f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=4"]
+
+
+def _text_file(tmp_path: Path) -> Path:
+    path = tmp_path / "text.txt"
+    path.write_text("".join(f"Sentence number {i} is here. Satz Nummer {i} ist hier.\n" for i in range(400)),
+                    encoding="utf-8")
+    return path
 
 
 def fast_fit(task: str, config: str, tmp_path: Path, *extra: str) -> dict:
@@ -60,7 +70,7 @@ def _check(summary: dict, compressed: bool) -> None:
 def test_dense_recipe_runs_on_two_processes(task: str, tmp_path: Path):
     summary = fast_fit(task, "dense_cpu", tmp_path)
     _check(summary, compressed=False)
-    expected = {"image": "val/acc1", "translation": "val/exact", "speech": "val/wer"}[task]
+    expected = {"image": "val/acc1", "translation": "val/exact", "speech": "val/wer", "language": "val/acc"}[task]
     assert expected in summary["metrics"]
 
 
@@ -76,3 +86,19 @@ def test_other_image_configs_run_on_two_processes(config: str, tmp_path: Path):
     if config not in RECIPES["image"].configs:
         pytest.skip(f"{config} is not shipped")
     _check(fast_fit("image", config, tmp_path), compressed=True)
+
+
+@pytest.mark.parametrize("task, config", [("language", "dense_long_cpu"), ("language", "scalecom_long_cpu"),
+                                          ("speech", "dense_long_cpu"), ("speech", "scalecom_long_cpu")])
+def test_long_configs_run_on_two_processes(task: str, config: str, tmp_path: Path):
+    """Issue 49's configs with a horizon, a few steps each on tiny data (spoken words: 12 words, 2-word phrases)."""
+    extra = []
+    if task == "speech":
+        from recipes.data.digit_speech import espeak_available
+
+        if not espeak_available():
+            pytest.skip("the spoken-words corpus needs espeak-ng (apt-get install espeak-ng)")
+        extra = ["--data.vocab_size=12", "--data.max_words=2"]
+    summary = fast_fit(task, config, tmp_path, *extra)
+    _check(summary, compressed="scalecom" in config)
+    assert {"language": "val/ppl", "speech": "val/wer"}[task] in summary["metrics"]
