@@ -58,11 +58,9 @@ from torch import Tensor, nn
 
 from lightning_gradcomp.comm import Comm, CommStats, all_gather_bytes
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.memory import ErrorFeedback
+from lightning_gradcomp.front_end import PipelineFrontEnd
 from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy
-from lightning_gradcomp.reduction import GradientReduction
 from lightning_gradcomp.resident import resident_nbytes
-from lightning_gradcomp.step_transaction import StepTransaction
 
 __all__ = [
     "FSDPReplicaReduction",
@@ -215,7 +213,7 @@ def count_shard_traffic(model: nn.Module, stats: CommStats) -> int:
     return count
 
 
-class FSDPReplicaReduction:
+class FSDPReplicaReduction(PipelineFrontEnd):
     """Per-rank state of the replica reduction of an FSDP2-sharded model (the FSDP2 side of the pipeline).
 
     Args:
@@ -250,31 +248,7 @@ class FSDPReplicaReduction:
         self.layer_params: dict[str, Any] = {}
         self._plans: dict[int, tuple[tuple[int, ...], BucketPlan]] = {}
         self._small: set[str] = set()
-        memory = ErrorFeedback(beta)
-        self.reduction = GradientReduction(compressor, comm, memory, self.param_of, seed=seed, nonfinite=nonfinite)
-        self.transaction = StepTransaction(memory, compressor, param_names, self._count_step)
-
-    compressor = property(lambda self: self.reduction.compressor, doc="The compressor.")
-    memory = property(lambda self: self.reduction.memory, doc="The error-feedback memories.")
-    observers = property(lambda self: self.reduction.observers, doc="Observers of the compressed shards (callbacks).")
-    comm = property(lambda self: self.reduction.comm, doc="Byte-counting collectives over the replicate group.")
-
-    @property
-    def stats(self) -> CommStats:
-        """This rank's cumulative communication figures (``intra_bytes``: the shard group's)."""
-        return self.reduction.stats
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps so far."""
-        return self.transaction.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.transaction.step = value
-
-    def _count_step(self, compressed: bool) -> None:
-        self.stats.steps, self.stats.compressed_steps = self.stats.steps + 1, self.stats.compressed_steps + compressed
+        super().__init__(compressor, comm, param_names, self.param_of, seed=seed, beta=beta, nonfinite=nonfinite)
 
     def param_of(self, name: str) -> Any:
         """The compression parameter of layer ``name``."""
@@ -329,10 +303,6 @@ class FSDPReplicaReduction:
 
     def _name(self, fsdp_param: Any) -> str:
         return self.param_names.get(id(fsdp_param.sharded_param), f"param{id(fsdp_param.sharded_param)}")
-
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Commit staged state when ``optimizer`` steps (:meth:`StepTransaction.attach_optimizer`)."""
-        self.transaction.attach_optimizer(optimizer)
 
     # ------------------------------------------------------------------ the hook
     def _hook_for(self, index: int, group: Any) -> Callable[[Tensor], None]:

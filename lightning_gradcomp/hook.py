@@ -20,18 +20,17 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_gradcomp.comm import Comm, CommStats
+from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.commthread import CommThread
 from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.front_end import PipelineFrontEnd
 from lightning_gradcomp.hierarchical_reduction import reduce_hierarchical
 from lightning_gradcomp.hierarchy import Hierarchy
-from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.observers import BucketRecord, HookObserver
 from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy, build_plan
-from lightning_gradcomp.reduction import GradientReduction, reduce_with_feedback
+from lightning_gradcomp.reduction import reduce_with_feedback
 from lightning_gradcomp.resident import resident_nbytes
 from lightning_gradcomp.schedule import CompressionSchedule, scheduled_param
-from lightning_gradcomp.step_transaction import StepTransaction
 
 __all__ = [
     "PYTHON_REDUCER_REFUSAL",
@@ -49,7 +48,7 @@ def _compresses_nothing(slot: LayerSlot) -> bool:
     return False
 
 
-class GradCompHook:
+class GradCompHook(PipelineFrontEnd):
     """Per-rank state and logic of the compression hook (DDP's side of the reduction pipeline).
 
     Args:
@@ -99,43 +98,8 @@ class GradCompHook:
         self._plans: dict[int, tuple[tuple[int, ...], BucketPlan]] = {}
         self._small: set[str] = set()  # compressed slots that use policy.small_param
         self._thread: Optional[CommThread] = None
-        memory = ErrorFeedback(beta)
-        self.reduction = GradientReduction(compressor, comm, memory, self.param_of, seed=seed, nonfinite=nonfinite)
-        self.transaction = StepTransaction(memory, compressor, param_names, self._count_step)
+        super().__init__(compressor, comm, param_names, self.param_of, seed=seed, beta=beta, nonfinite=nonfinite)
         self._follow_schedule()
-
-    # ------------------------------------------------------------------ the pipeline's parts, by their old names
-    compressor = property(lambda self: self.reduction.compressor, doc="The compressor.")
-    memory = property(lambda self: self.reduction.memory, doc="The error-feedback memories.")
-    observers = property(lambda self: self.reduction.observers, doc="Observers of the compressed buckets.")
-    seed = property(lambda self: self.reduction.seed, doc="Base seed of the compressors' generators.")
-    nonfinite = property(lambda self: self.reduction.nonfinite, doc='``"dense"`` or ``"zero"``.')
-
-    @property
-    def comm(self) -> Comm:
-        """Byte-counting collectives over all W ranks."""
-        return self.reduction.comm
-
-    @comm.setter
-    def comm(self, comm: Comm) -> None:
-        self.reduction.comm = comm
-
-    @property
-    def stats(self) -> CommStats:
-        """This rank's cumulative communication figures."""
-        return self.reduction.stats
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps so far (:attr:`StepTransaction.step`)."""
-        return self.transaction.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.transaction.step = value
-
-    def _count_step(self, compressed: bool) -> None:
-        self.stats.steps, self.stats.compressed_steps = self.stats.steps + 1, self.stats.compressed_steps + compressed
 
     # ------------------------------------------------------------------ plan and parameters
     def plan_for(self, bucket: dist.GradBucket) -> BucketPlan:
@@ -168,20 +132,6 @@ class GradCompHook:
         if self.schedule is not None:
             value = self.schedule.value(self.step, self.compressor.default_param)
             self._scheduled = scheduled_param(self.compressor, self.compressor.default_param, value)
-
-    # ------------------------------------------------------------------ steps
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Commit staged state when ``optimizer`` steps (:meth:`StepTransaction.attach_optimizer`)."""
-        self.transaction.attach_optimizer(optimizer)
-
-    @property
-    def unstepped(self) -> bool:
-        """Whether a backward pass went through the hook since the last optimizer step (its state is staged)."""
-        return self.transaction.unstepped
-
-    def drop_unstepped(self) -> None:
-        """Drop the state staged since the last step, which no optimizer took (``StepTransaction.drop_unstepped``)."""
-        self.transaction.drop_unstepped()
 
     # ------------------------------------------------------------------ hook
     def __call__(self, bucket: dist.GradBucket) -> Future:
