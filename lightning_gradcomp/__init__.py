@@ -11,6 +11,7 @@ from lightning_gradcomp.comm import CommStats
 from lightning_gradcomp.fabric_strategy import GradCompFabricStrategy
 from lightning_gradcomp.fsdp_strategy import GradCompFSDPStrategy
 from lightning_gradcomp.localsgd import LocalSGDFSDPStrategy, LocalSGDStrategy
+from lightning_gradcomp.rate_corrected_adamw import RateCorrectedAdamW
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.swarm import SwarmStrategy
 
@@ -23,6 +24,7 @@ __all__ = [
     "GradCompStrategy",
     "LocalSGDFSDPStrategy",
     "LocalSGDStrategy",
+    "RateCorrectedAdamW",
     "SwarmStrategy",
     "__version__",
 ]

@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_gradcomp"
 
 FLOORS = {  # docs/design.md, "Map of the package"
     1: {"checks", "distributed", "failures", "atomic_files", "shard_files", "checkpoint_shards", "functional", "comm",
-        "wire_bytes", "comm_stats", "futures", "gloo_workers", "advise.costs", "resident"},
+        "wire_bytes", "comm_stats", "futures", "gloo_workers", "advise.costs", "resident",
+        "rate_corrected_adamw"},
     2: {"compressors", "schedule", "memory", "plan", "observers", "step_transaction"},
     3: {"reduction", "front_end", "hierarchical_reduction", "hook", "fsdp_reduction", "commthread", "hierarchy",
         "sharded_checkpoints", "replicas"},

@@ -31,13 +31,14 @@ class LanguageModel(pl.LightningModule):
         optimizer: ``adamw`` or ``sgd``.
         lr: peak learning rate.
         momentum: AdamW beta1 / SGD momentum.
+        beta2: AdamW beta2.
         weight_decay: weight decay.
         schedule: learning-rate schedule.
         warmup: warm-up fraction (< 1) or steps.
     """
 
     def __init__(self, arch: str = "lm_small", vocab: int = 260, context: int = 128, dropout: float = 0.1,
-                 optimizer: OptimizerName = "adamw", lr: float = 2e-3, momentum: float = 0.9,
+                 optimizer: OptimizerName = "adamw", lr: float = 2e-3, momentum: float = 0.9, beta2: float = 0.98,
                  weight_decay: float = 0.01, schedule: Schedule = "cosine", warmup: float = 0.05) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -72,5 +73,5 @@ class LanguageModel(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         h = self.hparams
         return build_optimization(self.parameters(), optimizer=h.optimizer, lr=h.lr, weight_decay=h.weight_decay,
-                                  momentum=h.momentum, schedule=h.schedule, warmup=h.warmup,
+                                  momentum=h.momentum, beta2=h.beta2, schedule=h.schedule, warmup=h.warmup,
                                   total_steps=self.trainer.estimated_stepping_batches)

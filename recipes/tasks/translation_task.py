@@ -34,6 +34,7 @@ class Translator(pl.LightningModule):
         optimizer: ``adamw`` or ``sgd``.
         lr: peak learning rate.
         momentum: AdamW beta1 / SGD momentum.
+        beta2: AdamW beta2.
         weight_decay: weight decay.
         schedule: learning-rate schedule.
         warmup: warm-up fraction (< 1) or steps.
@@ -42,7 +43,7 @@ class Translator(pl.LightningModule):
 
     def __init__(self, arch: str = "transformer_tiny", src_vocab: int = 35, tgt_vocab: int = 36, max_len: int = 64,
                  dropout: float = 0.1, label_smoothing: float = 0.1, optimizer: OptimizerName = "adamw",
-                 lr: float = 1e-3, momentum: float = 0.9, weight_decay: float = 0.01, schedule: Schedule = "cosine",
+                 lr: float = 1e-3, momentum: float = 0.9, beta2: float = 0.98, weight_decay: float = 0.01, schedule: Schedule = "cosine",
                  warmup: float = 0.1, decode_batches: Optional[int] = None) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -85,5 +86,5 @@ class Translator(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         h = self.hparams
         return build_optimization(self.parameters(), optimizer=h.optimizer, lr=h.lr, weight_decay=h.weight_decay,
-                                  momentum=h.momentum, schedule=h.schedule, warmup=h.warmup,
+                                  momentum=h.momentum, beta2=h.beta2, schedule=h.schedule, warmup=h.warmup,
                                   total_steps=self.trainer.estimated_stepping_batches)
