@@ -2,9 +2,9 @@
 
 For one setting (model, world size or nodes x processes, emulated link) this script
 
-1. measures: runs ``lightning-gradcomp bench`` (flat) or ``benchmarks/hierarchy_link.py`` (``--nodes N
-   --per-node G``) ``--runs`` times on the emulated link, each writing a JSON file under ``--out`` (skipped for
-   files already there);
+1. measures: runs ``lightning-gradcomp bench`` (flat), ``benchmarks/hierarchy_link.py`` (``--nodes N
+   --per-node G``) or ``benchmarks/fsdp_link.py`` (``--fsdp``: native HSDP and the ``*_fsdp`` presets) ``--runs``
+   times on the emulated link, each writing a JSON file under ``--out`` (skipped for files already there);
 2. predicts: calibrates every configuration on this machine with ``advise``'s calibration (as many processes at
    once as the bench's ranks, which share this machine's cores, one torch thread each) and prices its step on the
    same topology;
@@ -20,6 +20,7 @@ Inside a node (``--per-node`` > 1) the processes talk over the namespace's loopb
 
     python benchmarks/advise_check.py --model transformer --world-size 2 --link 100mbit --out runs/
     python benchmarks/advise_check.py --model transformer --nodes 2 --per-node 2 --link 10mbit --out runs/
+    python benchmarks/advise_check.py --fsdp --nodes 2 --per-node 2 --link 100mbit --steps 10 --out runs/
     python benchmarks/advise_check.py --probe 1gbit --nodes 2 --per-node 2      # the emulated link, measured
 """
 
@@ -60,6 +61,8 @@ FLAT_CONFIGS = (
 )
 HIER_CONFIGS = {"ddp": "gradcomp_none", "ddp_hier": "gradcomp_none+hier", "cltk": "scalecom", "cltk_hier": "scalecom+hier"}
 """``hierarchy_link.py``'s configurations and the same configurations in ``advise``'s names."""
+FSDP_CONFIGS = {"hsdp": "hsdp", "fsdp_none": "gradcomp_fsdp", "scalecom": "scalecom_fsdp", "powersgd": "powersgd_fsdp"}
+"""``fsdp_link.py``'s configurations (``--fsdp``) and the same configurations in ``advise``'s names."""
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,6 +70,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # ---------------------------------------------------------------------------------------------- measuring
 def bench_command(args: argparse.Namespace, out: Path) -> list[str]:
     """The measuring command of one run."""
+    if args.fsdp:
+        return [
+            sys.executable,
+            str(ROOT / "benchmarks" / "fsdp_link.py"),
+            *("--link", args.link, "--nodes", str(args.nodes), "--per-node", str(args.per_node)),
+            *("--configs", *FSDP_CONFIGS, "--model", args.model, "--batch-size", str(args.batch_size or 8)),
+            *("--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", "1", "--out", str(out)),
+        ]
     if args.per_node > 1:
         return [
             sys.executable,
@@ -99,7 +110,8 @@ def bench_command(args: argparse.Namespace, out: Path) -> list[str]:
 
 
 def run_file(args: argparse.Namespace, run: int) -> Path:
-    world = f"{args.nodes}x{args.per_node}" if args.per_node > 1 else f"w{args.world_size}"
+    world = f"{args.nodes}x{args.per_node}" if args.per_node > 1 or args.fsdp else f"w{args.world_size}"
+    world += "_fsdp" if args.fsdp else ""
     return Path(args.out) / f"{args.model}_{world}_{args.link}_run{run}.json"
 
 
@@ -138,9 +150,10 @@ def measured_steps(args: argparse.Namespace, paths: Optional[list[Path]] = None)
         if not path.exists():
             continue
         data = json.loads(path.read_text())
-        if args.per_node > 1:
+        if args.fsdp or args.per_node > 1:
+            names = FSDP_CONFIGS if args.fsdp else HIER_CONFIGS
             for key, row in data["summary"].items():
-                out.setdefault(HIER_CONFIGS[key], []).append(row["step_time_median_s"])
+                out.setdefault(names[key], []).append(row["step_time_median_s"])
         else:
             for name, row in data["summary"]["configs"].items():
                 out.setdefault(name, []).append(row["step_time_median_s"])
@@ -151,14 +164,14 @@ def measured_steps(args: argparse.Namespace, paths: Optional[list[Path]] = None)
 def topology(args: argparse.Namespace) -> Topology:
     inter = Link(parse_rate(args.link) / 8 * GOODPUT, args.latency, burst=BURST * GOODPUT if args.burst else 0.0)
     intra = parse_link(args.intra, name="--intra")
-    if args.per_node > 1:
+    if args.per_node > 1 or args.fsdp:
         return Topology(args.nodes, args.per_node, inter, intra)
     return Topology(args.world_size, 1, inter, intra)
 
 
 def predicted(args: argparse.Namespace, configs: list[str]) -> dict[str, Any]:
     topo = topology(args)
-    batch = args.batch_size or (8 if args.per_node > 1 else None)
+    batch = args.batch_size or (8 if args.per_node > 1 or args.fsdp else None)
     cal = calibrate(
         args.model,
         configs,
@@ -296,6 +309,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="flat: the bench's ranks")
     parser.add_argument("--nodes", type=int, default=2, help="with --per-node > 1: hierarchy_link.py's nodes")
     parser.add_argument("--per-node", type=int, default=1, help="processes per node (> 1: hierarchy_link.py)")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2: fsdp_link.py's native HSDP and *_fsdp presets")
     parser.add_argument("--link", default="100mbit")
     parser.add_argument("--latency", type=float, default=50e-6, help="seconds per hop on the emulated link (probed: 48 us)")
     parser.add_argument("--intra", default="25gbit,36us", help="loopback inside an emulated node (probed: 24.8 Gbit/s, 36 us)")
@@ -326,6 +340,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     Path(args.out).mkdir(parents=True, exist_ok=True)
     configs = list(HIER_CONFIGS.values()) if args.per_node > 1 else args.configs
+    configs = list(FSDP_CONFIGS.values()) if args.fsdp else configs
     if not args.no_measure:
         measure(args, configs)
     if args.measure_only:
@@ -336,8 +351,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"predictions: {'median of the ' + str(len(found)) + ' made after each run' if found else 'one, now'}")
     runs = measured_steps(args)
     where = (
-        f"{args.nodes} nodes x {args.per_node}" if args.per_node > 1 else f"W = {args.world_size}"
-    ) + f", {args.link}, {args.model}"
+        f"{args.nodes} nodes x {args.per_node}" if args.per_node > 1 or args.fsdp else f"W = {args.world_size}"
+    ) + f", {args.link}, {args.model}" + (", FSDP2" if args.fsdp else "")
     print(f"\n*{where}: predicted (advise) against measured ({len(next(iter(runs.values()), []))} runs)*\n")
     print(compare(report, runs, paired=paired_errors(args)))
 

@@ -37,7 +37,7 @@ import inspect
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 import torch
@@ -50,6 +50,7 @@ from lightning_gradcomp.advise.configurations import _Installed as _Installed
 from lightning_gradcomp.advise.configurations import _nic_sharing as _nic_sharing
 from lightning_gradcomp.advise.configurations import _wrap as _wrap
 from lightning_gradcomp.advise.costs import StepTrace, Topology
+from lightning_gradcomp.advise.fsdp import is_fsdp_config, measure_fsdp
 from lightning_gradcomp.advise.mirror_comm import MirrorComm
 from lightning_gradcomp.advise.step_recorder import _Bucket as _Bucket
 from lightning_gradcomp.advise.step_recorder import _Recorder, _Step, _trace
@@ -235,7 +236,10 @@ def _calibrate_raw(
         compute = _compute_only(make, device, warmup, steps)
         recorded = {}
         for name in configs:
-            recorded[name], _ = _measure(name, make, topology, bucket_cap_mb, device, warmup, steps)
+            if is_fsdp_config(name):
+                recorded[name], _ = measure_fsdp(name, make, topology, device, warmup, steps, _sync)
+            else:
+                recorded[name], _ = _measure(name, make, topology, bucket_cap_mb, device, warmup, steps)
         compute += _compute_only(make, device, 1, steps)  # again: the machine's drift falls on both
     finally:
         if started:
@@ -288,7 +292,8 @@ def calibrate(
 
     Args:
         model: a bench model (``transformer``, ``cnn``...) or ``module.path:LightningModuleClass``.
-        configs: bench configurations, strategy presets with compressor arguments, or ``preset+hier``.
+        configs: bench configurations, strategy presets with compressor arguments, ``preset+hier``, or FSDP2
+            configurations (``hsdp``, ``GradCompFSDPStrategy`` presets: :mod:`~lightning_gradcomp.advise.fsdp`).
         topology: the cluster whose world size the reductions compute for.
         batch_size: samples per rank and step (built-in models).
         bucket_cap_mb: DDP's bucket size for every configuration (``None``: each its own, as the bench).
@@ -311,6 +316,9 @@ def calibrate(
     args = (make, list(configs), topology, bucket_cap_mb, dev, warmup, steps, threads)
     raws = [_calibrate_raw(*args)] if procs == 1 else _calibrate_together(procs, args)
     compute = statistics.median(t for raw in raws for t in raw.compute)
-    traces = {name: _trace([s for raw in raws for s in raw.steps[name]], compute) for name in configs}
+    traces = {
+        name: replace(_trace([s for raw in raws for s in raw.steps[name]], compute), serial=is_fsdp_config(name))
+        for name in configs
+    }
     times = {name: [s.length for raw in raws for s in raw.steps[name]] for name in configs}
     return Calibration(traces, params, 4 * params, str(dev), times)

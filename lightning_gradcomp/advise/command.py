@@ -22,6 +22,7 @@ from lightning_gradcomp.advise.costs import (
     recommend,
     speedups,
 )
+from lightning_gradcomp.advise.fsdp import FSDP_DEFAULTS, NATIVE_HSDP
 
 __all__ = ["DEFAULT_CONFIGS", "add_arguments", "build_report", "format_report", "run_command"]
 
@@ -112,7 +113,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--configs",
         default=None,
         help="comma-separated bench configurations (ddp, torch_fp16, torch_powersgd, any preset, preset@arg=value), "
-        "a preset with +hier for hierarchical reduction; default: " + ",".join(DEFAULT_CONFIGS),
+        "a preset with +hier for hierarchical reduction, hsdp or a *_fsdp preset for FSDP2; default: "
+        + ",".join(DEFAULT_CONFIGS),
+    )
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="compare FSDP2 configurations (each replica sharded over a node's processes, replicas across nodes): "
+        "native HSDP and the *_fsdp presets (" + ", ".join(FSDP_DEFAULTS) + "), unless --configs names others",
     )
     parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket size (default: each its own)")
     parser.add_argument("--steps", type=_int_in("--steps", 1, 1000), default=5, help="calibration steps per config")
@@ -140,6 +148,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _configs(args: Any, topology: Topology) -> list[str]:
     if args.configs:
         return [c.strip() for c in args.configs.split(",") if c.strip()]
+    if getattr(args, "fsdp", False):
+        return list(FSDP_DEFAULTS)
     names = list(DEFAULT_CONFIGS)
     if topology.nodes > 1 and topology.procs_per_node > 1:
         names += HIERARCHICAL_DEFAULTS
@@ -163,10 +173,17 @@ def build_report(
     params: int = 0,
     device: str = "",
     procs: int = 1,
+    baseline: Optional[str] = None,
 ) -> dict[str, Any]:
-    """The JSON-able report: topology, each configuration's prediction, the recommendation (pure)."""
+    """The JSON-able report: topology, each configuration's prediction, the recommendation (pure).
+
+    ``baseline``: the dense configuration the speed-ups and the recommendation compare with; by default ``ddp``, or
+    ``hsdp`` (native HSDP) when only FSDP2 configurations have a dense one."""
+    if baseline is None:
+        baseline = NATIVE_HSDP if NATIVE_HSDP in traces and "ddp" not in traces else "ddp"
     predictions = predict(traces, topology)
     vs_ddp = speedups(predictions, "ddp")
+    vs_hsdp = speedups(predictions, NATIVE_HSDP)
     vs_psgd = speedups(predictions, "torch_powersgd")
     rows = {}
     for name, p in predictions.items():
@@ -174,6 +191,7 @@ def build_report(
             "step_s": p.step,
             "scaling_efficiency": p.efficiency,
             "speedup_vs_ddp": vs_ddp.get(name),
+            "speedup_vs_hsdp": vs_hsdp.get(name),
             "speedup_vs_torch_powersgd": vs_psgd.get(name),
             "nic_bytes_per_step": p.nic_bytes,
             "comm_s": p.comm,
@@ -195,8 +213,9 @@ def build_report(
             "intra_node": {"bytes_per_s": topology.intra.bandwidth, "latency_s": topology.intra.latency},
         },
         "compute_only_step_s": compute,
+        "baseline": baseline,
         "configs": rows,
-        "recommendation": recommend(predictions),
+        "recommendation": recommend(predictions, baseline),
     }
 
 
@@ -216,7 +235,9 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"{report['compute_only_step_s'] * 1e3:.1f} ms. PREDICTED figures (alpha-beta model), not measured:",
         "",
     ]
-    header = ("config", "step ms", "scaling eff.", "vs ddp", "vs powerSGD_hook", "NIC MB/step", "comm ms", "exposed ms")
+    baseline = report.get("baseline", "ddp")
+    header = ("config", "step ms", "scaling eff.", f"vs {baseline}", "vs powerSGD_hook", "NIC MB/step", "comm ms",
+              "exposed ms")  # fmt: skip
     rows = [header]
     ranked = sorted(report["configs"].items(), key=lambda kv: kv[1]["step_s"])
     for name, row in ranked:
@@ -225,7 +246,7 @@ def format_report(report: Mapping[str, Any]) -> str:
                 name,
                 f"{row['step_s'] * 1e3:.1f}",
                 f"{row['scaling_efficiency']:.0%}",
-                _ratio(row["speedup_vs_ddp"]),
+                _ratio(row.get(f"speedup_vs_{baseline}")),
                 _ratio(row["speedup_vs_torch_powersgd"]),
                 f"{row['nic_bytes_per_step'] / 1e6:,.3f}",
                 f"{row['comm_s'] * 1e3:.1f}",
@@ -248,7 +269,7 @@ def format_report(report: Mapping[str, Any]) -> str:
 
 def chart(traces: Mapping[str, StepTrace], topology: Topology, path: str, best: int = 4) -> list[str]:
     """Write a PNG of the predicted scaling efficiency against nodes (1-1,024) for the ``best`` configurations at
-    this topology, plus ``ddp`` and ``torch_powersgd`` when calibrated; the configurations drawn."""
+    this topology, plus ``ddp``, ``hsdp`` and ``torch_powersgd`` when calibrated; the configurations drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -256,7 +277,7 @@ def chart(traces: Mapping[str, StepTrace], topology: Topology, path: str, best: 
 
     predictions = predict(traces, topology)
     drawn = sorted(predictions, key=lambda n: predictions[n].step)[:best]
-    drawn += [n for n in ("ddp", "torch_powersgd") if n in traces and n not in drawn]
+    drawn += [n for n in ("ddp", NATIVE_HSDP, "torch_powersgd") if n in traces and n not in drawn]
     curves = efficiency_curve({n: traces[n] for n in drawn}, topology, CHART_NODES)
     fig, ax = plt.subplots(figsize=(7.0, 4.2))
     for name, points in curves.items():

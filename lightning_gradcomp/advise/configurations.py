@@ -16,6 +16,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.advise.costs import Topology
+from lightning_gradcomp.advise.fsdp import check_fsdp_config, is_fsdp_config
 from lightning_gradcomp.advise.mirror_comm import MirrorComm
 from lightning_gradcomp.advise.step_recorder import _Recorder
 from lightning_gradcomp.advise.torch_hooks import _as_comm_hook, _timed_hook
@@ -33,12 +34,18 @@ _SINGLE_BUCKET_MB = 1024.0  # powerSGD_hook runs on one bucket (the bench's choi
 
 
 def check_advise_config(name: str, procs_per_node: int = 1) -> str:
-    """``name`` if ``advise`` can calibrate it: a bench configuration, or a strategy preset followed by ``+hier``.
+    """``name`` if ``advise`` can calibrate it: a bench configuration, a strategy preset followed by ``+hier``, or an
+    FSDP2 configuration (``hsdp``, a ``GradCompFSDPStrategy`` preset: :mod:`lightning_gradcomp.advise.fsdp`).
 
     Raises:
-        ValueError: an unknown name, or ``+hier`` on a baseline or with one process per node.
+        ValueError: an unknown name, ``+hier`` on a baseline, on FSDP2 or with one process per node, a preset that
+            does not reduce at every step.
     """
     base = name[: -len(HIERARCHICAL)] if name.endswith(HIERARCHICAL) else name
+    if is_fsdp_config(base):
+        if base != name:
+            raise ValueError(f"configuration {name!r}: FSDP2 is hierarchical already (sharded inside the node)")
+        return check_fsdp_config(name)
     if not is_config(base):
         raise ValueError(f"unknown configuration {name!r} (see `lightning-gradcomp list`; `+hier` for hierarchical)")
     if base != name and base in BASELINES:

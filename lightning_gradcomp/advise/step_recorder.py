@@ -53,6 +53,11 @@ class _Recorder:
             self._current = self._queued.pop(0) if self._queued else _Bucket(self.now())
             self._last = self.now()
 
+    def exclude(self, start: float) -> None:
+        """The time since ``start`` was the calibration's own work, not the step's: remove it from the timeline."""
+        with self._lock:
+            self.t0 += max(0.0, self.now() - start)
+
     def collective(self, record: Collective, start: float, end: float) -> None:
         with self._lock:
             if self._current is None:

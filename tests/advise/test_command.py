@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from lightning_gradcomp.advise.calibrate import calibrate, check_advise_config
+from lightning_gradcomp.advise.calibrate import calibrate, check_advise_config, workload_of
 from lightning_gradcomp.advise.command import build_report, format_report
-from lightning_gradcomp.advise.costs import Collective, Topology, parse_link
+from lightning_gradcomp.advise.costs import Collective, Join, Topology, parse_link, shard_of
+from lightning_gradcomp.advise.fsdp import FSDP_DEFAULTS, fsdp_configs
 from lightning_gradcomp.bench.configs import available_configs
 from lightning_gradcomp.cli import main
 
@@ -44,6 +46,9 @@ def test_argument_errors_name_the_argument_and_the_range(
         (["--nodes", "2"], "`--inter-node` is required"),
         (["--probe", "--nodes", "2"], "leave out `--nodes` and `--inter-node`"),
         (["--inter-node", "1gbit", "--model-arg", "heads=4"], "`--model-arg`: mlp-small takes"),
+        (["--inter-node", "1gbit", "--configs", "diloco_fsdp"], "advise prices a reduction at every step"),
+        (["--inter-node", "1gbit", "--configs", "scalecom_fsdp+hier"], "FSDP2 is hierarchical already"),
+        (["--inter-node", "1gbit", "--configs", "scalecom_fsdp@density=2"], "configuration 'scalecom_fsdp@density=2'"),
     ],
 )
 def test_configuration_errors_come_before_any_calibration(
@@ -54,7 +59,8 @@ def test_configuration_errors_come_before_any_calibration(
 
 
 def test_advise_runs_on_every_registered_configuration(capsys: pytest.CaptureFixture[str]) -> None:
-    configs = [*available_configs(), "gradcomp_none+hier", "scalecom+hier", "qsgd+hier"]
+    configs = [*available_configs(), "gradcomp_none+hier", "scalecom+hier", "qsgd+hier", *fsdp_configs()]
+    assert {"hsdp", "gradcomp_fsdp", "scalecom_fsdp", "powersgd_fsdp", "qsgd_fsdp"} <= set(configs)
     argv = ["advise", *TINY, "--nodes", "2", "--procs-per-node", "2", "--inter-node", "100mbit,50us", "--json"]
     assert main([*argv, "--configs", ",".join(configs)]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -73,6 +79,42 @@ def test_advise_runs_on_every_registered_configuration(capsys: pytest.CaptureFix
     hier_groups = {c["group"] for c in report["configs"]["scalecom+hier"]["collectives"]}
     assert hier_groups == {"intra", "cross"}
     assert report["recommendation"]
+    # FSDP2 over 2 nodes x 2: native HSDP all-reduces each rank's shard across the 2 replicas, the node's 2 ranks
+    # through its NIC: 2 (N-1)/N * G = 2 times the first shard's padded bytes, summed over the parameters
+    shard_bytes = sum(4 * shard_of(tuple(p.shape), 2)[1] for p in workload_of("mlp-small").parameters())
+    for name in fsdp_configs():
+        assert {c["group"] for c in report["configs"][name]["collectives"]} == {"shard", "replicate"}, name
+    assert report["configs"]["hsdp"]["nic_bytes_per_step"] == pytest.approx(2 * shard_bytes)
+    assert report["configs"]["gradcomp_fsdp"]["nic_bytes_per_step"] == pytest.approx(2 * shard_bytes)
+    for name in ("scalecom_fsdp", "powersgd_fsdp", "qsgd_fsdp"):
+        assert report["configs"][name]["nic_bytes_per_step"] < 0.5 * shard_bytes, name
+
+
+def test_fsdp_calibrates_the_replica_reduction_on_the_shards_sizes() -> None:
+    topology = Topology(2, 4, parse_link("100mbit"), parse_link("10gbit"))  # 4 shards per replica
+    cal = calibrate("mlp-small", ["hsdp", "gradcomp_fsdp"], topology, batch_size=4, steps=1, threads=1)
+    linears = [m for m in workload_of("mlp-small").modules() if isinstance(m, torch.nn.Linear)]
+    shards = [sum(4 * shard_of(tuple(p.shape), 4)[1] for p in m.parameters()) for m in linears]
+    for name in ("hsdp", "gradcomp_fsdp"):
+        trace = cal.traces[name]
+        assert trace.serial and len(trace.buckets) == len(linears), name  # one hook per unit, in backward order
+        across = [[c.nbytes for c in b.items if isinstance(c, Collective) and c.group == "replicate"]
+                  for b in trace.buckets]  # fmt: skip
+        assert across == [[s] for s in reversed(shards)], name  # the dense shard, as native HSDP sends it
+        scatters = [c.nbytes for b in trace.buckets for c in b.items
+                    if isinstance(c, Collective) and c.kind == "reduce_scatter"]  # fmt: skip
+        assert scatters == [4 * s for s in reversed(shards)]  # the unit's padded gradient, S shards
+    assert any(isinstance(i, Join) for b in cal.traces["gradcomp_fsdp"].buckets for i in b.items)  # the hook waits
+
+
+def test_advise_fsdp_prints_the_fsdp2_configurations_against_native_hsdp(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["advise", *TINY, "--nodes", "2", "--procs-per-node", "2", "--inter-node", "10mbit", "--fsdp"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "vs hsdp" in text and "PREDICTED" in text
+    for name in FSDP_DEFAULTS:
+        assert f"\n{name} " in text, name
+    assert "faster than dense hsdp" in text  # 10 Mbit/s: a compressed FSDP2 configuration wins
 
 
 def test_the_table_says_the_figures_are_predicted(capsys: pytest.CaptureFixture[str]) -> None:

@@ -37,15 +37,16 @@ tail. Communication therefore overlaps the rest of backward exactly as far as th
 as the calibrated one), CPU or memory-bandwidth contention between the reduction and the computation beyond
 what the calibration itself saw, and the backends' per-message software cost beyond ``alpha``.
 
-**Extension point.** A reduction scheme is a mapping from the group names a trace uses (``"world"``,
-``"intra"``, ``"cross"``) to :class:`Group` shapes (:func:`groups_for`). FSDP2's sharded gradients would be a
-third scheme: per bucket a ``reduce_scatter`` over ``"world"`` (gradients) and an ``all_gather`` (parameters,
-before the next forward), both already priced here (:func:`collective_seconds`); a calibration for it would
-record those collectives, and :func:`groups_for` would give it its groups. It does not exist yet.
+**Schemes.** A reduction scheme is a mapping from the group names a trace uses to :class:`Group` shapes
+(:func:`groups_for`): ``"world"`` (flat DDP), ``"intra"`` and ``"cross"`` (hierarchical), ``"shard"`` and
+``"replicate"`` (FSDP2 as HSDP, :mod:`~lightning_gradcomp.advise.costs.fsdp`: per unit a reduce-scatter of the
+gradients and all-gathers of the parameters inside the node, then the replica reduction of the shard across the
+nodes, serialized at each unit's hook: a ``serial`` :class:`StepTrace`).
 
 **Modules:** :mod:`~lightning_gradcomp.advise.costs.topology` (links, topology, groups),
 :mod:`~lightning_gradcomp.advise.costs.collectives` (one collective's seconds and NIC bytes),
-:mod:`~lightning_gradcomp.advise.costs.step_replay` (step traces and :func:`simulate_step`) and
+:mod:`~lightning_gradcomp.advise.costs.step_replay` (step traces and :func:`simulate_step`),
+:mod:`~lightning_gradcomp.advise.costs.fsdp` (the FSDP2 step in closed form) and
 :mod:`~lightning_gradcomp.advise.costs.comparison` (predictions, recommendation, efficiency curve); every name is
 re-exported here.
 """
@@ -68,6 +69,13 @@ from lightning_gradcomp.advise.costs.collectives import Kind as Kind
 from lightning_gradcomp.advise.costs.collectives import _group_of as _group_of
 from lightning_gradcomp.advise.costs.collectives import _slowest as _slowest
 from lightning_gradcomp.advise.costs.comparison import efficiency_curve, predict, recommend, speedups
+from lightning_gradcomp.advise.costs.fsdp import (
+    FSDPUnit,
+    fsdp_step_seconds,
+    native_hsdp_collectives,
+    shard_group_collectives,
+    shard_of,
+)
 from lightning_gradcomp.advise.costs.step_replay import BucketTrace, Join, Prediction, StepTrace, simulate_step
 from lightning_gradcomp.advise.costs.step_replay import _channel as _channel
 from lightning_gradcomp.advise.costs.step_replay import _no_network_step as _no_network_step
@@ -82,6 +90,7 @@ __all__ = [
     "COLLECTIVES",
     "Collective",
     "BucketTrace",
+    "FSDPUnit",
     "Group",
     "Join",
     "Link",
@@ -94,13 +103,17 @@ __all__ = [
     "broadcast_seconds",
     "collective_seconds",
     "efficiency_curve",
+    "fsdp_step_seconds",
     "groups_for",
+    "native_hsdp_collectives",
     "nic_bytes",
     "p2p_seconds",
     "parse_link",
     "predict",
     "recommend",
     "reduce_scatter_seconds",
+    "shard_group_collectives",
+    "shard_of",
     "simulate_step",
     "speedups",
 ]

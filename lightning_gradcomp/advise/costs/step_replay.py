@@ -36,11 +36,14 @@ class StepTrace:
         buckets: in the order they became ready.
         tail: from the last bucket's result to the step's end (DDP's finalisation, the optimizer step, ``zero_grad``).
         compute_only: the same step with no reduction at all (the model's forward, backward and optimizer step).
+        serial: the reductions ran on the autograd thread (FSDP2's all-reduce hooks, :mod:`~.costs.fsdp`): a bucket's
+            wait delays every later bucket, whose ``ready`` keeps its calibrated distance from the previous hook's end.
     """
 
     buckets: tuple[BucketTrace, ...]
     tail: float
     compute_only: float
+    serial: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,9 @@ def simulate_step(trace: StepTrace, topology: Topology, groups: Optional[Mapping
     done = 0.0
     comm = nic = 0.0
     bucket_state = _TokenBucket(topology.inter)
+    shift = 0.0  # serial traces: how far the waits so far delayed the autograd thread
     for bucket in trace.buckets:
-        thread = max(thread, bucket.ready)
+        thread = max(thread, bucket.ready + shift)
         for item in bucket.items:
             if isinstance(item, Join):
                 thread = max(thread, done)
@@ -99,7 +103,9 @@ def simulate_step(trace: StepTrace, topology: Topology, groups: Optional[Mapping
                 thread = end + item.decode
             else:
                 done = max(done, end + item.decode)
-    last_ready = trace.buckets[-1].ready if trace.buckets else 0.0
+        if trace.serial:
+            shift = max(shift, thread - bucket.ready - sum(i for i in bucket.items if isinstance(i, float)))
+    last_ready = trace.buckets[-1].ready + shift if trace.buckets else 0.0
     finish = max(thread, done, last_ready)
     step = finish + trace.tail
     return Prediction(step, trace.compute_only, nic, comm, max(0.0, step - _no_network_step(trace)))

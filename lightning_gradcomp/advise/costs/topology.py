@@ -123,10 +123,13 @@ class Group:
 
 def groups_for(topology: Topology) -> dict[str, Group]:
     """The groups a trace may use on ``topology``: ``"world"`` (all ranks, node-ordered), ``"intra"`` (one node),
-    ``"cross"`` (one rank per node; the ``G`` of them share each NIC)."""
+    ``"cross"`` (one rank per node; the ``G`` of them share each NIC); FSDP2's (HSDP's) ``"shard"`` group has the
+    shape of ``"intra"`` (a replica sharded over the node) and its ``"replicate"`` group that of ``"cross"``."""
     n, g = topology.nodes, topology.procs_per_node
     return {
         "world": Group(n * g, n, g),
         "intra": Group(g, 1, g),
         "cross": Group(n, n, 1, sharing=g),
+        "shard": Group(g, 1, g),
+        "replicate": Group(n, n, 1, sharing=g),
     }
