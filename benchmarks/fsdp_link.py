@@ -51,8 +51,8 @@ from hierarchy_link import launch, merge_rounds  # benchmarks/ (the script's fol
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
+from lightning_gradcomp.advise.fsdp import shard_units
 from lightning_gradcomp.bench.models import load_workload
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate
 from lightning_gradcomp.bench.worker import _barrier_tx, _iface_tx, _run_steps, header_bytes_per_packet
@@ -71,11 +71,9 @@ CONFIGS: dict[str, Optional[str]] = {  # name: the GradCompFSDPStrategy preset o
 
 # ---------------------------------------------------------------------------------------------- worker
 def _shard(model: nn.Module, mesh: DeviceMesh) -> None:
-    """``fully_shard`` every transformer block (or, in a model without any, every ``Linear``), then the root."""
-    blocks = [m for m in model.modules() if isinstance(m, nn.TransformerEncoderLayer)]
-    for module in blocks or [m for m in model.modules() if isinstance(m, nn.Linear)]:
-        fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    """``fully_shard`` every transformer block (or, in a model without any, every ``Linear``), then the root: the
+    rule ``advise --fsdp`` calibrates with (:func:`lightning_gradcomp.advise.fsdp.shard_units`)."""
+    shard_units(model, mesh)
 
 
 def hsdp_modelled_bytes(model: nn.Module, replicas: int) -> tuple[int, int]:
