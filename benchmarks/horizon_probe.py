@@ -87,6 +87,17 @@ class LayerProbe(pl.Callback):
             writer.writerows(self._rows)
 
 
+class LayerDensity(pl.Callback):
+    """Set named layers' compression parameter at the start of fit (``strategy.set_layer_params``), e.g.
+    ``{"net.embed.weight": 0.05}``: the other layers keep the compressor's."""
+
+    def __init__(self, params: dict[str, float]) -> None:
+        self.params = dict(params)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.strategy.set_layer_params(self.params)
+
+
 def _memories(trainer: pl.Trainer) -> dict[str, Tensor]:
     hook = getattr(trainer.strategy, "hook", None)
     memory = getattr(hook, "memory", None)
@@ -117,7 +128,7 @@ def plot(csv_path: str, png_path: str) -> None:
         axes[0].plot(steps, [float(r["memory_norm"]) for r in mine], label=name)
         axes[1].plot(steps, [float(r["coverage"]) for r in mine], label=name)
     axes[0].set(xlabel="step", ylabel="memory L2 norm", title="error-feedback memory per layer")
-    axes[1].set(xlabel="step", ylabel="fraction of coordinates touched", title=f"coverage per window ({csv_path})")
+    axes[1].set(xlabel="step", ylabel="fraction of coordinates touched", title=f"coverage per window ({Path(csv_path).name})")
     axes[1].legend(fontsize=6, loc="lower right")
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
