@@ -7,7 +7,8 @@ per rank). Every setting runs ``--world`` forked CPU ranks (gloo, one thread eac
 so all settings see the same samples in the same order; only the communication differs:
 
 ``ddp``
-    ``GradCompStrategy(compressor=None)``: DDP's dense fp32 all-reduce every step (the reference).
+    ``GradCompStrategy(compressor=None)``: DDP's dense fp32 all-reduce every step (the reference); with a compressor
+    option (``ddp:cltk=0.01``) the per-step compressed all-reduce instead (``start_step`` 2).
 ``diloco``
     ``LocalSGDStrategy(outer="nesterov")``: H local AdamW steps, then outer Nesterov on the averaged
     pseudo-gradient.
@@ -63,9 +64,7 @@ def parse_setting(text: str) -> tuple[str, dict[str, float]]:
 
 
 def make_strategy(kind: str, opts: dict[str, float], task: lg.Task, seed: int) -> Any:
-    """The strategy of one setting."""
-    if kind == "ddp":
-        return GradCompStrategy(compressor=None, min_numel=task.min_numel, seed=seed, start_method="fork")
+    """The strategy of one setting (``ddp`` with a compressor option: per-step compressed DDP)."""
     compressor: Any = NoCompression()
     values = torch.float16 if opts.get("f16") else torch.float32
     if "cltk" in opts:
@@ -77,6 +76,9 @@ def make_strategy(kind: str, opts: dict[str, float], task: lg.Task, seed: int) -
         compressor = SignSGD(group_size=int(opts["sign"]))
     elif "psgd" in opts:
         compressor = PowerSGD(rank=int(opts["psgd"]))
+    if kind == "ddp":
+        return GradCompStrategy(compressor=None if isinstance(compressor, NoCompression) else compressor,
+                                min_numel=task.min_numel, seed=seed, start_method="fork")
     return LocalSGDStrategy(local_steps=int(opts["H"]), outer="nesterov" if kind == "diloco" else "average",
                             outer_lr=opts["olr"], outer_momentum=opts["mom"], fragments=int(opts["F"]),
                             compressor=compressor, min_numel=task.min_numel, beta=opts.get("beta", 1.0), seed=seed,

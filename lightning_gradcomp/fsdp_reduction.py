@@ -61,6 +61,7 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.front_end import PipelineFrontEnd
 from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy
 from lightning_gradcomp.resident import resident_nbytes
+from lightning_gradcomp.schedule import CompressionSchedule, scheduled_param
 
 __all__ = [
     "FSDPReplicaReduction",
@@ -226,6 +227,8 @@ class FSDPReplicaReduction(PipelineFrontEnd):
         beta: low-pass factor of the error-feedback memory.
         nonfinite: ``"dense"`` or ``"zero"``: what a shard holding NaN/Inf on some replica becomes.
         device: where restored state tensors go.
+        schedule: the compression parameter over optimizer steps (a checked
+            :class:`~lightning_gradcomp.schedule.CompressionSchedule`), or ``None`` for the compressor's own.
     """
 
     def __init__(
@@ -240,20 +243,34 @@ class FSDPReplicaReduction(PipelineFrontEnd):
         beta: float = 1.0,
         nonfinite: str = "dense",
         device: Optional[torch.device] = None,
+        schedule: Optional[CompressionSchedule] = None,
     ) -> None:
         self.param_names = param_names
         self.start_step = start_step
         self.policy = policy or SlotPolicy()
         self.device = device
         self.layer_params: dict[str, Any] = {}
+        self.schedule = schedule
+        self._scheduled: Any = compressor.default_param  # the schedule's uniform value at self.step
         self._plans: dict[int, tuple[tuple[int, ...], BucketPlan]] = {}
         self._small: set[str] = set()
         super().__init__(compressor, comm, param_names, self.param_of, seed=seed, beta=beta, nonfinite=nonfinite)
+        self._follow_schedule()
 
     def param_of(self, name: str) -> Any:
-        """The compression parameter of layer ``name``."""
+        """The compression parameter of layer ``name`` at the current step (``small_param`` for a tensor the size
+        rule leaves out, the schedule applied)."""
         default = self.policy.small_param if name in self._small else self.compressor.default_param
-        return self.layer_params.get(name, default)
+        base = self.layer_params.get(name, default)
+        if self.schedule is None or self._scheduled == self.compressor.default_param:
+            return base
+        return scheduled_param(self.compressor, base, self._scheduled)
+
+    def _follow_schedule(self) -> None:
+        """Set the schedule's uniform value for ``self.step`` (before a backward pass's first hook)."""
+        if self.schedule is not None:
+            value = self.schedule.value(self.step, self.compressor.default_param)
+            self._scheduled = scheduled_param(self.compressor, self.compressor.default_param, value)
 
     def plans(self) -> list[BucketPlan]:
         """The current plans of the hooked modules that were reduced so far, in installation order."""
@@ -321,6 +338,7 @@ class FSDPReplicaReduction(PipelineFrontEnd):
             )
         transaction = self.transaction
         if not transaction.in_backward:
+            self._follow_schedule()
             transaction.begin_backward()
             torch.autograd.Variable._execution_engine.queue_callback(transaction.end_backward)  # after every hook
         if transaction.carrying:
@@ -353,6 +371,7 @@ class FSDPReplicaReduction(PipelineFrontEnd):
         self.step = int(state.get("step", 0))
         self.memory.beta = float(state.get("beta", self.memory.beta))
         self.layer_params = dict(state.get("layer_params", {}))
+        self._follow_schedule()
         if per_rank:
             self.memory.load_state_dict(state.get("memory", {}), device=self.device)
             self.compressor.load_state_dict(state.get("compressor", {}))

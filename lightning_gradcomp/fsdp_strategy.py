@@ -26,9 +26,11 @@ from lightning_gradcomp.compressors.registry import as_compressor
 from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, release_group
 from lightning_gradcomp.fsdp_reduction import FSDPReplicaReduction, fsdp_modules, replicate_group
 from lightning_gradcomp.functional.selection import prepare_native
+from lightning_gradcomp.gradcomp_checks import _check_small_param
 from lightning_gradcomp.memory import ErrorFeedback, validate_beta_for
 from lightning_gradcomp.plan import SlotPolicy, size_rule
 from lightning_gradcomp.presets import register_preset
+from lightning_gradcomp.schedule import CompressionSchedule, as_schedule
 from lightning_gradcomp.sharded_checkpoints import ShardedCheckpoints
 
 __all__ = ["CHECKPOINT_KEY", "GradCompFSDPStrategy"]
@@ -74,9 +76,14 @@ class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
         min_numel: smallest local shard (elements) that is compressed; as ``GradCompStrategy``'s, judged on the
             shard this rank holds.
         compress_1d: also compress 1-D shards (biases, norm weights).
+        small_param: compress the shards that ``min_numel`` / ``compress_1d`` leave out too, with this compression
+            parameter (as ``GradCompStrategy``'s); ``None``: dense.
         beta: error-feedback low-pass factor in (0, 1].
         seed: base seed of the compressors' generators.
         nonfinite: ``"dense"`` or ``"zero"``: what a shard holding NaN/Inf on some replica becomes.
+        schedule: the compression parameter over optimizer steps (as ``GradCompStrategy``'s), e.g. a density
+            warm-up ``WarmupSchedule(steps=40, start=0.08)``; ``None``: the compressor's value at every compressed
+            step.
         timeout: process-group timeout (``timedelta`` or seconds); default 10 minutes.
         start_method: ``"popen"`` (Lightning's script launcher, one process per device), ``"spawn"``, ``"fork"`` or
             ``"forkserver"`` (processes started from this one: notebooks, tests).
@@ -97,9 +104,11 @@ class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
         start_step: int = 2,
         min_numel: Optional[int] = None,
         compress_1d: Optional[bool] = None,
+        small_param: Union[int, float, None] = None,
         beta: float = 1.0,
         seed: int = 0,
         nonfinite: str = "dense",
+        schedule: Union[CompressionSchedule, dict[int, float], None] = None,
         timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         save_distributed_checkpoint: bool = True,
@@ -118,8 +127,11 @@ class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
         self.start_step = check_int("start_step", start_step, 0)
         min_numel, compress_1d = size_rule(self.compressor.compresses_small_layers, min_numel, compress_1d)
         self.policy = SlotPolicy(
-            min_numel=check_int("min_numel", min_numel, 1), compress_1d=check_bool("compress_1d", compress_1d)
+            min_numel=check_int("min_numel", min_numel, 1),
+            compress_1d=check_bool("compress_1d", compress_1d),
+            small_param=_check_small_param(small_param, self.compressor),
         )
+        self.schedule = as_schedule(schedule, self.compressor)
         self._beta = validate_beta_for(beta, self.compressor)
         self.seed = check_int("seed", seed, 0, 2**63 - 1)
         if nonfinite not in ("dense", "zero"):
@@ -312,6 +324,7 @@ class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
             beta=self.beta,
             nonfinite=self.nonfinite,
             device=device,
+            schedule=self.schedule,
         )
 
     @override

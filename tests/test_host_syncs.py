@@ -9,6 +9,7 @@ is allowed (it is what the thread is for).
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -86,3 +87,66 @@ def test_the_counter_sees_a_sync_in_the_hook(tmp_path: Path, monkeypatch: pytest
     fit(GradCompStrategy(compressor=registry.create("topk"), start_method="fork"), tmp_path, max_epochs=1,
         callbacks=[_Save(tmp_path, counts)])
     assert torch.load(tmp_path / "syncs0.pt", weights_only=True)["counts"].get("item", 0) > 0
+
+
+# ---------------------------------------------------------------------------------------------- FSDP2's replica path
+# FSDPReplicaReduction runs the pipeline in the all-reduce hook itself, on the autograd (training) thread: FSDP2 reads
+# the buffer as soon as the hook returns, so there is no communication thread to defer to. One read is structural:
+# the non-finite decision, which decides which collectives follow (every rank must issue the same ones). Any other
+# read of a tensor's value there would serialise the host with the device on a GPU.
+DECISION_SITES = {("reduction.py", "_all_reduce_dense_and_flag"), ("reduction.py", "nonfinite")}
+CPU_ONLY_SITES = {("hashed_draws.py", "_draw_key")}  # reached for CPU tensors only (on a GPU: torch.rand there)
+
+
+def _counting_sites(method: Callable[..., Any], sites: dict[str, int], name: str) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_inside, "depth", 0):
+            code = sys._getframe(1).f_code  # the caller of the Tensor method
+            key = f"{Path(code.co_filename).name}|{code.co_name}|{name}"
+            sites[key] = sites.get(key, 0) + 1
+        return method(*args, **kwargs)
+    return wrapper
+
+
+class _SaveFSDP(pl.Callback):
+    def __init__(self, out: Path, sites: dict[str, int], calls: list[int]) -> None:
+        self.out, self.sites, self.calls = out, sites, calls
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.save({"sites": dict(self.sites), "calls": self.calls[0],
+                    "compressed_steps": trainer.strategy.comm_stats.compressed_steps},
+                   self.out / f"syncs{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in registry.names() if not n.startswith("unit_test")))
+def test_the_fsdp_replica_reduction_reads_only_the_nonfinite_decision(tmp_path: Path, name: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """GradCompFSDPStrategy (2 replicas x 2 shards): inside the replica reduction's hook and the step commit, on the
+    training thread, the only reads of a tensor's value are the non-finite decision, at most once per hook call."""
+    from fsdp.models import fit_sharded
+
+    from lightning_gradcomp import GradCompFSDPStrategy
+    from lightning_gradcomp.fsdp_reduction import FSDPReplicaReduction
+
+    sites: dict[str, int] = {}
+    calls = [0]
+    for method in SYNCING:
+        monkeypatch.setattr(torch.Tensor, method, _counting_sites(getattr(torch.Tensor, method), sites, method))
+    original = FSDPReplicaReduction.reduce
+
+    def counted(self: FSDPReplicaReduction, *args: Any) -> None:
+        calls[0] += 1
+        original(self, *args)
+
+    monkeypatch.setattr(FSDPReplicaReduction, "reduce", _inside_of(counted))
+    monkeypatch.setattr(StepTransaction, "_on_optimizer_step", _inside_of(StepTransaction._on_optimizer_step))
+    strategy = GradCompFSDPStrategy(compressor=registry.create(name), shard_size=2, start_method="fork", min_numel=8)
+    fit_sharded(strategy, tmp_path, max_steps=4, callbacks=[_SaveFSDP(tmp_path, sites, calls)])
+    for rank in range(4):
+        saved = torch.load(tmp_path / f"syncs{rank}.pt", weights_only=True)
+        found = {tuple(key.split("|")[:2]): count for key, count in saved["sites"].items()}
+        other = set(found) - DECISION_SITES - CPU_ONLY_SITES
+        assert not other, f"rank {rank}: host syncs on the training thread: {saved['sites']}"
+        assert sum(found.get(site, 0) for site in DECISION_SITES) <= saved["calls"], saved["sites"]
+        if not registry.create(name).dense:
+            assert saved["compressed_steps"] > 0

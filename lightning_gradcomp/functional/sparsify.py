@@ -90,9 +90,10 @@ def stratified_layers(
         torch.rand(min(k, n), generator=g, device=g.device, dtype=torch.float64)
         for n, k, g in zip(numels, ks, generators)
     ]
-    uniforms = torch.cat(draws).cpu() if len(draws) > 1 else draws[0].cpu()
-    offsets = (uniforms * sizes).long().clamp_max_(limits)
-    return (starts + offsets).to(device), sizes.to(device, copy=True)
+    uniforms = torch.cat(draws) if len(draws) > 1 else draws[0]
+    on = uniforms.device  # the draws' device: the strata go there (a copy to it), the draws never to the host
+    offsets = (uniforms * sizes.to(on)).long().clamp_max_(limits.to(on))
+    return (starts.to(on) + offsets).to(device), sizes.to(device, copy=True)
 
 
 @functools.lru_cache(maxsize=256)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,18 +32,18 @@ class ShardedNet(pl.LightningModule):
     ``"shard"`` dimension (else the strategy's ``shard_modules`` must). ``mp``: bf16 parameters, fp32 reduction."""
 
     def __init__(self, width: int = 11, samples: int = 96, batch_size: int = 4, self_shard: bool = True,
-                 mp: bool = False) -> None:
+                 mp: bool = False, sizes: Sequence[int] = SIZES) -> None:
         super().__init__()
         torch.manual_seed(0)
         layers, last = [], width
-        for size in SIZES:
+        for size in sizes:
             layers.append(Block(last, size))
             last = size
         self.blocks = nn.Sequential(*layers)
         self.self_shard, self.mp = self_shard, mp
         gen = torch.Generator().manual_seed(1)
         self.x = torch.randn(samples, width, generator=gen)
-        self.y = torch.randn(samples, SIZES[-1], generator=gen)
+        self.y = torch.randn(samples, sizes[-1], generator=gen)
         self.batch_size = batch_size
 
     def configure_model(self) -> None:

@@ -23,6 +23,7 @@ from lightning_gradcomp.callbacks import CompressionLogger, LowPassMemoryFilter
 from lightning_gradcomp.callbacks.guard import CompressionWarning
 from lightning_gradcomp.compressors import CLTK, DIANA, QSGD, PowerSGD, SignSGD
 from lightning_gradcomp.gloo_workers import run_workers
+from lightning_gradcomp.schedule import WarmupSchedule, scheduled_param
 
 STEPS = 20
 
@@ -97,6 +98,30 @@ def test_every_rank_holds_the_same_parameters_and_the_bytes_match(tmp_path: Path
         assert (stats["intra_bytes"] > 0) == (shard > 1)
 
 
+def test_a_density_warm_up_and_small_param(tmp_path: Path) -> None:
+    """``schedule=`` moves the density of every compressed shard with the step, ``small_param=`` compresses the shards
+    the size rule leaves dense (with the schedule applied relative to the target, as in GradCompStrategy); the
+    replicas stay identical and each step's bytes follow the formula at that step's parameters."""
+    comp, schedule, small, steps = CLTK(density=0.05), WarmupSchedule(steps=4, start=0.4, stages=2), 0.5, 6
+    strategy = GradCompFSDPStrategy(compressor=comp, shard_size=2, start_method="fork", min_numel=8, start_step=0,
+                                    schedule=schedule, small_param=small)
+    records = fit_sharded(strategy, tmp_path, max_steps=steps)
+    for record in records[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(records[0]["params"], record["params"]))
+    plans = [plan_from_record(p) for p in records[0]["plans"]]
+    assert any(slot.small for plan in plans for slot in plan.compressed)  # the 1-D shards, at small_param
+    for record in records:
+        total, constant = 0.0, 0.0
+        for step in range(steps):
+            scheduled = scheduled_param(comp, comp.default_param, schedule.value(step, comp.default_param))
+            for plan in (plan_from_record(p) for p in record["plans"]):
+                bases = [small if slot.small else comp.default_param for slot in plan.compressed]
+                total += hook_call_bytes(comp, plan, [scheduled_param(comp, b, scheduled) for b in bases], 2, True)
+                constant += hook_call_bytes(comp, plan, bases, 2, True)
+        assert record["stats"]["wire_bytes"] == pytest.approx(total)
+        assert total > constant  # the warm-up sent more than the target density would have
+
+
 def test_shard_modules_and_bf16_parameters(tmp_path: Path) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -122,6 +147,10 @@ def test_arguments_are_checked() -> None:
         GradCompFSDPStrategy(shard_modules=("Block",))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="start_method"):
         GradCompFSDPStrategy(start_method="thread")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="small_param"):
+        GradCompFSDPStrategy(compressor=CLTK(density=0.01), small_param=2.0)
+    with pytest.raises(ValueError, match="schedule"):
+        GradCompFSDPStrategy(schedule={0: 0.5})  # NoCompression has no parameter to schedule
 
 
 @pytest.mark.parametrize("name", ["gradcomp_fsdp", "scalecom_fsdp", "powersgd_fsdp", "qsgd_fsdp"])
