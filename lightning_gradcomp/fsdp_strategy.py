@@ -27,7 +27,7 @@ from lightning_gradcomp.distributed import DEFAULT_TIMEOUT, release_group
 from lightning_gradcomp.fsdp_reduction import FSDPReplicaReduction, fsdp_modules, replicate_group
 from lightning_gradcomp.functional.selection import prepare_native
 from lightning_gradcomp.gradcomp_checks import _check_small_param
-from lightning_gradcomp.memory import ErrorFeedback, validate_beta_for
+from lightning_gradcomp.memory import ErrorFeedback, LowPassSetting, validate_beta_for
 from lightning_gradcomp.plan import SlotPolicy, size_rule
 from lightning_gradcomp.presets import register_preset
 from lightning_gradcomp.schedule import CompressionSchedule, as_schedule
@@ -40,7 +40,7 @@ CHECKPOINT_KEY = "gradcomp_fsdp"
 _PER_RANK_KEYS = ("memory", "compressor", "stats")
 
 
-class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
+class GradCompFSDPStrategy(LowPassSetting, ShardedCheckpoints, ModelParallelStrategy):
     """HSDP with compressed gradient reduction across replicas: FSDP2 inside a shard group, compression across.
 
     The ``W`` processes form ``R = W / S`` replicas of ``S`` processes each (ranks ``r * S .. r * S + S - 1`` are
@@ -164,21 +164,8 @@ class GradCompFSDPStrategy(ShardedCheckpoints, ModelParallelStrategy):
         use. ``None`` before setup and with one replica."""
         return self._reduction
 
-    @property
-    def beta(self) -> float:
-        """The error-feedback low-pass factor in force (the memory's own once the reduction exists)."""
-        reduction = getattr(self, "_reduction", None)
-        return reduction.memory.beta if reduction is not None else self._beta
-
-    @beta.setter
-    def beta(self, beta: float) -> None:
-        self.set_beta(beta)
-
-    def set_beta(self, beta: float) -> None:
-        """Set the memory low-pass factor from now on (``LowPassMemoryFilter`` calls this)."""
-        self._beta = validate_beta_for(beta, self.compressor)
-        if self._reduction is not None:
-            self._reduction.memory.beta = self._beta
+    def _memory_owner(self) -> Optional[FSDPReplicaReduction]:
+        return getattr(self, "_reduction", None)
 
     @property
     def comm_stats(self) -> CommStats:

@@ -40,7 +40,7 @@ from lightning_gradcomp.checks import check_value, is_number
 from lightning_gradcomp.compressors.staged import StagedState
 from lightning_gradcomp.functional.feedback import compensate_checked, recover_gradient
 
-__all__ = ["ErrorFeedback", "require_error_feedback", "validate_beta", "validate_beta_for"]
+__all__ = ["ErrorFeedback", "LowPassSetting", "require_error_feedback", "validate_beta", "validate_beta_for"]
 
 
 def validate_beta(beta: float) -> float:
@@ -196,3 +196,33 @@ class ErrorFeedback:
                 for k, v in state.items()
             }
         )
+
+
+class LowPassSetting:
+    """``beta`` and ``set_beta`` of a strategy whose engine (``self._memory_owner()``: the DDP hook or the FSDP2 replica
+    reduction, ``None`` before setup) owns an :class:`ErrorFeedback` memory: one value, the memory's own once the
+    engine exists (restored with its state), the constructor's (``self._beta``) before."""
+
+    compressor: Any
+    _beta: float
+
+    def _memory_owner(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def beta(self) -> float:
+        """The error-feedback low-pass factor in force."""
+        engine = self._memory_owner()
+        return engine.memory.beta if engine is not None else self._beta
+
+    @beta.setter
+    def beta(self, beta: float) -> None:
+        self.set_beta(beta)
+
+    def set_beta(self, beta: float) -> None:
+        """Set the memory low-pass factor from now on (below 1 only for an error-feedback compressor;
+        ``LowPassMemoryFilter`` calls this)."""
+        self._beta = validate_beta_for(beta, self.compressor)
+        engine = self._memory_owner()
+        if engine is not None:
+            engine.memory.beta = self._beta

@@ -35,7 +35,7 @@ from lightning_gradcomp.gradcomp_groups import GradCompGroups
 from lightning_gradcomp.gradcomp_groups import _private_group as _private_group
 from lightning_gradcomp.hierarchy import Hierarchy, HierarchySpec, check_hierarchy
 from lightning_gradcomp.hook import PYTHON_REDUCER_REFUSAL, GradCompHook, gradcomp_comm_hook
-from lightning_gradcomp.memory import ErrorFeedback, validate_beta_for
+from lightning_gradcomp.memory import ErrorFeedback, LowPassSetting, validate_beta_for
 from lightning_gradcomp.plan import SlotPolicy, size_rule
 from lightning_gradcomp.presets import PRESETS, UNUSED_SUFFIX, preset_class, register_presets
 from lightning_gradcomp.schedule import CompressionSchedule, as_schedule
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 _INCOMPATIBLE = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 
 
-class GradCompStrategy(GradCompCheckpoints, GradCompGroups, DDPStrategy):
+class GradCompStrategy(LowPassSetting, GradCompCheckpoints, GradCompGroups, DDPStrategy):
     """DDP whose gradient all-reduce is replaced by a compressor, on CPU (gloo) and GPU (NCCL) alike.
 
     A drop-in replacement for :class:`~lightning.pytorch.strategies.DDPStrategy`, with three defaults of its own:
@@ -204,22 +204,8 @@ class GradCompStrategy(GradCompCheckpoints, GradCompGroups, DDPStrategy):
         """This rank's error-feedback memory (its ``beta`` is settable at run time)."""
         return self._hook.memory if self._hook is not None else None
 
-    @property
-    def beta(self) -> float:
-        """The error-feedback low-pass factor in force: the memory's own once the hook exists (one value, restored with
-        the hook's state), the constructor's before."""
-        hook = getattr(self, "_hook", None)
-        return hook.memory.beta if hook is not None else self._beta
-
-    @beta.setter
-    def beta(self, beta: float) -> None:
-        self.set_beta(beta)
-
-    def set_beta(self, beta: float) -> None:
-        """Set the memory low-pass factor from now on (below 1 only for an error-feedback compressor)."""
-        self._beta = validate_beta_for(beta, self.compressor)
-        if self._hook is not None:
-            self._hook.memory.beta = self._beta
+    def _memory_owner(self) -> Optional[GradCompHook]:
+        return getattr(self, "_hook", None)
 
     def set_layer_params(self, params: dict[str, Any]) -> None:
         """Override the compression parameter (density / rank / bits) of named layers on this rank.
