@@ -1,0 +1,102 @@
+"""Top-k with error feedback written from the textbook, without this library: is the language task's slowdown the
+method or this code? (issue 49)
+
+One process trains the language recipe's model (``lm_small``) on its data (the Ding sentences, windows of 128 bytes)
+with the recipe's optimizer, schedule and clipping, on a batch of 2 x 16 windows, either dense or with per-tensor
+top-k of the error-compensated gradient (``p = m + g``; keep the ``density`` largest ``|p|``; ``m = p - kept``),
+one worker (no averaging: the method alone, no collectives, no library code on the gradient path). Prints the
+held-out next-byte accuracy every ``--every`` steps.
+
+    python benchmarks/ef_topk_reference.py --steps 1000 --density 1.0     # dense
+    python benchmarks/ef_topk_reference.py --steps 1000 --density 0.01    # top-k 1 % + error feedback
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+from torch import Tensor, nn
+
+from recipes.data.language_data import LanguageDataModule
+from recipes.models.registry import create_model
+from recipes.tasks.optim import build_optimization
+
+
+def topk_with_error_feedback(grad: Tensor, memory: Tensor, density: float) -> Tensor:
+    """The kept part of ``memory + grad`` (its ``ceil(density * n)`` largest magnitudes); ``memory`` becomes the rest."""
+    p = memory.add_(grad)
+    k = max(1, math.ceil(density * p.numel()))
+    flat = p.view(-1)
+    idx = flat.abs().topk(k, sorted=False).indices
+    kept = torch.zeros_like(flat)
+    kept[idx] = flat[idx]
+    flat[idx] = 0.0
+    return kept.view_as(grad)
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, loader) -> float:
+    model.eval()
+    hits = total = 0
+    for x, y in loader:
+        hits += int((model(x).argmax(-1) == y).sum())
+        total += y.numel()
+    model.train()
+    return hits / total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--density", type=float, default=0.01, help="1.0: dense")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--every", type=int, default=250)
+    ap.add_argument("--batch", type=int, default=32, help="windows per step (the recipe's 2 ranks x 16)")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "rate_adamw"])
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+    data = LanguageDataModule(source="ding", context=128, val_every=50, batch_size=args.batch)
+    data.setup("fit")
+    model = create_model("lm_small", vocab=data.vocab_size, dropout=0.1, max_len=128)
+    opt_cfg = build_optimization(model.parameters(), optimizer=args.optimizer, lr=args.lr, weight_decay=0.01,
+                                 momentum=0.9, schedule="cosine", warmup=0.05, total_steps=args.steps)
+    opt, sched = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
+    memories = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    gen = torch.Generator().manual_seed(args.seed)
+    train = torch.utils.data.DataLoader(data.train_dataloader().dataset, batch_size=args.batch, shuffle=True,
+                                        generator=gen, drop_last=True)
+    val = data.val_dataloader()
+    step, start, curve = 0, time.perf_counter(), []
+    while step < args.steps:
+        for x, y in train:
+            logits = model(x)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            if args.density < 1.0:
+                for n, p in model.named_parameters():
+                    p.grad.copy_(topk_with_error_feedback(p.grad, memories[n], args.density))
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            if step % args.every == 0 or step == args.steps:
+                acc = accuracy(model, val)
+                curve.append((step, acc))
+                print(f"step {step} val/acc {acc:.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
+            if step >= args.steps:
+                break
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "curve": curve}, f)
+
+
+if __name__ == "__main__":
+    main()
