@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_gradcomp import RateCorrectedAdamW
 from recipes.report import RecipeReport, format_bytes, summarize_comm
 from recipes.tasks.optim import build_optimization
 
@@ -49,3 +50,15 @@ def test_build_optimization_rejects_bad_arguments():
     with pytest.raises(ValueError, match="lr"):
         build_optimization(p, optimizer="adamw", lr=0.0, weight_decay=0, momentum=0.9, schedule="cosine",
                            warmup=0, total_steps=10)
+    with pytest.raises(ValueError, match="beta2"):
+        build_optimization(p, optimizer="adamw", lr=0.1, weight_decay=0, momentum=0.9, schedule="cosine",
+                           warmup=0, total_steps=10, beta2=1.0)
+
+
+@pytest.mark.parametrize("name, cls", [("adamw", torch.optim.AdamW), ("rate_adamw", RateCorrectedAdamW)])
+@pytest.mark.parametrize("beta2", [0.98, 0.999])
+def test_build_optimization_passes_beta2(name: str, cls: type, beta2: float):
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    opt = build_optimization(p, optimizer=name, lr=0.1, weight_decay=0.01, momentum=0.8, schedule="cosine",  # type: ignore[arg-type]
+                             warmup=0, total_steps=10, beta2=beta2)["optimizer"]
+    assert isinstance(opt, cls) and opt.param_groups[0]["betas"] == (0.8, beta2)
