@@ -9,6 +9,8 @@ held-out next-byte accuracy every ``--every`` steps.
 
     python benchmarks/ef_topk_reference.py --steps 1000 --density 1.0     # dense
     python benchmarks/ef_topk_reference.py --steps 1000 --density 0.01    # top-k 1 % + error feedback
+    python benchmarks/ef_topk_reference.py --steps 1000 --density 0.01 --optimizer sgd --lr 0.3
+    python benchmarks/ef_topk_reference.py --steps 1000 --density 0.01 --second-moment local  # v: dense gradient
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import math
 import time
 
+import _common  # noqa: F401 - benchmarks/_common.py puts the repository root (the recipes package) on sys.path
 import torch
 from torch import Tensor, nn
 
@@ -27,7 +30,7 @@ from recipes.tasks.optim import build_optimization
 
 
 def topk_with_error_feedback(grad: Tensor, memory: Tensor, density: float) -> Tensor:
-    """The kept part of ``memory + grad`` (its ``ceil(density * n)`` largest magnitudes); ``memory`` becomes the rest."""
+    """The kept part of ``memory + grad`` (its ``ceil(density * n)`` largest magnitudes); ``memory`` keeps the rest."""
     p = memory.add_(grad)
     k = max(1, math.ceil(density * p.numel()))
     flat = p.view(-1)
@@ -36,6 +39,29 @@ def topk_with_error_feedback(grad: Tensor, memory: Tensor, density: float) -> Te
     kept[idx] = flat[idx]
     flat[idx] = 0.0
     return kept.view_as(grad)
+
+
+class LocalSecondMomentAdamW(torch.optim.AdamW):
+    """AdamW with ``m`` from ``.grad`` (the compressed gradient) and ``v`` from ``self.local[param]`` (the local dense
+    gradient before compression, set before each step)."""
+
+    def __init__(self, params, **kwargs) -> None:
+        super().__init__(params, **kwargs)
+        self.local: dict[torch.Tensor, Tensor] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                st["t"] += 1
+                st["m"].lerp_(p.grad, 1 - b1)
+                st["v"].mul_(b2).addcmul_(self.local[p], self.local[p], value=1 - b2)
+                denom = (st["v"] / (1 - b2 ** st["t"])).sqrt_().add_(eps)
+                p.mul_(1 - lr * wd).addcdiv_(st["m"], denom, value=-lr / (1 - b1 ** st["t"]))
 
 
 @torch.no_grad()
@@ -58,6 +84,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="windows per step (the recipe's 2 ranks x 16)")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "rate_adamw"])
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--second-moment", default="compressed", choices=["compressed", "local"],
+                    help="AdamW's v from the compressed gradient (the optimizer as is) or from the dense local gradient"
+                         " before compression (the worker has it for free)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -68,6 +97,9 @@ def main() -> None:
     opt_cfg = build_optimization(model.parameters(), optimizer=args.optimizer, lr=args.lr, weight_decay=0.01,
                                  momentum=0.9, schedule="cosine", warmup=0.05, total_steps=args.steps)
     opt, sched = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
+    if args.second_moment == "local":  # the same schedule on the variant (LambdaLR reads the optimizer's groups)
+        opt = LocalSecondMomentAdamW(model.parameters(), lr=args.lr, betas=opt.defaults["betas"], weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, sched.lr_lambdas[0])
     memories = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     gen = torch.Generator().manual_seed(args.seed)
     train = torch.utils.data.DataLoader(data.train_dataloader().dataset, batch_size=args.batch, shuffle=True,
@@ -80,6 +112,8 @@ def main() -> None:
             loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             opt.zero_grad(set_to_none=False)
             loss.backward()
+            if args.second_moment == "local":
+                opt.local = {p: p.grad.detach().clone() for p in model.parameters()}
             if args.density < 1.0:
                 for n, p in model.named_parameters():
                     p.grad.copy_(topk_with_error_feedback(p.grad, memories[n], args.density))
