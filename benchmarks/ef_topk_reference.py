@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import time
+from typing import Optional
 
 import _common  # noqa: F401 - benchmarks/_common.py puts the repository root (the recipes package) on sys.path
 import torch
@@ -29,12 +30,14 @@ from recipes.models.registry import create_model
 from recipes.tasks.optim import build_optimization
 
 
-def topk_with_error_feedback(grad: Tensor, memory: Tensor, density: float) -> Tensor:
-    """The kept part of ``memory + grad`` (its ``ceil(density * n)`` largest magnitudes); ``memory`` keeps the rest."""
+def topk_with_error_feedback(grad: Tensor, memory: Tensor, density: float, scale: Optional[Tensor] = None) -> Tensor:
+    """The kept part of ``memory + grad`` (its ``ceil(density * n)`` largest magnitudes, each multiplied by ``scale``
+    when given); ``memory`` keeps the rest."""
     p = memory.add_(grad)
     k = max(1, math.ceil(density * p.numel()))
     flat = p.view(-1)
-    idx = flat.abs().topk(k, sorted=False).indices
+    score = flat.abs() if scale is None else flat.abs() * scale.view(-1)
+    idx = score.topk(k, sorted=False).indices
     kept = torch.zeros_like(flat)
     kept[idx] = flat[idx]
     flat[idx] = 0.0
@@ -87,6 +90,10 @@ def main() -> None:
     ap.add_argument("--second-moment", default="compressed", choices=["compressed", "local"],
                     help="AdamW's v from the compressed gradient (the optimizer as is) or from the dense local gradient"
                          " before compression (the worker has it for free)")
+    ap.add_argument("--select", default="magnitude", choices=["magnitude", "normalized", "preconditioned"],
+                    help="keep the largest |p| (top-k), the largest |p| / sqrt(v) (normalized) or |p| / v ** 0.25 "
+                         "(preconditioned: top-k of the gradient in the coordinates where AdamW with a fixed v is "
+                         "SGD), v an EMA of the dense gradient's square")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -101,6 +108,7 @@ def main() -> None:
         opt = LocalSecondMomentAdamW(model.parameters(), lr=args.lr, betas=opt.defaults["betas"], weight_decay=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, sched.lr_lambdas[0])
     memories = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    second = {n: torch.zeros_like(p) for n, p in model.named_parameters()}  # EMA of the dense g**2 (beta 0.98)
     gen = torch.Generator().manual_seed(args.seed)
     train = torch.utils.data.DataLoader(data.train_dataloader().dataset, batch_size=args.batch, shuffle=True,
                                         generator=gen, drop_last=True)
@@ -114,9 +122,14 @@ def main() -> None:
             loss.backward()
             if args.second_moment == "local":
                 opt.local = {p: p.grad.detach().clone() for p in model.parameters()}
+            if args.select != "magnitude":
+                for n, p in model.named_parameters():
+                    second[n].mul_(0.98).addcmul_(p.grad, p.grad, value=0.02)
             if args.density < 1.0:
                 for n, p in model.named_parameters():
-                    p.grad.copy_(topk_with_error_feedback(p.grad, memories[n], args.density))
+                    power = {"magnitude": 0.0, "normalized": 0.5, "preconditioned": 0.25}[args.select]
+                    scale = second[n].pow(power).add_(1e-8).reciprocal_() if power else None
+                    p.grad.copy_(topk_with_error_feedback(p.grad, memories[n], args.density, scale))
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
