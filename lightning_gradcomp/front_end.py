@@ -7,14 +7,16 @@ own plans and calls the pipeline its own way.
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from lightning_gradcomp.comm import Comm, CommStats
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.memory import ErrorFeedback
+from lightning_gradcomp.plan import SlotPolicy
 from lightning_gradcomp.reduction import GradientReduction
+from lightning_gradcomp.schedule import CompressionSchedule, scheduled_param
 from lightning_gradcomp.step_transaction import StepTransaction
 
 __all__ = ["PipelineFrontEnd"]
@@ -33,6 +35,13 @@ class PipelineFrontEnd:
         beta: low-pass factor of the error-feedback memory.
         nonfinite: ``"dense"`` or ``"zero"``: what a tensor holding NaN/Inf on some rank becomes.
     """
+
+    # set by the subclass before ``super().__init__``: what :meth:`param_of` reads
+    policy: SlotPolicy
+    layer_params: dict[str, Any]
+    schedule: Optional[CompressionSchedule]
+    _scheduled: Any  # the schedule's uniform value at ``self.step``
+    _small: set[str]  # compressed slots that use ``policy.small_param``
 
     def __init__(
         self,
@@ -54,6 +63,22 @@ class PipelineFrontEnd:
     observers = property(lambda self: self.reduction.observers, doc="Observers of the compressed tensors (callbacks).")
     seed = property(lambda self: self.reduction.seed, doc="Base seed of the compressors' generators.")
     nonfinite = property(lambda self: self.reduction.nonfinite, doc='``"dense"`` or ``"zero"``.')
+
+    def param_of(self, name: str) -> Any:
+        """The compression parameter of layer ``name`` at the current step (``small_param`` for a tensor the size
+        rule leaves out, per-layer values, the schedule applied)."""
+        default = self.policy.small_param if name in self._small else self.compressor.default_param
+        base = self.layer_params.get(name, default)
+        if self.schedule is None or self._scheduled == self.compressor.default_param:
+            return base
+        return scheduled_param(self.compressor, base, self._scheduled)
+
+    def _follow_schedule(self) -> None:
+        """Set the schedule's uniform value for ``self.step`` (training thread, before a backward pass's first
+        reduction)."""
+        if self.schedule is not None:
+            value = self.schedule.value(self.step, self.compressor.default_param)
+            self._scheduled = scheduled_param(self.compressor, self.compressor.default_param, value)
 
     @property
     def comm(self) -> Comm:

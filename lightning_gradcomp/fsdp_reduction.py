@@ -61,7 +61,7 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.front_end import PipelineFrontEnd
 from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy
 from lightning_gradcomp.resident import resident_nbytes
-from lightning_gradcomp.schedule import CompressionSchedule, scheduled_param
+from lightning_gradcomp.schedule import CompressionSchedule
 
 __all__ = [
     "FSDPReplicaReduction",
@@ -256,21 +256,6 @@ class FSDPReplicaReduction(PipelineFrontEnd):
         self._small: set[str] = set()
         super().__init__(compressor, comm, param_names, self.param_of, seed=seed, beta=beta, nonfinite=nonfinite)
         self._follow_schedule()
-
-    def param_of(self, name: str) -> Any:
-        """The compression parameter of layer ``name`` at the current step (``small_param`` for a tensor the size
-        rule leaves out, the schedule applied)."""
-        default = self.policy.small_param if name in self._small else self.compressor.default_param
-        base = self.layer_params.get(name, default)
-        if self.schedule is None or self._scheduled == self.compressor.default_param:
-            return base
-        return scheduled_param(self.compressor, base, self._scheduled)
-
-    def _follow_schedule(self) -> None:
-        """Set the schedule's uniform value for ``self.step`` (before a backward pass's first hook)."""
-        if self.schedule is not None:
-            value = self.schedule.value(self.step, self.compressor.default_param)
-            self._scheduled = scheduled_param(self.compressor, self.compressor.default_param, value)
 
     def plans(self) -> list[BucketPlan]:
         """The current plans of the hooked modules that were reduced so far, in installation order."""

@@ -30,7 +30,7 @@ from lightning_gradcomp.observers import BucketRecord, HookObserver
 from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy, build_plan
 from lightning_gradcomp.reduction import reduce_with_feedback
 from lightning_gradcomp.resident import resident_nbytes
-from lightning_gradcomp.schedule import CompressionSchedule, scheduled_param
+from lightning_gradcomp.schedule import CompressionSchedule
 
 __all__ = [
     "PYTHON_REDUCER_REFUSAL",
@@ -118,20 +118,6 @@ class GradCompHook(PipelineFrontEnd):
     def plans(self) -> list[BucketPlan]:
         """Current plans of all buckets seen so far."""
         return [plan for _, plan in self._plans.values()]
-
-    def param_of(self, name: str) -> Any:
-        """The compression parameter used for layer ``name`` at the current step (schedule applied)."""
-        default = self.policy.small_param if name in self._small else self.compressor.default_param
-        base = self.layer_params.get(name, default)
-        if self.schedule is None or self._scheduled == self.compressor.default_param:
-            return base
-        return scheduled_param(self.compressor, base, self._scheduled)
-
-    def _follow_schedule(self) -> None:
-        """Set the schedule's uniform value for ``self.step`` (training thread, between backward passes)."""
-        if self.schedule is not None:
-            value = self.schedule.value(self.step, self.compressor.default_param)
-            self._scheduled = scheduled_param(self.compressor, self.compressor.default_param, value)
 
     # ------------------------------------------------------------------ hook
     def __call__(self, bucket: dist.GradBucket) -> Future:
