@@ -63,19 +63,24 @@ def parse_setting(text: str) -> tuple[str, dict[str, float]]:
     return kind, opts
 
 
-def make_strategy(kind: str, opts: dict[str, float], task: lg.Task, seed: int) -> Any:
-    """The strategy of one setting (``ddp`` with a compressor option: per-step compressed DDP)."""
-    compressor: Any = NoCompression()
+def compressor_of(opts: dict[str, float]) -> Any:
+    """The compressor a setting's options name (``cltk``/``topk`` density with ``f16``/``d16``, ``sign`` group size,
+    ``psgd`` rank); ``NoCompression`` when none."""
     values = torch.float16 if opts.get("f16") else torch.float32
     if "cltk" in opts:
-        compressor = CLTK(density=opts["cltk"], value_dtype=values,
-                          index_coding="delta16" if opts.get("d16") else "int32")
-    elif "topk" in opts:
-        compressor = TopK(density=opts["topk"], value_dtype=values)
-    elif "sign" in opts:
-        compressor = SignSGD(group_size=int(opts["sign"]))
-    elif "psgd" in opts:
-        compressor = PowerSGD(rank=int(opts["psgd"]))
+        return CLTK(density=opts["cltk"], value_dtype=values, index_coding="delta16" if opts.get("d16") else "int32")
+    if "topk" in opts:
+        return TopK(density=opts["topk"], value_dtype=values)
+    if "sign" in opts:
+        return SignSGD(group_size=int(opts["sign"]))
+    if "psgd" in opts:
+        return PowerSGD(rank=int(opts["psgd"]))
+    return NoCompression()
+
+
+def make_strategy(kind: str, opts: dict[str, float], task: lg.Task, seed: int) -> Any:
+    """The strategy of one setting (``ddp`` with a compressor option: per-step compressed DDP)."""
+    compressor = compressor_of(opts)
     if kind == "ddp":
         return GradCompStrategy(compressor=None if isinstance(compressor, NoCompression) else compressor,
                                 min_numel=task.min_numel, seed=seed, start_method="fork")

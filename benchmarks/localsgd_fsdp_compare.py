@@ -39,14 +39,12 @@ from typing import Any
 import lgreco_compare as lg  # benchmarks/: the tasks, model and optimiser
 import lightning.pytorch as pl
 import localsgd_compare as lc  # benchmarks/: the settings syntax and the strategies' compressors
-import torch
 from fsdp_link import hsdp_modelled_bytes  # benchmarks/: native HSDP's bytes across replicas, by formula
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
 from lightning_gradcomp import GradCompFSDPStrategy, LocalSGDFSDPStrategy
 from lightning_gradcomp.comm import compression_ratio
-from lightning_gradcomp.compressors import CLTK, NoCompression, PowerSGD, TopK
 from lightning_gradcomp.fsdp_strategy import _FullStateLauncher
 from lightning_gradcomp.gloo_workers import free_port
 from lightning_gradcomp.schedule import WarmupSchedule
@@ -124,15 +122,7 @@ def parse_setting(text: str) -> tuple[str, dict[str, float]]:
 
 def make_fsdp_strategy(opts: dict[str, float], task: lg.Task, seed: int, shard: int) -> GradCompFSDPStrategy:
     """``GradCompFSDPStrategy`` of an ``fsdp:`` setting."""
-    values = torch.float16 if opts.get("f16") else torch.float32
-    compressor: Any = NoCompression()
-    if "cltk" in opts:
-        compressor = CLTK(density=opts["cltk"], value_dtype=values,
-                          index_coding="delta16" if opts.get("d16") else "int32")
-    elif "topk" in opts:
-        compressor = TopK(density=opts["topk"], value_dtype=values)
-    elif "psgd" in opts:
-        compressor = PowerSGD(rank=int(opts["psgd"]))
+    compressor = lc.compressor_of(opts)
     extra: dict[str, Any] = {}
     if "warm" in opts:
         extra["schedule"] = WarmupSchedule(steps=int(opts["warm"]), start=opts["from"])
