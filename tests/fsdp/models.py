@@ -12,10 +12,37 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_gradcomp.compressors import (
+    CLTK,
+    DIANA,
+    QSGD,
+    Cast,
+    NoCompression,
+    PowerSGD,
+    RandomK,
+    SignSGD,
+    TernGrad,
+    TopK,
+)
 from lightning_gradcomp.plan import BucketPlan, LayerSlot
 
 SIZES = (13, 7, 5)
 """Layer widths: odd and prime, so FSDP2's dim-0 shards are uneven and padded."""
+
+
+COMPRESSORS = {
+    "none": NoCompression,
+    "cast_bf16": lambda: Cast(torch.bfloat16),
+    "topk": lambda: TopK(density=0.05),
+    "randomk": lambda: RandomK(density=0.05),
+    "terngrad": lambda: TernGrad(group_size=16),
+    "cltk": lambda: CLTK(density=0.01),
+    "qsgd": lambda: QSGD(bits=4, group_size=16),
+    "signsgd": lambda: SignSGD(group_size=16),
+    "powersgd": lambda: PowerSGD(rank=1, min_compression_rate=1.0),
+    "diana": DIANA,
+}
+"""A factory per compressor the FSDP2 tests sweep (fresh objects: a compressor is owned by one rank)."""
 
 
 class Block(nn.Module):

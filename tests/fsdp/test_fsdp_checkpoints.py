@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from fsdp.models import fit_sharded
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from fsdp.models import fit_sharded
 from lightning_gradcomp import GradCompFSDPStrategy
 from lightning_gradcomp.compressors import CLTK, DIANA, PowerSGD
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp.models import COMPRESSORS as ALL
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -15,15 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from lightning_gradcomp.comm import Comm, all_reduce_bytes
 from lightning_gradcomp.compressors import (
     CLTK,
-    DIANA,
-    QSGD,
-    Cast,
     NoCompression,
-    PowerSGD,
-    RandomK,
-    SignSGD,
-    TernGrad,
-    TopK,
 )
 from lightning_gradcomp.fsdp_reduction import FSDPReplicaReduction, ShardLayout, replicate_group, shard_plan
 from lightning_gradcomp.gloo_workers import run_workers
@@ -108,17 +101,7 @@ def test_no_compression_matches_native_hsdp(shard: int) -> None:
             assert rel <= 1e-6, (name, rel)
 
 
-COMPRESSORS = {
-    "cast_bf16": lambda: Cast(torch.bfloat16),
-    "topk": lambda: TopK(density=0.05),
-    "randomk": lambda: RandomK(density=0.05),
-    "terngrad": lambda: TernGrad(group_size=16),
-    "cltk": lambda: CLTK(density=0.01),
-    "qsgd": lambda: QSGD(bits=4, group_size=16),
-    "signsgd": lambda: SignSGD(group_size=16),
-    "powersgd": lambda: PowerSGD(rank=1, min_compression_rate=1.0),
-    "diana": lambda: DIANA(),
-}
+COMPRESSORS = {name: ALL[name] for name in ALL if name != "none"}
 
 
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))

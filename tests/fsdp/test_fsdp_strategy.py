@@ -8,20 +8,20 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import CSVLogger
-
 import pytest
 import torch
+from fsdp.models import COMPRESSORS as ALL
+from fsdp.models import SIZES, Block, ShardedNet, fit_sharded, plan_from_record
+from helpers.wire import hook_call_bytes
+from lightning.pytorch.loggers import CSVLogger
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DistributedSampler
 
-from fsdp.models import SIZES, Block, ShardedNet, fit_sharded, plan_from_record
-from helpers.wire import hook_call_bytes
 from lightning_gradcomp import GradCompFSDPStrategy
 from lightning_gradcomp.callbacks import CompressionLogger, LowPassMemoryFilter
 from lightning_gradcomp.callbacks.guard import CompressionWarning
-from lightning_gradcomp.compressors import CLTK, DIANA, QSGD, PowerSGD, SignSGD
+from lightning_gradcomp.compressors import CLTK
 from lightning_gradcomp.gloo_workers import run_workers
 from lightning_gradcomp.schedule import WarmupSchedule, scheduled_param
 
@@ -58,13 +58,7 @@ def test_no_compression_matches_native_hsdp(tmp_path: Path, shard: int) -> None:
         assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-6
 
 
-COMPRESSORS = {
-    "cltk": lambda: CLTK(density=0.01),
-    "qsgd": lambda: QSGD(bits=4, group_size=16),
-    "signsgd": lambda: SignSGD(group_size=16),
-    "powersgd": lambda: PowerSGD(rank=1, min_compression_rate=1.0),
-    "diana": lambda: DIANA(),
-}
+COMPRESSORS = {name: ALL[name] for name in ("cltk", "qsgd", "signsgd", "powersgd", "diana")}
 
 
 def _expected_wire_bytes(record: dict[str, Any], compressor: Any, start_step: int, replicas: int) -> float:

@@ -8,10 +8,10 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-
 from fsdp.models import FullRecorder, ShardedNet, fit_sharded, plan_from_record, plan_record
 from helpers.wire import compressor_bytes
+from lightning.pytorch.callbacks import ModelCheckpoint
+
 from lightning_gradcomp import GradCompFSDPStrategy
 from lightning_gradcomp.comm import all_reduce_bytes
 from lightning_gradcomp.compressors import CLTK, DIANA, NoCompression, SignSGD
@@ -204,9 +204,8 @@ def test_validation_runs_on_the_global_model(tmp_path: Path) -> None:
 
 
 def test_shard_modules_with_bf16_parameters(tmp_path: Path) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     from fsdp.models import Block
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     strategy = _diloco(local_steps=3, compressor=CLTK(density=0.1), shard_modules=(Block,), mp_policy=policy)

@@ -17,26 +17,14 @@ from typing import Any
 
 import pytest
 import torch
+from fsdp.models import COMPRESSORS, ShardedNet, fit_sharded, plan_from_record, plan_record
+from helpers.wire import hook_call_bytes
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fsdp.models import ShardedNet, fit_sharded, plan_from_record, plan_record
-from helpers.wire import hook_call_bytes
 from lightning_gradcomp import GradCompFSDPStrategy
 from lightning_gradcomp.comm import Comm
-from lightning_gradcomp.compressors import (
-    CLTK,
-    DIANA,
-    QSGD,
-    Cast,
-    NoCompression,
-    PowerSGD,
-    RandomK,
-    SignSGD,
-    TernGrad,
-    TopK,
-)
 from lightning_gradcomp.fsdp_reduction import replicate_group
 from lightning_gradcomp.gloo_workers import run_workers
 from lightning_gradcomp.localsgd.fsdp import LocalSGDFSDPStrategy
@@ -45,18 +33,6 @@ WIDTH, SIZES = 11, (13, 7, 2, 5)
 """Input width and layer widths: odd and prime; 2 rows leave some of 3 or 5 shards empty."""
 STEPS, START = 4, 1  # the first step dense, the others compressed
 
-COMPRESSORS = {
-    "none": NoCompression,
-    "cltk": lambda: CLTK(density=0.05),
-    "topk": lambda: TopK(density=0.05),
-    "randomk": lambda: RandomK(density=0.05),
-    "qsgd": lambda: QSGD(bits=4, group_size=16),
-    "terngrad": lambda: TernGrad(group_size=16),
-    "signsgd": lambda: SignSGD(group_size=16),
-    "powersgd": lambda: PowerSGD(rank=1, min_compression_rate=1.0),
-    "diana": DIANA,
-    "cast_bf16": lambda: Cast(torch.bfloat16),
-}
 
 MULTI_REPLICA = [(2, 1), (3, 1), (4, 1), (4, 2), (5, 1)]
 """``(W, S)`` with more than one replica: every shard size dividing W = 2..5 but W itself."""
