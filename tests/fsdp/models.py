@@ -45,6 +45,17 @@ COMPRESSORS = {
 """A factory per compressor the FSDP2 tests sweep (fresh objects: a compressor is owned by one rank)."""
 
 
+def tanh_mlp(sizes: Sequence[int], width: int) -> nn.Sequential:
+    """``Linear -> Tanh`` layers of widths ``sizes`` on ``width`` inputs, seeded (the same on every rank)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    last = width
+    for size in sizes:
+        layers += [nn.Linear(last, size), nn.Tanh()]
+        last = size
+    return nn.Sequential(*layers)
+
+
 class Block(nn.Module):
     def __init__(self, n_in: int, n_out: int) -> None:
         super().__init__()

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from fsdp.models import COMPRESSORS as ALL
+from fsdp.models import tanh_mlp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -26,13 +27,7 @@ SIZES = (7, 13, 5)  # odd and prime: uneven dim-0 shards, padding, an empty shar
 
 
 def _model(sizes: tuple[int, ...] = SIZES, width: int = 11) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    last = width
-    for size in sizes:
-        layers += [nn.Linear(last, size), nn.Tanh()]
-        last = size
-    return nn.Sequential(*layers)
+    return tanh_mlp(sizes, width)
 
 
 def _batch(rank: int, step: int, width: int = 11) -> tuple[torch.Tensor, torch.Tensor]:

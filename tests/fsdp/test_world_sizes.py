@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from fsdp.models import COMPRESSORS, ShardedNet, fit_sharded, plan_from_record, plan_record
+from fsdp.models import COMPRESSORS, ShardedNet, fit_sharded, plan_from_record, plan_record, tanh_mlp
 from helpers.wire import hook_call_bytes
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -39,13 +39,7 @@ MULTI_REPLICA = [(2, 1), (3, 1), (4, 1), (4, 2), (5, 1)]
 
 
 def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    last = WIDTH
-    for size in SIZES:
-        layers += [nn.Linear(last, size), nn.Tanh()]
-        last = size
-    return nn.Sequential(*layers)
+    return tanh_mlp(SIZES, WIDTH)
 
 
 def _fit_each(rank: int, world: int, shard: int, names: list[str]) -> dict[str, Any]:
