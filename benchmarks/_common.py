@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
 # ---------------------------------------------------------------------------------------------- recipes
 # task -> (summary metric key, its name in tables, scale to percent)
 METRICS = {"image": ("val/acc1", "top-1 %", 100.0), "translation": ("val/exact", "exact match %", 100.0),
-           "speech": ("val/wer", "digit/word error %", 100.0)}
+           "speech": ("val/wer", "digit/word error %", 100.0), "language": ("val/acc", "next-byte accuracy %", 100.0)}
 
 # ---------------------------------------------------------------------------------------------- Fashion-MNIST task
 # used by scalecom_fidelity.py, swarm_compare.py, swarm_link.py, localsgd_link.py and lgreco_compare.py
