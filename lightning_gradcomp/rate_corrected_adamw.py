@@ -19,21 +19,16 @@ over-steps noise-dominated ones (by up to ``sqrt(P)``). Measured on the language
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.checks import check_number
+
 __all__ = ["RateCorrectedAdamW"]
-
-
-def _check(name: str, value: float, low: float, high: float, *, closed_high: bool = False) -> float:
-    ok = low <= value <= high if closed_high else low <= value < high
-    if not ok:
-        span = f"[{low}, {high}]" if closed_high else f"[{low}, {high})"
-        raise ValueError(f"`{name}` must be in {span}, got {value}")
-    return float(value)
 
 
 class RateCorrectedAdamW(torch.optim.Optimizer):
@@ -58,12 +53,11 @@ class RateCorrectedAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
     ) -> None:
-        if not lr > 0:
-            raise ValueError(f"`lr` must be > 0, got {lr}")
-        _check("betas[0]", betas[0], 0.0, 1.0)
-        _check("betas[1]", betas[1], 0.0, 1.0)
-        if eps < 0 or weight_decay < 0:
-            raise ValueError(f"`eps` and `weight_decay` must be >= 0, got {eps} and {weight_decay}")
+        check_number("lr", lr, 0.0, math.inf)
+        check_number("betas[0]", betas[0], 0.0, 1.0, low_open=False, high_open=True)
+        check_number("betas[1]", betas[1], 0.0, 1.0, low_open=False, high_open=True)
+        check_number("eps", eps, 0.0, math.inf, low_open=False)
+        check_number("weight_decay", weight_decay, 0.0, math.inf, low_open=False)
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
 
     @torch.no_grad()

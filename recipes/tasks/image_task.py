@@ -22,7 +22,7 @@ class ImageClassifier(pl.LightningModule):
         num_classes: classifier outputs (linked from the data module by the CLI).
         in_channels: image channels (linked from the data module by the CLI).
         stem: ``"imagenet"`` or ``"small"`` (``None``: the architecture's default).
-        optimizer: ``sgd`` or ``adamw``.
+        optimizer: ``sgd``, ``adamw`` or ``rate_adamw`` (:class:`~lightning_gradcomp.RateCorrectedAdamW`).
         lr: peak learning rate.
         momentum: SGD momentum.
         weight_decay: L2 weight decay.

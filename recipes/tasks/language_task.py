@@ -28,7 +28,7 @@ class LanguageModel(pl.LightningModule):
         vocab: vocabulary size (linked from the data module by the CLI).
         context: tokens per window (linked from the data module by the CLI).
         dropout: dropout probability.
-        optimizer: ``adamw`` or ``sgd``.
+        optimizer: ``adamw``, ``sgd`` or ``rate_adamw`` (:class:`~lightning_gradcomp.RateCorrectedAdamW`).
         lr: peak learning rate.
         momentum: AdamW beta1 / SGD momentum.
         beta2: AdamW beta2.

@@ -25,7 +25,7 @@ class SpeechRecognizer(pl.LightningModule):
         n_feats: features per frame (linked from the data module by the CLI).
         num_classes: CTC classes including blank (linked from the data module by the CLI).
         dropout: dropout probability.
-        optimizer: ``adamw`` or ``sgd``.
+        optimizer: ``adamw``, ``sgd`` or ``rate_adamw`` (:class:`~lightning_gradcomp.RateCorrectedAdamW`).
         lr: peak learning rate.
         momentum: AdamW beta1 / SGD momentum.
         beta2: AdamW beta2.

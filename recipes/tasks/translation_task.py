@@ -31,7 +31,7 @@ class Translator(pl.LightningModule):
         max_len: longest sequence the model handles (linked from the data module by the CLI).
         dropout: dropout probability.
         label_smoothing: cross-entropy label smoothing.
-        optimizer: ``adamw`` or ``sgd``.
+        optimizer: ``adamw``, ``sgd`` or ``rate_adamw`` (:class:`~lightning_gradcomp.RateCorrectedAdamW`).
         lr: peak learning rate.
         momentum: AdamW beta1 / SGD momentum.
         beta2: AdamW beta2.
@@ -43,8 +43,8 @@ class Translator(pl.LightningModule):
 
     def __init__(self, arch: str = "transformer_tiny", src_vocab: int = 35, tgt_vocab: int = 36, max_len: int = 64,
                  dropout: float = 0.1, label_smoothing: float = 0.1, optimizer: OptimizerName = "adamw",
-                 lr: float = 1e-3, momentum: float = 0.9, beta2: float = 0.98, weight_decay: float = 0.01, schedule: Schedule = "cosine",
-                 warmup: float = 0.1, decode_batches: Optional[int] = None) -> None:
+                 lr: float = 1e-3, momentum: float = 0.9, beta2: float = 0.98, weight_decay: float = 0.01,
+                 schedule: Schedule = "cosine", warmup: float = 0.1, decode_batches: Optional[int] = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = create_model(arch, src_vocab=src_vocab, tgt_vocab=tgt_vocab, dropout=dropout, max_len=max_len)
