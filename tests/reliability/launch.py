@@ -5,7 +5,10 @@ Each rank is its own OS process with torchrun-like environment variables (``MAST
 launcher of its own. Two ways to start the processes:
 
 * ``mode="subprocess"``: ``python launch.py CONFIG.json RANK`` (a fresh interpreter, what a user runs);
-* ``mode="fork"``: a forked child of the test process (no interpreter start-up: fast).
+* ``mode="forkserver"`` (the default): forked from a clean single-threaded server process that imported this
+  module once (fast, and safe: a plain fork of the test process can inherit locks held by its other threads, from
+  earlier tests, and hang);
+* ``mode="fork"``: a forked child of the test process itself.
 
 A rank runs :func:`rank_main`: a small Lightning fit of ``TinyNet`` with a case of :func:`build_case`, recording
 per rank, in ``config["out"]``: ``losses<r>.jsonl`` (one line per batch, written as it goes), ``start<r>.pt``
@@ -16,6 +19,7 @@ write ``paused<r>`` so that the test can kill or stop it there, and it can injec
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -51,6 +55,9 @@ from helpers.trees import tensors  # noqa: E402 - re-exported for the reliabilit
 
 MARKER_ENV = "GRADCOMP_RELIABILITY_RUN"
 """Environment variable carrying a per-launch token: any process holding it belongs to that launch."""
+STACK_AFTER_S = 90.0
+"""A rank still running after this long writes every thread's stack to ``stack<r>.txt`` (:func:`run` waits 120 s);
+``config["stack_after"]`` overrides it."""
 
 STATEFUL = ("topk", "cltk", "powersgd", "diana", "signsgd", "lgreco", "swarm")
 """Cases whose checkpoints carry per-rank state that resume must restore exactly."""
@@ -90,6 +97,8 @@ def rank_main(config: dict[str, Any], rank: int) -> None:
     torch.set_num_threads(1)
     out = Path(config["out"])
     out.mkdir(parents=True, exist_ok=True)
+    stacks = open(out / f"stack{rank}.txt", "w")  # noqa: SIM115 - open until the process exits
+    faulthandler.dump_traceback_later(config.get("stack_after", STACK_AFTER_S), file=stacks)  # where a hung rank is
     caught: list[str] = []
     try:
         with warnings.catch_warnings(record=True) as records:
@@ -332,7 +341,9 @@ def _apply(environ: Any, env: dict[str, Optional[str]]) -> None:
             environ[key] = value
 
 
-def _fork_entry(config: dict[str, Any], rank: int, env: dict[str, Optional[str]]) -> None:
+def _fork_entry(config: dict[str, Any], rank: int, env: dict[str, Optional[str]], parent_env: dict[str, str]) -> None:
+    os.environ.clear()  # the launching process's variables now (a forkserver holds those of when it started)
+    os.environ.update(parent_env)
     _apply(os.environ, env)
     rank_main(config, rank)
 
@@ -419,10 +430,22 @@ class Ranks:
         self.cleanup()
 
 
-def launch(config: dict[str, Any], mode: str = "fork") -> Ranks:
-    """Start ``config["world"]`` independent rank processes running :func:`rank_main`."""
+def _context(mode: str) -> Any:
+    """The multiprocessing context of ``mode``; the forkserver imports torch, Lightning and the package once.
+
+    (Python 3.10-3.12's forkserver imports its preload list before it sets ``sys.path``, so it can only preload
+    installed modules, not this one; each child imports this module itself, which is quick.)
+    """
     import multiprocessing as mp
 
+    context = mp.get_context(mode)
+    if mode == "forkserver":
+        context.set_forkserver_preload(["torch", "torch.distributed", "lightning.pytorch", "lightning_gradcomp"])
+    return context
+
+
+def launch(config: dict[str, Any], mode: str = "forkserver") -> Ranks:
+    """Start ``config["world"]`` independent rank processes running :func:`rank_main`."""
     out = Path(config["out"])
     out.mkdir(parents=True, exist_ok=True)
     marker = f"{os.getpid()}-{time.monotonic_ns()}"
@@ -444,17 +467,18 @@ def launch(config: dict[str, Any], mode: str = "fork") -> Ranks:
             procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(config_path),
                                            str(rank)], env=full_env, stdout=stdout, stderr=stderr,
                                           stdin=subprocess.DEVNULL))
-        elif mode == "fork":
-            proc = mp.get_context("fork").Process(target=_fork_entry, args=(config, rank, env), daemon=False)
+        elif mode in ("fork", "forkserver"):
+            proc = _context(mode).Process(target=_fork_entry, args=(config, rank, env, dict(os.environ)),
+                                          daemon=False)
             proc.start()
             procs.append(proc)
         else:
-            raise ValueError(f"mode must be 'fork' or 'subprocess', got {mode!r}")
+            raise ValueError(f"mode must be 'forkserver', 'fork' or 'subprocess', got {mode!r}")
     return Ranks(procs, mode, out, marker, logs)
 
 
 def run(config: dict[str, Any], timeout: float = 120.0) -> list[Optional[int]]:
-    """Launch (fork), wait for every rank and clean up; the exit codes by rank."""
+    """Launch (forkserver), wait for every rank and clean up; the exit codes by rank."""
     with launch(config) as ranks:
         return ranks.wait_all(timeout)
 

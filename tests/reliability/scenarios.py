@@ -32,8 +32,8 @@ def config(out: Path, case: str, world: int = 2, **extra: Any) -> dict[str, Any]
 
 
 def errors(out: Path, world: int) -> str:
-    """Every rank's recorded error, for assertion messages."""
-    return "\n".join(f"rank {r}: {text(out, 'error', r)[:2000]}" for r in range(world))
+    """Every rank's recorded error, and the stacks of a rank that hung, for assertion messages."""
+    return "\n".join(f"rank {r}: {text(out, 'error', r)[:2000]}{text(out, 'stack', r)[-4000:]}" for r in range(world))
 
 
 @dataclass
