@@ -12,6 +12,7 @@ pytest-xdist worker): ports the kernel hands out to one process may be handed to
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import pickle
@@ -91,6 +92,9 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, conn: Connection) -> None:
+    # Never collect what the parent left: a gloo process group it holds in a reference cycle would be freed here,
+    # and its destructor joins worker threads that fork did not copy, so the rank would hang for good.
+    gc.freeze()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -117,7 +121,8 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     process group on the way out. Each rank sends its result on its own pipe, so a rank that dies (a signal, an
     abort in native code) is reported, never waited for. A parent that has run MKL matrix products should have
     started with ``MKL_DISABLE_FAST_MM=1`` (the test suite sets it): a child forked from MKL's per-thread memory
-    manager once spun in it for good.
+    manager once spun in it for good. Each rank leaves the objects it inherited to the parent (``gc.freeze``): a
+    gloo process group that the parent keeps as garbage would otherwise hang the rank that collects it.
 
     Args:
         fn: called once per rank after ``init_process_group("gloo")``; its return value (tensors, containers,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -36,6 +37,12 @@ if "PYTEST_XDIST_WORKER" in os.environ and PORTS_ENV not in os.environ:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 torch.set_num_threads(1)
+
+# A process forked from this one (Lightning's fork launcher, multiprocessing) must never garbage-collect what it
+# inherited: a gloo process group that an earlier test left in a reference cycle would be freed there, and its
+# destructor joins worker threads that fork did not copy. py-spy of a CI hang: four forked FSDP2 ranks in
+# std::thread::join <- ~ProcessGroupGloo <- gc_collect_main, for 7 minutes.
+os.register_at_fork(after_in_child=gc.freeze)
 
 from helpers.distributed import free_port  # noqa: E402
 from helpers.isolation import restored_global_state  # noqa: E402

@@ -115,3 +115,36 @@ def test_a_malformed_port_range_is_refused_naming_the_variable(monkeypatch: pyte
     monkeypatch.setenv(PORTS_ENV, spec)
     with pytest.raises(ValueError, match=rf"{PORTS_ENV} must be 'LO-HI' with 1024 <= LO <= HI <= 65535, got '{spec}'"):
         free_port()
+
+
+_GARBAGE_GROUP_SCRIPT = """
+import gc, os, sys
+import torch.distributed as dist
+from lightning_gradcomp.gloo_workers import free_port, run_workers
+
+gc.disable()  # keep the cycle below uncollected in this process, as a long-lived parent may
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+dist.init_process_group("gloo", rank=0, world_size=1)
+cycle = {"group": dist.new_group([0])}
+cycle["self"] = cycle
+del cycle
+dist.destroy_process_group()
+
+def collect(rank, world):
+    gc.collect()  # would free the parent's group: its destructor joins threads this process does not have
+    return rank
+
+print(run_workers(collect, 2, timeout=20.0))
+"""
+
+
+def test_a_parent_holding_a_garbage_gloo_group_does_not_hang_the_ranks(tmp_path) -> None:
+    """A fresh interpreter (no conftest fork hook): its gloo group, garbage in a cycle, stays uncollected in the ranks."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "garbage_group.py"
+    script.write_text(_GARBAGE_GROUP_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[0, 1]"
