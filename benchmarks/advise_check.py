@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_gradcomp.advise.calibrate import calibrate
-from lightning_gradcomp.advise.command import build_report
+from lightning_gradcomp.advise.command import build_report, with_device
 from lightning_gradcomp.advise.costs import Link, Topology, parse_link
 from lightning_gradcomp.bench.netem import EmulatedLink, can_emulate, parse_rate, rank_address
 from lightning_gradcomp.bench.runner import free_port
@@ -182,6 +182,7 @@ def predicted(args: argparse.Namespace, configs: list[str]) -> dict[str, Any]:
         steps=args.calibration_steps,
         bucket_cap_mb=25.0 if args.per_node > 1 else None,  # hierarchy_link.py's buckets
     )
+    topo = with_device(topo, cal.device)
     return build_report(cal.traces, topo, model=args.model, params=cal.params, device=cal.device, procs=topo.world_size)
 
 
@@ -323,6 +324,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--out", default="advise_runs", help="folder of the bench's JSON files")
     parser.add_argument("--no-measure", action="store_true", help="compare with the runs already in --out")
     parser.add_argument("--measure-only", action="store_true", help="run the missing bench runs, predict nothing")
+    parser.add_argument("--repredict", action="store_true",
+                        help="with --no-measure: predict again after each saved run (a changed model), on this machine now")
     parser.add_argument("--probe", default=None, help="instead: probe this emulated rate with advise --probe")
     parser.add_argument("--probe-bytes", type=int, default=64 * 2**20)
     args = parser.parse_args(argv)
@@ -345,6 +348,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         measure(args, configs)
     if args.measure_only:
         return
+    if args.repredict:
+        for run in range(1, args.runs + 1):
+            if run_file(args, run).exists():
+                prediction_file(run_file(args, run)).write_text(json.dumps(predicted(args, configs)))
     after_runs = [prediction_file(run_file(args, r)) for r in range(1, args.runs + 1)]
     found = [json.loads(p.read_text()) for p in after_runs if p.exists()]
     report = median_report(found) if found else predicted(args, configs)

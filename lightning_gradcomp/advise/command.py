@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -133,6 +134,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=_int_in("--threads", 1, 1024), default=None, help="torch threads per process")
     parser.add_argument("--device", default=None, help="where to calibrate: cpu, cuda (default: cuda if available)")
+    parser.add_argument(
+        "--cpu-copies",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="charge intra-node bytes to the computing cores (auto: when calibrating on a CPU; off: a CPU calibration "
+        "standing in for GPUs)",
+    )
     parser.add_argument("--chart", default=None, help="PNG of the predicted efficiency against nodes (1-1024)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     parser.add_argument(
@@ -211,6 +219,7 @@ def build_report(
             "world_size": topology.world_size,
             "inter_node": {"bytes_per_s": topology.inter.bandwidth, "latency_s": topology.inter.latency},
             "intra_node": {"bytes_per_s": topology.intra.bandwidth, "latency_s": topology.intra.latency},
+            "cpu_copies": topology.cpu_copies,
         },
         "compute_only_step_s": compute,
         "baseline": baseline,
@@ -230,7 +239,8 @@ def format_report(report: Mapping[str, Any]) -> str:
     intra = Link(topo["intra_node"]["bytes_per_s"], topo["intra_node"]["latency_s"])
     lines = [
         f"{report['model']} ({report['params']:,} params), {topo['nodes']} nodes x {topo['procs_per_node']} processes "
-        f"(W = {topo['world_size']}); inter-node {inter.describe()}, intra-node {intra.describe()}",
+        f"(W = {topo['world_size']}); inter-node {inter.describe()}, intra-node {intra.describe()}"
+        + ("; intra-node copies charged to the CPU cores" if topo.get("cpu_copies") else ""),
         f"calibrated on {report['device']} ({report['calibration_procs']} process(es) at once); compute-only step "
         f"{report['compute_only_step_s'] * 1e3:.1f} ms. PREDICTED figures (alpha-beta model), not measured:",
         "",
@@ -392,6 +402,7 @@ def run_command(args: Any, parser: Optional[argparse.ArgumentParser] = None) -> 
         threads=args.threads,
         model_args=dict(args.model_arg),
     )
+    topology = with_device(topology, calibration.device, getattr(args, "cpu_copies", "auto"))
     report = build_report(
         calibration.traces,
         topology,
@@ -407,6 +418,13 @@ def run_command(args: Any, parser: Optional[argparse.ArgumentParser] = None) -> 
     else:
         print(format_report(report))
     return 0
+
+
+def with_device(topology: Topology, device: str, cpu_copies: str = "auto") -> Topology:
+    """``topology`` whose ranks compute on ``device``: on ``"cpu"`` their cores also copy the intra-node bytes
+    (:attr:`Topology.cpu_copies`), unless ``cpu_copies`` (``--cpu-copies``) says ``"on"`` or ``"off"``."""
+    on = str(device).startswith("cpu") if cpu_copies == "auto" else cpu_copies == "on"
+    return dataclasses.replace(topology, cpu_copies=on)
 
 
 def _finite(value: Any) -> Any:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_gradcomp.advise.calibrate import calibrate, check_advise_config, workload_of
-from lightning_gradcomp.advise.command import build_report, format_report
-from lightning_gradcomp.advise.costs import Collective, Join, Topology, parse_link, shard_of
+from lightning_gradcomp.advise.command import build_report, format_report, with_device
+from lightning_gradcomp.advise.costs import Collective, Join, Link, Topology, parse_link, shard_of
 from lightning_gradcomp.advise.fsdp import FSDP_DEFAULTS, fsdp_configs
 from lightning_gradcomp.bench.configs import available_configs
 from lightning_gradcomp.cli import main
@@ -78,6 +78,7 @@ def test_advise_runs_on_every_registered_configuration(capsys: pytest.CaptureFix
     assert report["configs"]["gradcomp_none+hier"]["nic_bytes_per_step"] == pytest.approx(grad_bytes, rel=0.01)
     hier_groups = {c["group"] for c in report["configs"]["scalecom+hier"]["collectives"]}
     assert hier_groups == {"intra", "cross"}
+    assert report["topology"]["cpu_copies"] is True  # calibrated on this CPU: intra-node bytes cost its cores
     assert report["recommendation"]
     # FSDP2 over 2 nodes x 2: native HSDP all-reduces each rank's shard across the 2 replicas, the node's 2 ranks
     # through its NIC: 2 (N-1)/N * G = 2 times the first shard's padded bytes, summed over the parameters
@@ -146,3 +147,19 @@ def test_check_advise_config() -> None:
     assert check_advise_config("qsgd@bits=2") == "qsgd@bits=2"
     with pytest.raises(ValueError, match="unknown configuration"):
         check_advise_config("qsgd+node", 2)
+
+
+@pytest.mark.parametrize(
+    ("device", "choice", "expected"),
+    [("cpu", "auto", True), ("cuda", "auto", False), ("cuda:1", "auto", False), ("cpu", "off", False),
+     ("cuda", "on", True)],
+)
+def test_cpu_copies_follow_the_calibration_device_unless_told(device: str, choice: str, expected: bool) -> None:
+    topology = Topology(2, 2, Link(1e7), Link(1e9))
+    assert with_device(topology, device, choice) == Topology(2, 2, Link(1e7), Link(1e9), cpu_copies=expected)
+
+
+def test_cpu_copies_off_is_accepted_and_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["advise", *TINY, "--nodes", "2", "--procs-per-node", "2", "--inter-node", "100mbit,50us", "--json"]
+    assert main([*argv, "--configs", "ddp", "--cpu-copies", "off"]) == 0
+    assert json.loads(capsys.readouterr().out)["topology"]["cpu_copies"] is False

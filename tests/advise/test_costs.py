@@ -22,6 +22,7 @@ from lightning_gradcomp.advise.costs import (
     collective_seconds,
     efficiency_curve,
     groups_for,
+    loopback_seconds,
     nic_bytes,
     p2p_seconds,
     parse_link,
@@ -190,3 +191,43 @@ def test_a_token_bucket_link_lets_a_burst_through_after_idle_time() -> None:
     two = StepTrace((_bucket(1.0, Collective("all_reduce", MB), Collective("all_reduce", MB)),), 0.0, 1.0)
     assert simulate_step(two, shaped).step == pytest.approx(2.5)
     assert simulate_step(one, flat(2, Link(1e6))).step == pytest.approx(2.0)  # no bucket: the plain link
+
+
+# ---------------------------------------------------------------------------------------------- CPU copies
+def _two_by_two(cpu_copies: bool) -> Topology:
+    return Topology(2, 2, LINK, Link(1e9, 0.0), cpu_copies=cpu_copies)  # intra: 1 GB/s
+
+
+@pytest.mark.parametrize(
+    ("collective", "expected"),
+    [
+        (Collective("all_to_all", 4e6, group="intra"), 2 * 4e6 / 1e9),  # 4 MB out to the node's other rank, 4 in
+        (Collective("all_reduce", 4e6, group="intra"), 2 * (2 * 1 / 2 * 4e6) / 1e9),  # n = 2: B out, B in
+        (Collective("all_gather", 4e6, group="intra"), 2 * 4e6 / 1e9),
+        # the flat ring over 2 x 2 leaves the node on one hop in two: half of its 2 (n-1)/n B stays inside
+        (Collective("all_reduce", 4e6, group="world"), 2 * (2 * 3 / 4 * 4e6) * (1 / 2) / 1e9),
+        # an all-to-all over the world sends 1 of its 3 peers' shares inside the node
+        (Collective("all_to_all", 3e6, group="world"), 2 * 3e6 * (1 / 3) / 1e9),
+        (Collective("all_reduce", 4e6, group="cross"), 0.0),  # one rank per node: nothing stays inside
+    ],
+)
+def test_loopback_seconds_are_the_intra_node_bytes_sent_and_received_at_the_intra_rate(
+    collective: Collective, expected: float
+) -> None:
+    topo = _two_by_two(cpu_copies=True)
+    assert loopback_seconds(collective, topo, groups_for(topo)) == pytest.approx(expected, rel=1e-12)
+    gpu = _two_by_two(cpu_copies=False)
+    assert loopback_seconds(collective, gpu, groups_for(gpu)) == 0.0
+
+
+def test_cpu_copies_lengthen_the_step_by_their_seconds_and_survive_with_nodes() -> None:
+    trace = StepTrace(
+        (BucketTrace(0.1, (Collective("all_to_all", 4e6, group="intra", blocking=True), 0.01,
+                           Collective("all_reduce", 1e3, group="cross"))),),
+        tail=0.05,
+        compute_only=0.15,
+    )
+    gpu, cpu = (simulate_step(trace, _two_by_two(c)) for c in (False, True))
+    assert cpu.step - gpu.step == pytest.approx(2 * 4e6 / 1e9, rel=1e-9)
+    assert cpu.nic_bytes == gpu.nic_bytes
+    assert _two_by_two(True).with_nodes(8).cpu_copies

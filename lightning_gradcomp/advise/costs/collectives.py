@@ -18,6 +18,7 @@ __all__ = [
     "all_to_all_seconds",
     "broadcast_seconds",
     "collective_seconds",
+    "loopback_seconds",
     "nic_bytes",
     "p2p_seconds",
     "reduce_scatter_seconds",
@@ -161,3 +162,33 @@ def nic_bytes(c: Collective, groups: Mapping[str, Group]) -> float:
     if c.kind == "all_to_all":
         return c.nbytes * (n - group.per_node) / (n - 1) * group.per_node * group.sharing
     return per_rank[c.kind] * group.sharing
+
+
+_SENT = {  # the bytes one rank of an n-rank group sends for a payload B (all_to_all's B is already what it sends)
+    "all_reduce": lambda b, n: 2 * (n - 1) / n * b,
+    "all_gather": lambda b, n: (n - 1) * b,
+    "reduce_scatter": lambda b, n: (n - 1) / n * b,
+    "broadcast": lambda b, n: (n - 1) / n * b,  # a tree's sends, averaged over the ranks
+    "all_to_all": lambda b, n: b,
+    "p2p": lambda b, n: b,
+}
+
+
+def loopback_seconds(c: Collective, topology: Topology, groups: Mapping[str, Group]) -> float:
+    """CPU seconds one rank spends copying ``c``'s bytes that stay inside its node (sent and received alike, at the
+    intra-node link's rate); 0 unless ``topology.cpu_copies``. A group spanning nodes keeps the share of a ring's
+    hops (``(G-1)/G``) or of an all-to-all's peers (``(G-1)/(n-1)``) that are inside the node.
+
+    >>> from lightning_gradcomp.advise.costs.topology import groups_for
+    >>> topo = Topology(2, 2, Link(1e6), Link(1e9), cpu_copies=True)
+    >>> loopback_seconds(Collective("all_to_all", 5e8, group="intra"), topo, groups_for(topo))  # 0.5 s out, 0.5 in
+    1.0
+    """
+    group = _group_of(c, groups)
+    n = group.size
+    if not topology.cpu_copies or n <= 1 or group.per_node <= 1:
+        return 0.0
+    sent = _SENT[c.kind](c.nbytes, n)
+    if group.nodes > 1:
+        sent *= (group.per_node - 1) / (n - 1) if c.kind == "all_to_all" else (group.per_node - 1) / group.per_node
+    return 2 * sent / topology.intra.bandwidth

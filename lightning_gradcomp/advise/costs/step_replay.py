@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from lightning_gradcomp.advise.costs.collectives import Collective, collective_seconds, nic_bytes
+from lightning_gradcomp.advise.costs.collectives import Collective, collective_seconds, loopback_seconds, nic_bytes
 from lightning_gradcomp.advise.costs.topology import Group, Link, Topology, groups_for
 
 __all__ = ["BucketTrace", "Join", "Prediction", "StepTrace", "simulate_step"]
@@ -81,6 +81,7 @@ def simulate_step(trace: StepTrace, topology: Topology, groups: Optional[Mapping
     comm = nic = 0.0
     bucket_state = _TokenBucket(topology.inter)
     shift = 0.0  # serial traces: how far the waits so far delayed the autograd thread
+    copies = 0.0  # CPU seconds of intra-node copies, lost by the step's compute (Topology.cpu_copies)
     for bucket in trace.buckets:
         thread = max(thread, bucket.ready + shift)
         for item in bucket.items:
@@ -91,6 +92,7 @@ def simulate_step(trace: StepTrace, topology: Topology, groups: Optional[Mapping
                 thread += item
                 continue
             cost = collective_seconds(item, topology, groups)
+            copies += loopback_seconds(item, topology, groups)
             sent = nic_bytes(item, groups)
             comm += cost
             nic += sent
@@ -107,7 +109,7 @@ def simulate_step(trace: StepTrace, topology: Topology, groups: Optional[Mapping
             shift = max(shift, thread - bucket.ready - sum(i for i in bucket.items if isinstance(i, float)))
     last_ready = trace.buckets[-1].ready + shift if trace.buckets else 0.0
     finish = max(thread, done, last_ready)
-    step = finish + trace.tail
+    step = finish + trace.tail + copies
     return Prediction(step, trace.compute_only, nic, comm, max(0.0, step - _no_network_step(trace)))
 
 

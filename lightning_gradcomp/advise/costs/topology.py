@@ -82,12 +82,18 @@ def parse_link(text: str, default_latency: float = 0.0, name: str = "link") -> L
 
 @dataclass(frozen=True)
 class Topology:
-    """``nodes`` x ``procs_per_node`` ranks: one NIC per node on ``inter``, ``intra`` inside a node."""
+    """``nodes`` x ``procs_per_node`` ranks: one NIC per node on ``inter``, ``intra`` inside a node.
+
+    ``cpu_copies``: the ranks compute on CPU cores, which also copy the bytes that stay inside the node (loopback TCP,
+    shared memory): each such byte costs those cores ``1 / intra.bandwidth`` seconds to send and again to receive,
+    time the step's compute loses (:func:`~.collectives.loopback_seconds`). False for GPUs (NVLink, PCIe DMA).
+    """
 
     nodes: int
     procs_per_node: int
     inter: Link
     intra: Link
+    cpu_copies: bool = False
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.procs_per_node < 1:
@@ -100,7 +106,7 @@ class Topology:
 
     def with_nodes(self, nodes: int) -> Topology:
         """The same cluster with ``nodes`` nodes."""
-        return Topology(nodes, self.procs_per_node, self.inter, self.intra)
+        return Topology(nodes, self.procs_per_node, self.inter, self.intra, self.cpu_copies)
 
 
 @dataclass(frozen=True)
