@@ -91,3 +91,35 @@ def test_state_round_trips_and_resumes_exactly() -> None:
 def test_bad_arguments_name_themselves(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name.replace("[", r"\[").replace("]", r"\]")):
         RateCorrectedAdamW([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- in a fit
+def _rate_adamw_net() -> object:
+    """TinyNet (13 hidden, 7 inputs) trained with RateCorrectedAdamW."""
+    from helpers.models import TinyNet
+
+    class Net(TinyNet):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return RateCorrectedAdamW(self.parameters(), lr=1e-2, betas=(0.9, 0.98), weight_decay=0.01)
+
+    return Net(hidden=13, in_features=7, samples=64, batch_size=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+@pytest.mark.parametrize("name", ["cltk", "topk"])
+def test_replicas_stay_identical_under_sparsified_gradients(tmp_path, world: int, name: str) -> None:
+    """W = 2..5 ranks, CLT-k / TopK at 10 % with error feedback: every rank's parameters are equal after every step
+    (the arrival rates are computed from the averaged gradient, the same on every rank)."""
+    from helpers.models import assert_replicas_identical, fit
+
+    from lightning_gradcomp import GradCompStrategy
+    from lightning_gradcomp.compressors import CLTK, TopK
+
+    compressor = CLTK(density=0.1) if name == "cltk" else TopK(density=0.1)
+    records = fit(GradCompStrategy(compressor=compressor, min_numel=1, start_step=2, start_method="fork"),
+                  tmp_path, devices=world, model=_rate_adamw_net(), max_epochs=2)
+    assert_replicas_identical(records)
+    assert len(records[0]["params"]) >= 4
+    moved = [not torch.equal(a, b) for a, b in zip(records[0]["params"], records[0]["params"][1:])]
+    assert all(moved), "a step left the parameters unchanged"
