@@ -13,7 +13,8 @@ samples in the same order in every setting). Two more kinds of setting:
     of ``fsdp_link.hsdp_modelled_bytes`` (what ``GradCompFSDPStrategy`` counts as ``dense_bytes``).
 ``fsdp``
     ``GradCompFSDPStrategy``: FSDP2 on the shard group, the replica reduction through the compressor. Options
-    (``fsdp:key=value,...``): ``cltk`` (CLT-k density), ``topk`` (TopK density), ``psgd`` (PowerSGD rank), ``f16=1``
+    (``fsdp:key=value,...``): ``cltk`` (CLT-k density), ``topk`` (TopK density), ``sign`` (EF-SignSGD with this group
+    size), ``psgd`` (PowerSGD rank), ``f16=1``
     (fp16 values), ``d16=1`` (``delta16`` indices), ``start`` (first compressed step, default 2), ``beta``
     (error-feedback low-pass factor, default 1), ``warm`` and ``from`` (a ``WarmupSchedule`` of ``warm`` steps from
     the parameter ``from``), ``small`` (``small_param``: the tensors the size rule leaves dense are compressed with
@@ -49,7 +50,7 @@ from lightning_gradcomp.fsdp_strategy import _FullStateLauncher
 from lightning_gradcomp.gloo_workers import free_port
 from lightning_gradcomp.schedule import WarmupSchedule
 
-FSDP_KEYS = ("cltk", "topk", "psgd", "f16", "d16", "start", "beta", "warm", "from", "small")
+FSDP_KEYS = ("cltk", "topk", "sign", "psgd", "f16", "d16", "start", "beta", "warm", "from", "small")
 
 
 class ShardedClassifier(lg.Classifier):
