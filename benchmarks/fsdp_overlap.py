@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[f
                 _inline(engine)
             elif mode == "wait":
                 hook = engine.reduce
-                engine.reduce = lambda *a, **k: hook(*a, **{**k, "defer": False})  # type: ignore[method-assign]
+                engine.reduce = lambda *a, _hook=hook, **k: _hook(*a, **{**k, "defer": False})  # type: ignore[method-assign]
             x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
             for step in range(args.warmup + args.steps):
                 dist.barrier()
