@@ -297,7 +297,6 @@ class FSDPReplicaReduction(PipelineFrontEnd):
         self._small: set[str] = set()
         self._thread: Optional[CommThread] = None
         self._pending: list[Future] = []  # jobs of this backward pass the hook returned before
-        self.overlapped = 0  # hook calls that returned before their reduction was done (a diagnostic)
         super().__init__(compressor, comm, param_names, self.param_of, seed=seed, beta=beta, nonfinite=nonfinite)
         self._follow_schedule()
 
@@ -393,7 +392,6 @@ class FSDPReplicaReduction(PipelineFrontEnd):
         )
         if defer:
             self._pending.append(fut)
-            self.overlapped += 1
         else:
             fut.wait()
 
