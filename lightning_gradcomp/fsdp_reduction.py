@@ -33,10 +33,28 @@ scratch probe of ``fully_shard`` on ``Linear(5, 7) -> Linear(7, 3)``, each layer
 * with FSDP2's *native* HSDP (a 2-D mesh) the hook runs **after** the built-in all-reduce, so it cannot replace
   it: this adapter refuses such modules.
 
-The hook waits for the pipeline's Future before it returns (FSDP2 reads the buffer right after the hook): the
-replica reduction of one module runs on the autograd thread, while FSDP2's reduce-scatters and all-gathers of
-other modules use other groups. Every collective is issued from the hook body in module order, the same on every
-rank, and no Future callback issues one (the gloo rule of docs/design.md).
+The hook runs nothing of the pipeline itself: it hands the module's reduction to the process's
+:class:`~lightning_gradcomp.commthread.CommThread` (as the DDP hook does), which issues the replica collectives in
+module order, the same on every rank (the gloo rule of docs/design.md: no Future callback issues one), and reads the
+non-finite decision there, never on the autograd thread. Whether the hook may return before that job is done depends
+on what FSDP2 does with the buffer once the hook returns; measured with the probe above (a marker written into the
+buffer after ``backward()`` returned, then read from the sharded ``.grad``):
+
+* fp32 parameters, no policy: ``.grad`` views the buffer (the marker shows): the hook **overlaps**;
+* ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: views: **overlaps**;
+* accumulation with ``set_requires_gradient_sync(False)`` steps, then the sync step (``.grad`` was ``None``): views:
+  **overlaps**;
+* a ``reduce_dtype`` other than the parameters' dtype (bf16 on fp32 parameters): FSDP2 casts a copy right after the
+  hook (the marker does not show): the hook **waits**;
+* a sync step onto a ``.grad`` kept from an earlier one (accumulation without ``no_sync``): FSDP2 adds the buffer to
+  it right after the hook (``.grad += buffer``; the marker does not show): the hook **waits**.
+
+The hook checks these conditions per call (:func:`_grads_view`: reduce dtype == parameter dtype, no ``.grad`` yet, no
+CPU offload, no post-accumulate-grad hook, no post-division by FSDP2); where they hold it returns at once and the
+reduction overlaps the rest of backward, otherwise it waits for the job (on the thread's Future: no device value is
+read on the autograd thread either way). Every pending job is waited for in a callback the first hook queues on the
+autograd engine, which runs after FSDP2's own final callback: ``backward()`` returns with every gradient reduced,
+before clipping and the optimizer step read them, as with DDP.
 
 Byte accounting: the pipeline counts the replica collectives (``wire_bytes``, against ``dense_bytes``: the fp32 or
 reduce-dtype all-reduce of the reduce-scatter output that native HSDP would send); the hook adds the shard group's
@@ -55,8 +73,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.futures import Future
 
 from lightning_gradcomp.comm import Comm, CommStats, all_gather_bytes
+from lightning_gradcomp.commthread import CommThread
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.front_end import PipelineFrontEnd
 from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy
@@ -164,6 +184,27 @@ def _param_group(module: Any) -> Optional[Any]:
     return groups[0] if groups else None
 
 
+def _grads_view(group: Any, output: Tensor) -> bool:
+    """Whether FSDP2 takes ``output`` as the sharded gradients themselves once the hook returns (views, no copy, no
+    read), so that the hook may finish writing it later (the measured table of the module docstring): the reduce dtype
+    is the parameters' dtype, FSDP2 does not divide the buffer after the hook, and no reduced parameter holds a
+    ``.grad`` to add to, is offloaded to the CPU or has a post-accumulate-grad hook."""
+    if group.force_sum_reduction_for_comms or output.dtype not in (torch.float32, torch.bfloat16):
+        return False  # FSDP2 post-divides the buffer (or sums without dividing): its values are read at once
+    for fsdp_param in group.fsdp_params:
+        param = fsdp_param.sharded_param
+        if not param.requires_grad:
+            continue
+        if (
+            param.grad is not None
+            or param.dtype != output.dtype
+            or fsdp_param.offload_to_cpu
+            or getattr(param, "_post_accumulate_grad_hooks", None)
+        ):
+            return False
+    return True
+
+
 def _refuse_native_hsdp(module: Any, group: Any) -> None:
     if type(group.mesh_info).__name__ == "HSDPMeshInfo":
         raise ValueError(
@@ -254,6 +295,8 @@ class FSDPReplicaReduction(PipelineFrontEnd):
         self._scheduled: Any = compressor.default_param  # the schedule's uniform value at self.step
         self._plans: dict[int, tuple[tuple[int, ...], BucketPlan]] = {}
         self._small: set[str] = set()
+        self._thread: Optional[CommThread] = None
+        self._pending: list[Future] = []  # jobs of this backward pass the hook returned before
         super().__init__(compressor, comm, param_names, self.param_of, seed=seed, beta=beta, nonfinite=nonfinite)
         self._follow_schedule()
 
@@ -309,13 +352,23 @@ class FSDPReplicaReduction(PipelineFrontEnd):
     # ------------------------------------------------------------------ the hook
     def _hook_for(self, index: int, group: Any) -> Callable[[Tensor], None]:
         def hook(output: Tensor) -> None:
-            count_shard_group(self.stats, group, output)
-            self.reduce(output, *self.plan_for(index, group))
+            plan, params = self.plan_for(index, group)
+            self.reduce(output, plan, params, group=group, defer=_grads_view(group, output))
 
         return hook
 
-    def reduce(self, output: Tensor, plan: BucketPlan, params: Sequence[Tensor]) -> None:
-        """Average one module's reduce-scatter ``output`` (laid out by ``plan``) over the replicas, in place."""
+    def reduce(
+        self,
+        output: Tensor,
+        plan: BucketPlan,
+        params: Sequence[Tensor],
+        *,
+        group: Any = None,
+        defer: bool = False,
+    ) -> None:
+        """Average one module's reduce-scatter ``output`` (laid out by ``plan``) over the replicas, in place, on the
+        communication thread; ``group``: its FSDP2 parameter group (its collectives are counted), ``defer``: return
+        before the reduction is done (:meth:`finish_backward` waits for it), else wait for it here."""
         if output.numel() != plan.numel:
             raise RuntimeError(
                 f"FSDP2 passed a reduce-scatter output of {output.numel()} elements to the all-reduce hook of "
@@ -325,15 +378,59 @@ class FSDPReplicaReduction(PipelineFrontEnd):
         if not transaction.in_backward:
             self._follow_schedule()
             transaction.begin_backward()
-            torch.autograd.Variable._execution_engine.queue_callback(transaction.end_backward)  # after every hook
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)  # after every hook
         if transaction.carrying:
             transaction.carry_or_drop(list(params))
         step = self.step
         compresses = step >= self.start_step and not self.compressor.dense
         transaction.compressed(compresses)
-        result = self.reduction.reduce(output, plan, step, compresses and bool(plan.compressed), None).wait()
-        if result.data_ptr() != output.data_ptr():
-            output.copy_(result)
+        compressing = compresses and bool(plan.compressed)
+        if self._thread is None or not self._thread.alive:
+            self._thread = CommThread("gradcomp-fsdp-comm")
+        fut = self._thread.submit(
+            lambda: self._reduce(output, plan, step, compressing, group), output.device if output.is_cuda else None
+        )
+        if defer:
+            self._pending.append(fut)
+        else:
+            fut.wait()
+
+    def _reduce(self, output: Tensor, plan: BucketPlan, step: int, compressing: bool, group: Any) -> Future:
+        """One module's replica reduction, on the communication thread (the non-finite decision is read here)."""
+        if group is not None:
+            count_shard_group(self.stats, group, output)
+
+        def written(fut: Future) -> Tensor:
+            result = fut.value()
+            if result.data_ptr() != output.data_ptr():
+                output.copy_(result)
+            return output
+
+        return self.reduction.reduce(output, plan, step, compressing, None).then(written)
+
+    def finish_backward(self) -> None:
+        """Wait for the replica reductions the hooks returned before (the autograd engine runs this after every hook
+        of the backward pass, and after FSDP2's own final callback), then close the pass's staged state."""
+        pending, self._pending = self._pending, []
+        errors = []
+        for fut in pending:  # every one, so that no job still writes a buffer when an error leaves backward
+            try:
+                fut.wait()
+            except Exception as err:  # noqa: BLE001 - the first is raised once all are done
+                errors.append(err)
+        if errors:
+            raise errors[0]
+        self.transaction.end_backward()
+
+    def close(self) -> bool:
+        """Stop the communication thread (after its queued jobs); a later hook call starts a new one. Whether it
+        stopped (``False``: a job still runs, stuck in a collective, so its group must not be destroyed under it)."""
+        stopped = True
+        if self._thread is not None:
+            self._thread.close()
+            stopped = not self._thread.alive
+            self._thread = None
+        return stopped
 
     # ------------------------------------------------------------------ state
     def state_nbytes(self) -> int:

@@ -324,8 +324,9 @@ class GradCompFSDPStrategy(LowPassSetting, ShardedCheckpoints, ModelParallelStra
 
     @override
     def teardown(self) -> None:
-        """Destroy the replicate group (the reduction keeps its state for a later fit), then Lightning's teardown."""
-        if self._reduction is not None:
+        """Stop the replica reduction's communication thread and destroy the replicate group (the reduction keeps its
+        state for a later fit), then Lightning's teardown."""
+        if self._reduction is not None and self._reduction.close():
             release_group(self._reduction.reduction.comm.group)
         super().teardown()
 

@@ -158,3 +158,81 @@ def test_a_nonfinite_gradient_on_one_rank_is_zeroed_on_every_rank() -> None:
                 assert torch.equal(value, snapshots[0][key]), key
     assert all(torch.isfinite(v).all() for v in results[0]["snapshots"][-1].values())
     assert all(r["stats"]["nonfinite_steps"] > 0 for r in results)
+
+
+def _train_delayed(rank: int, world: int, native: bool, mode: str, steps: int = 3) -> dict[str, Any]:
+    """2 replicas x 2 shards, NoCompression with every replica reduction held back 20 ms on the communication thread:
+    the order in which each hook call returned and its reduction finished, and the final parameters. ``mode``:
+    ``fp32``, ``mp`` (bf16 parameters, fp32 reduction), ``no_sync`` (a ``set_requires_gradient_sync(False)``
+    micro-batch, then a synced one) or ``accumulate`` (two synced micro-batches onto the same ``.grad``)."""
+    import threading
+    import time
+
+    torch.use_deterministic_algorithms(True)
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _model()
+    kwargs: dict[str, Any] = {"mesh": mesh if native else mesh["shard"]}
+    if mode == "mp":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    events: list[str] = []
+    lock = threading.Lock()
+    if not native:
+        names = {id(p): n for n, p in model.named_parameters()}
+        engine = FSDPReplicaReduction(NoCompression(), Comm(replicate_group(2)), names, start_step=1)
+        engine.install(model)
+        engine.attach_optimizer(optimizer)
+        pipeline, hook = engine.reduction.reduce, engine.reduce
+
+        def slow(*args: Any) -> Any:
+            on_training_thread = threading.current_thread() is threading.main_thread()
+            time.sleep(0.02)
+            fut = pipeline(*args)
+            fut.wait()
+            with lock:
+                events.append("training thread" if on_training_thread else "done")
+            return fut
+
+        def returned(*args: Any, **kwargs: Any) -> None:
+            hook(*args, **kwargs)
+            with lock:
+                events.append("returned")
+
+        engine.reduction.reduce, engine.reduce = slow, returned  # type: ignore[method-assign]
+    for step in range(steps):
+        micro = [_batch(rank, 2 * step)] + ([] if mode in ("fp32", "mp") else [_batch(rank, 2 * step + 1)])
+        for index, (x, y) in enumerate(micro):
+            if mode == "no_sync":
+                model.set_requires_gradient_sync(index == len(micro) - 1)
+            ((model(x).float() - y) ** 2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"events": events, "params": {n: p.full_tensor().clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize(
+    ("mode", "overlaps"), [("fp32", True), ("mp", True), ("no_sync", True), ("accumulate", False)]
+)
+def test_the_hook_returns_before_the_replica_reduction_where_fsdp2_views_the_buffer(mode: str, overlaps: bool) -> None:
+    """The measured table of fsdp_reduction's docstring: where the sharded ``.grad`` views the hook's buffer, the hook
+    returns first and the reduction finishes on the communication thread; where FSDP2 reads the buffer at once (a
+    second synced micro-batch adds it to ``.grad``), the hook waits. Either way the result is native HSDP's."""
+    ours = run_workers(_train_delayed, 4, False, mode)
+    native = run_workers(_train_delayed, 4, True, mode)
+    for rank, (a, b) in enumerate(zip(ours, native)):
+        for name, value in a["params"].items():
+            reference = b["params"][name]
+            rel = ((value - reference).abs().max() / reference.abs().max()).item()
+            assert rel <= 1e-6, (mode, rank, name, rel)
+        events = a["events"]
+        assert "training thread" not in events, events
+        calls = events.count("returned")
+        assert calls == events.count("done") == 3 * len(SIZES) * (2 if mode == "accumulate" else 1)
+        if overlaps:  # the first reduction sleeps 20 ms: a hook that returns at once comes first
+            assert events[0] == "returned", events
+        else:  # the first micro-batch of a step overlaps, the second waits in the hook
+            assert events[-2:] == ["done", "returned"], events
