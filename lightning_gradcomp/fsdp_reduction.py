@@ -189,20 +189,23 @@ def _grads_view(group: Any, output: Tensor) -> bool:
     read), so that the hook may finish writing it later (the measured table of the module docstring): the reduce dtype
     is the parameters' dtype, FSDP2 does not divide the buffer after the hook, and no reduced parameter holds a
     ``.grad`` to add to, is offloaded to the CPU or has a post-accumulate-grad hook."""
-    if group.force_sum_reduction_for_comms or output.dtype not in (torch.float32, torch.bfloat16):
+    # FSDP2's private attributes (torch 2.13); where one is missing (another torch), wait: the safe answer
+    if getattr(group, "force_sum_reduction_for_comms", True) or output.dtype not in (torch.float32, torch.bfloat16):
         return False  # FSDP2 post-divides the buffer (or sums without dividing): its values are read at once
-    for fsdp_param in group.fsdp_params:
-        param = fsdp_param.sharded_param
+    for fsdp_param in getattr(group, "fsdp_params", None) or ():
+        param = getattr(fsdp_param, "sharded_param", None)
+        if param is None:
+            return False
         if not param.requires_grad:
             continue
         if (
             param.grad is not None
             or param.dtype != output.dtype
-            or fsdp_param.offload_to_cpu
+            or getattr(fsdp_param, "offload_to_cpu", True)
             or getattr(param, "_post_accumulate_grad_hooks", None)
         ):
             return False
-    return True
+    return bool(getattr(group, "fsdp_params", None))
 
 
 def _refuse_native_hsdp(module: Any, group: Any) -> None:
