@@ -134,7 +134,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse options, pick the data, train, print the result."""
     parser = argparse.ArgumentParser(prog="python -m recipes.main_job", description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=_positive_int, default=None,
-                        help="epochs (default: the config's 4, or 20 on the digits fallback)")
+                        help="epochs (default: the config's 6, or 20 on the digits fallback)")
     parser.add_argument("--train-subset", type=_positive_int, default=None, help="train on this many images only")
     parser.add_argument("--dense", action="store_true", help="also train the dense baseline and compare")
     parser.add_argument("--no-install", action="store_true", help="never run apt-get")
