@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_gradcomp.comm import Comm, CommStats
+from lightning_gradcomp.commthread import CommThread
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.memory import ErrorFeedback
 from lightning_gradcomp.plan import SlotPolicy
@@ -42,6 +43,7 @@ class PipelineFrontEnd:
     schedule: Optional[CompressionSchedule]
     _scheduled: Any  # the schedule's uniform value at ``self.step``
     _small: set[str]  # compressed slots that use ``policy.small_param``
+    _thread_name = "gradcomp-comm"  # the communication thread's name
 
     def __init__(
         self,
@@ -54,6 +56,7 @@ class PipelineFrontEnd:
         beta: float = 1.0,
         nonfinite: str = "dense",
     ) -> None:
+        self._thread: Optional[CommThread] = None
         memory = ErrorFeedback(beta)
         self.reduction = GradientReduction(compressor, comm, memory, param_of, seed=seed, nonfinite=nonfinite)
         self.transaction = StepTransaction(memory, compressor, param_names, self._count_step)
@@ -63,6 +66,24 @@ class PipelineFrontEnd:
     observers = property(lambda self: self.reduction.observers, doc="Observers of the compressed tensors (callbacks).")
     seed = property(lambda self: self.reduction.seed, doc="Base seed of the compressors' generators.")
     nonfinite = property(lambda self: self.reduction.nonfinite, doc='``"dense"`` or ``"zero"``.')
+
+    def comm_thread(self) -> CommThread:
+        """The communication thread that runs the reductions, started on first use (and again after :meth:`close`)."""
+        if self._thread is None or not self._thread.alive:
+            self._thread = CommThread(self._thread_name)
+        return self._thread
+
+    def close(self) -> bool:
+        """Stop the communication thread (after its queued jobs); a later reduction starts a new one.
+
+        Returns whether it stopped: ``False`` when a job still ran after the wait (a collective stuck on a rank that
+        stopped responding), so that its process groups must not be destroyed under it."""
+        stopped = True
+        if self._thread is not None:
+            self._thread.close()
+            stopped = not self._thread.alive
+            self._thread = None
+        return stopped
 
     def param_of(self, name: str) -> Any:
         """The compression parameter of layer ``name`` at the current step (``small_param`` for a tensor the size

@@ -76,7 +76,6 @@ from torch import Tensor, nn
 from torch.futures import Future
 
 from lightning_gradcomp.comm import Comm, CommStats, all_gather_bytes
-from lightning_gradcomp.commthread import CommThread
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.front_end import PipelineFrontEnd
 from lightning_gradcomp.plan import BucketPlan, LayerSlot, SlotPolicy
@@ -275,6 +274,8 @@ class FSDPReplicaReduction(PipelineFrontEnd):
             :class:`~lightning_gradcomp.schedule.CompressionSchedule`), or ``None`` for the compressor's own.
     """
 
+    _thread_name = "gradcomp-fsdp-comm"
+
     def __init__(
         self,
         compressor: Compressor,
@@ -298,7 +299,6 @@ class FSDPReplicaReduction(PipelineFrontEnd):
         self._scheduled: Any = compressor.default_param  # the schedule's uniform value at self.step
         self._plans: dict[int, tuple[tuple[int, ...], BucketPlan]] = {}
         self._small: set[str] = set()
-        self._thread: Optional[CommThread] = None
         self._pending: list[Future] = []  # jobs of this backward pass the hook returned before
         super().__init__(compressor, comm, param_names, self.param_of, seed=seed, beta=beta, nonfinite=nonfinite)
         self._follow_schedule()
@@ -388,9 +388,7 @@ class FSDPReplicaReduction(PipelineFrontEnd):
         compresses = step >= self.start_step and not self.compressor.dense
         transaction.compressed(compresses)
         compressing = compresses and bool(plan.compressed)
-        if self._thread is None or not self._thread.alive:
-            self._thread = CommThread("gradcomp-fsdp-comm")
-        fut = self._thread.submit(
+        fut = self.comm_thread().submit(
             lambda: self._reduce(output, plan, step, compressing, group), output.device if output.is_cuda else None
         )
         if defer:
@@ -424,16 +422,6 @@ class FSDPReplicaReduction(PipelineFrontEnd):
         if errors:
             raise errors[0]
         self.transaction.end_backward()
-
-    def close(self) -> bool:
-        """Stop the communication thread (after its queued jobs); a later hook call starts a new one. Whether it
-        stopped (``False``: a job still runs, stuck in a collective, so its group must not be destroyed under it)."""
-        stopped = True
-        if self._thread is not None:
-            self._thread.close()
-            stopped = not self._thread.alive
-            self._thread = None
-        return stopped
 
     # ------------------------------------------------------------------ state
     def state_nbytes(self) -> int:

@@ -21,7 +21,6 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_gradcomp.comm import Comm
-from lightning_gradcomp.commthread import CommThread
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.front_end import PipelineFrontEnd
 from lightning_gradcomp.hierarchical_reduction import reduce_hierarchical
@@ -97,7 +96,6 @@ class GradCompHook(PipelineFrontEnd):
         self.loss_scale: Optional[Callable[[], Optional[Tensor]]] = None
         self._plans: dict[int, tuple[tuple[int, ...], BucketPlan]] = {}
         self._small: set[str] = set()  # compressed slots that use policy.small_param
-        self._thread: Optional[CommThread] = None
         super().__init__(compressor, comm, param_names, self.param_of, seed=seed, beta=beta, nonfinite=nonfinite)
         self._follow_schedule()
 
@@ -141,13 +139,12 @@ class GradCompHook(PipelineFrontEnd):
         compressing = compresses and bool(plan.compressed)
         transaction.compressed(compresses)
         scale = self.loss_scale() if compressing and self.loss_scale is not None else None
-        if self._thread is None or not self._thread.alive:
-            self._thread = CommThread()
-        fut = self._thread.submit(
+        thread = self.comm_thread()
+        fut = thread.submit(
             lambda: self._reduce(plan, buf, step, compressing, scale), buf.device if buf.is_cuda else None
         )
         if bucket.is_last():
-            self._thread.drain()  # every collective of this backward pass is issued before DDP issues its own
+            thread.drain()  # every collective of this backward pass is issued before DDP issues its own
             transaction.end_backward()
         self.stats.hook_seconds += time.perf_counter() - start
         return fut
@@ -157,18 +154,6 @@ class GradCompHook(PipelineFrontEnd):
         if self.hierarchy is not None:
             return reduce_hierarchical(self.reduction, self.hierarchy, plan, buf, step, compressing, scale)
         return self.reduction.reduce(buf, plan, step, compressing, scale)
-
-    def close(self) -> bool:
-        """Stop the communication thread (after the queued buckets); a later bucket starts a new one.
-
-        Returns whether it stopped: ``False`` when a job still ran after the wait (a collective stuck on a rank that
-        stopped responding), so that its process groups must not be destroyed under it."""
-        stopped = True
-        if self._thread is not None:
-            self._thread.close()
-            stopped = not self._thread.alive
-            self._thread = None
-        return stopped
 
     # ------------------------------------------------------------------ state
     def _layout(self) -> Optional[list[int]]:

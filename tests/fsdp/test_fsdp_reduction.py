@@ -30,15 +30,9 @@ def _model(sizes: tuple[int, ...] = SIZES, width: int = 11) -> nn.Module:
     return tanh_mlp(sizes, width)
 
 
-def _batch(rank: int, step: int, width: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, width, generator=gen), torch.randn(8, SIZES[-1], generator=gen)
-
-
-def _train(
-    rank: int, world: int, shard: int, make: Any, steps: int, native: bool, mp: bool, check_every: int,
-    poison: tuple[int, int] = (-1, -1), nonfinite: str = "dense",
-) -> dict[str, Any]:
+def _sharded(world: int, shard: int, native: bool, mp: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``_model()`` with each Linear and the root ``fully_shard``-ed over the (replicate, shard) mesh (native HSDP) or
+    its shard dimension (ours), optionally with a bf16 / fp32-reduce policy; and its SGD."""
     torch.use_deterministic_algorithms(True)
     mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
     model = _model()
@@ -49,7 +43,19 @@ def _train(
         if isinstance(layer, nn.Linear):
             fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _batch(rank: int, step: int, width: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, width, generator=gen), torch.randn(8, SIZES[-1], generator=gen)
+
+
+def _train(
+    rank: int, world: int, shard: int, make: Any, steps: int, native: bool, mp: bool, check_every: int,
+    poison: tuple[int, int] = (-1, -1), nonfinite: str = "dense",
+) -> dict[str, Any]:
+    model, optimizer = _sharded(world, shard, native, mp)
     engine = None
     if not native:
         names = {id(p): n for n, p in model.named_parameters()}
@@ -168,17 +174,7 @@ def _train_delayed(rank: int, world: int, native: bool, mode: str, steps: int = 
     import threading
     import time
 
-    torch.use_deterministic_algorithms(True)
-    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
-    model = _model()
-    kwargs: dict[str, Any] = {"mesh": mesh if native else mesh["shard"]}
-    if mode == "mp":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = _sharded(world, 2, native, mode == "mp")
     events: list[str] = []
     lock = threading.Lock()
     if not native:
