@@ -189,9 +189,12 @@ def _grads_view(group: Any, output: Tensor) -> bool:
     is the parameters' dtype, FSDP2 does not divide the buffer after the hook, and no reduced parameter holds a
     ``.grad`` to add to, is offloaded to the CPU or has a post-accumulate-grad hook."""
     # FSDP2's private attributes (torch 2.13); where one is missing (another torch), wait: the safe answer
+    fsdp_params = getattr(group, "fsdp_params", None)
+    if not fsdp_params:
+        return False
     if getattr(group, "force_sum_reduction_for_comms", True) or output.dtype not in (torch.float32, torch.bfloat16):
         return False  # FSDP2 post-divides the buffer (or sums without dividing): its values are read at once
-    for fsdp_param in getattr(group, "fsdp_params", None) or ():
+    for fsdp_param in fsdp_params:
         param = getattr(fsdp_param, "sharded_param", None)
         if param is None:
             return False
@@ -204,7 +207,7 @@ def _grads_view(group: Any, output: Tensor) -> bool:
             or getattr(param, "_post_accumulate_grad_hooks", None)
         ):
             return False
-    return bool(getattr(group, "fsdp_params", None))
+    return True
 
 
 def _refuse_native_hsdp(module: Any, group: Any) -> None:

@@ -5,9 +5,9 @@ Each rank is its own OS process with torchrun-like environment variables (``MAST
 launcher of its own. Two ways to start the processes:
 
 * ``mode="subprocess"``: ``python launch.py CONFIG.json RANK`` (a fresh interpreter, what a user runs);
-* ``mode="forkserver"`` (the default): forked from a clean single-threaded server process that imported this
-  module once (fast, and safe: a plain fork of the test process can inherit locks held by its other threads, from
-  earlier tests, and hang);
+* ``mode="forkserver"`` (the default): forked from a clean server process that imported torch, Lightning and the
+  package once (fast, and free of what earlier tests left in the test process: a gloo process group it holds as
+  garbage hung a plain fork's rank in CI, in the group's destructor);
 * ``mode="fork"``: a forked child of the test process itself.
 
 A rank runs :func:`rank_main`: a small Lightning fit of ``TinyNet`` with a case of :func:`build_case`, recording

@@ -144,26 +144,6 @@ def collective_seconds(c: Collective, topology: Topology, groups: Mapping[str, G
     return price(c.nbytes, n, link)
 
 
-def nic_bytes(c: Collective, groups: Mapping[str, Group]) -> float:
-    """Bytes ``c`` sends out of one node's NIC (0 inside a node): a node-ordered ring carries one rank's bytes per
-    NIC, a broadcast tree ``(N-1)/N B`` on average, an all-to-all its processes' bytes to other nodes; times the
-    groups sharing the NIC."""
-    group = _group_of(c, groups)
-    n = group.size
-    if group.nodes <= 1 or n <= 1:
-        return 0.0
-    per_rank = {
-        "all_reduce": 2 * (n - 1) / n * c.nbytes,
-        "all_gather": (n - 1) * c.nbytes,
-        "reduce_scatter": (n - 1) / n * c.nbytes,
-        "broadcast": (group.nodes - 1) / group.nodes * c.nbytes,
-        "p2p": c.nbytes,
-    }
-    if c.kind == "all_to_all":
-        return c.nbytes * (n - group.per_node) / (n - 1) * group.per_node * group.sharing
-    return per_rank[c.kind] * group.sharing
-
-
 _SENT = {  # the bytes one rank of an n-rank group sends for a payload B (all_to_all's B is already what it sends)
     "all_reduce": lambda b, n: 2 * (n - 1) / n * b,
     "all_gather": lambda b, n: (n - 1) * b,
@@ -172,6 +152,21 @@ _SENT = {  # the bytes one rank of an n-rank group sends for a payload B (all_to
     "all_to_all": lambda b, n: b,
     "p2p": lambda b, n: b,
 }
+
+
+def nic_bytes(c: Collective, groups: Mapping[str, Group]) -> float:
+    """Bytes ``c`` sends out of one node's NIC (0 inside a node): a node-ordered ring carries one rank's bytes per
+    NIC, a broadcast tree ``(N-1)/N B`` on average, an all-to-all its processes' bytes to other nodes; times the
+    groups sharing the NIC."""
+    group = _group_of(c, groups)
+    n = group.size
+    if group.nodes <= 1 or n <= 1:
+        return 0.0
+    if c.kind == "all_to_all":
+        return c.nbytes * (n - group.per_node) / (n - 1) * group.per_node * group.sharing
+    if c.kind == "broadcast":  # the tree crosses the nodes: (N-1)/N of B per NIC on average
+        return (group.nodes - 1) / group.nodes * c.nbytes * group.sharing
+    return _SENT[c.kind](c.nbytes, n) * group.sharing
 
 
 def loopback_seconds(c: Collective, topology: Topology, groups: Mapping[str, Group]) -> float:
